@@ -1,0 +1,94 @@
+"""Render a BatchPlan as a tree (the shape of SkyRL's batch diagram, filled in with real numbers)."""
+
+from __future__ import annotations
+
+from rich.tree import Tree
+
+from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan
+from posttrain.config.schema import PostTrainConfig
+
+
+def _micro_line(p: UpdatePlan, key_prefix: str) -> str:
+    if p.use_dynamic_bsz:
+        return (
+            f"micro-batches by token budget: <= {p.max_token_len_per_rank} tokens per DP rank "
+            f"({key_prefix}.ppo_max_token_len_per_gpu); count varies with lengths"
+        )
+    return (
+        f"micro-batch {p.micro_batch_size_per_rank} samples per DP rank → "
+        f"{p.grad_accum_steps} gradient-accumulation steps per mini-batch"
+    )
+
+
+def _update_branch(tree: Tree, p: UpdatePlan, title: str, key_prefix: str) -> None:
+    node = tree.add(f"[bold]{title}[/] (DP {p.dp_size} = world / SP {p.sp_size})")
+    node.add(
+        f"mini-batch {p.mini_batch_prompts} prompts = {p.mini_batch_samples} samples "
+        f"({key_prefix}.ppo_mini_batch_size)"
+    )
+    node.add(
+        f"{p.mini_batches_per_epoch} mini-batches × ppo_epochs {p.ppo_epochs} = "
+        f"[bold]{p.optimizer_steps_per_step} optimizer steps per step[/]"
+    )
+    node.add(f"per DP rank: {p.mini_batch_samples_per_rank} samples per mini-batch")
+    node.add(_micro_line(p, key_prefix))
+
+
+def _forward_branch(tree: Tree, p: ForwardPlan, title: str, key: str) -> None:
+    if p.use_dynamic_bsz:
+        how = f"token budget {p.max_token_len_per_rank} per pass ({key})"
+    else:
+        how = f"micro-batch {p.micro_batch_size_per_rank} samples → {p.passes_per_rank} passes per DP rank ({key})"
+    tree.add(f"[bold]{title}[/] forward-only, DP {p.dp_size}: {p.samples_per_rank} samples per rank; {how}")
+
+
+def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
+    """A rich Tree of the plan, one branch per role, plus the derived facts users ask about."""
+    root = Tree(
+        f"[bold]data.train_batch_size {plan.prompts_per_step} prompts per step[/] "
+        f"× rollout.n {plan.n} = [bold]{plan.samples_per_step} samples per step[/] "
+        f"(world size {plan.world_size})"
+    )
+    root.add(
+        f"[bold]rollout[/]: {plan.rollout_chunks_per_step} engine call(s) of ≤ {plan.rollout_chunk_prompts} prompts "
+        f"(rollout.chunk_size) × n {plan.n}; sequences ≤ {plan.max_seq_len} tokens "
+        f"({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
+    )
+    _forward_branch(
+        root, plan.old_log_prob, "old log-probs (actor)",
+        "actor.log_prob_max_token_len_per_gpu" if plan.old_log_prob.use_dynamic_bsz
+        else "actor.log_prob_micro_batch_size_per_gpu",
+    )  # fmt: skip
+    if plan.ref is not None:
+        _forward_branch(
+            root, plan.ref, "reference log-probs",
+            "ref.log_prob_max_token_len_per_gpu" if plan.ref.use_dynamic_bsz
+            else "ref.log_prob_micro_batch_size_per_gpu",
+        )  # fmt: skip
+    if plan.values is not None:
+        _forward_branch(
+            root, plan.values, "values (critic)",
+            "critic.forward_max_token_len_per_gpu" if plan.values.use_dynamic_bsz
+            else "critic.forward_micro_batch_size_per_gpu",
+        )  # fmt: skip
+    if plan.reward_model is not None:
+        _forward_branch(
+            root, plan.reward_model, "reward model",
+            "reward.model.forward_max_token_len_per_gpu" if plan.reward_model.use_dynamic_bsz
+            else "reward.model.micro_batch_size_per_gpu",
+        )  # fmt: skip
+    if plan.critic is not None:
+        _update_branch(root, plan.critic, "critic update", "critic")
+    _update_branch(root, plan.actor, "actor update", "actor")
+    facts = root.add("[bold]derived[/]")
+    a = plan.actor
+    facts.add(f"optimizer steps per rollout: {a.optimizer_steps_per_step}")
+    if plan.max_policy_lag == 0:
+        facts.add("fully on-policy: the single mini-batch is updated by the policy that generated it")
+    else:
+        facts.add(
+            f"off-policy lag: mini-batch k of epoch e is updated by a policy e×{a.mini_batches_per_epoch}+k "
+            f"optimizer steps newer than the rollout policy; the last one lags {plan.max_policy_lag} steps "
+            f"(PPO's ratio clip corrects for this; ppo_mini_batch_size = train_batch_size removes it)"
+        )
+    return root

@@ -1,0 +1,224 @@
+"""Build a PostTrainConfig from YAML overrides and dotted command-line overrides.
+
+Every key is checked against the schema: unknown keys, wrong types, values outside a field's
+bounds or choices are ValueErrors naming the dotted key, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttrain.config.schema import PostTrainConfig
+
+_NONE_WORDS = {"null", "none", "~"}
+_TRUE_WORDS = {"true", "yes", "on", "1"}
+_FALSE_WORDS = {"false", "no", "off", "0"}
+
+
+def all_keys(cls: type = PostTrainConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the schema in dotted form, in declaration order."""
+    keys: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], name + "."))
+        else:
+            keys.append(name)
+    return keys
+
+
+def field_info(key: str) -> tuple[dataclasses.Field, Any]:
+    """The dataclass field and its resolved type for a dotted leaf key."""
+    cls: Any = PostTrainConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            raise ValueError(_unknown_key_message(".".join(parts[: i + 1]), cls, ".".join(parts[:i])))
+        hint = typing.get_type_hints(cls)[part]
+        if i == len(parts) - 1:
+            return fields[part], hint
+        if not dataclasses.is_dataclass(hint):
+            raise ValueError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section: '{key}' is unknown")
+        cls = hint
+    raise AssertionError("unreachable")
+
+
+def _unknown_key_message(key: str, cls: Any, prefix: str) -> str:
+    here = [f"{prefix}.{f.name}" if prefix else f.name for f in dataclasses.fields(cls)]
+    leaf_matches = difflib.get_close_matches(key, all_keys(), n=3, cutoff=0.6)
+    local = difflib.get_close_matches(key, here, n=3, cutoff=0.5)
+    # A leaf name typed under the wrong section is the commonest slip: suggest by last component too.
+    tail = key.rsplit(".", 1)[-1]
+    by_tail = [k for k in all_keys() if k.rsplit(".", 1)[-1] == tail]
+    suggestions = list(dict.fromkeys(by_tail + leaf_matches + local))[:4]
+    hint = f"; did you mean {', '.join(repr(s) for s in suggestions)}?" if suggestions else ""
+    return f"unknown config key '{key}'{hint} (run `posttrain explain --keys` to list all keys)"
+
+
+def coerce(key: str, value: Any, hint: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type, or raise naming the key."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() in _NONE_WORDS)
+        if is_none and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(key, value, inner[0])
+    if origin is list:
+        if isinstance(value, str):
+            text = value.strip()
+            value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"config key '{key}' expects a list, got {value!r}")
+        return [coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE_WORDS | _FALSE_WORDS:
+            return value.lower() in _TRUE_WORDS
+        raise ValueError(f"config key '{key}' expects true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, bool | int | float):
+            return str(value)
+        if not isinstance(value, str):
+            raise ValueError(f"config key '{key}' expects a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported type {hint!r} for config key '{key}'")
+
+
+def _check_bounds(key: str, value: Any, field: dataclasses.Field) -> None:
+    meta = field.metadata
+    choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
+    if choices is not None and value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"config key '{key}' = {value!r} is not one of {', '.join(map(repr, choices))}{hint}"
+        )
+    if lo is not None and isinstance(value, int | float) and value < lo:
+        raise ValueError(f"config key '{key}' = {value!r} must be >= {lo:g} (for example {lo:g})")
+    if hi is not None and isinstance(value, int | float) and value > hi:
+        raise ValueError(f"config key '{key}' = {value!r} must be <= {hi:g} (for example {hi:g})")
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mapping → {dotted key: value}; an empty mapping stays a (rejected) leaf."""
+    flat: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            flat.update(flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """`['actor.ppo_mini_batch_size=64', ...]` → {key: raw string}."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"override {item!r} is not of the form key=value (example: actor.ppo_mini_batch_size=64)"
+            )
+        out[key.strip()] = value.strip()
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML overrides file (a mapping of sections), with errors naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file '{p}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file '{p}' is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file '{p}' must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def build_config(
+    yaml_paths: list[str | Path] | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> PostTrainConfig:
+    """Defaults from the schema, then each YAML file in order, then dotted overrides."""
+    values: dict[str, Any] = {}
+    for path in yaml_paths or []:
+        values.update(flatten(read_yaml(path)))
+    if isinstance(overrides, dict):
+        values.update(flatten(overrides))
+    elif overrides:
+        values.update(parse_overrides(overrides))
+    return apply_values(PostTrainConfig(), values)
+
+
+def apply_values(cfg: PostTrainConfig, values: dict[str, Any]) -> PostTrainConfig:
+    """Return a copy of cfg with dotted values applied (cfg itself is never mutated)."""
+    cfg = _deep_copy(cfg)
+    for key, raw in values.items():
+        field, hint = field_info(key)
+        value = coerce(key, raw, hint)
+        _check_bounds(key, value, field)
+        parent: Any = cfg
+        for part in key.split(".")[:-1]:
+            parent = getattr(parent, part)
+        setattr(parent, key.split(".")[-1], value)
+    return cfg
+
+
+def _deep_copy(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(
+            obj, **{f.name: _deep_copy(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        )
+    if isinstance(obj, list):
+        return list(obj)
+    return obj
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as a plain nested dict (for YAML dumps and run directories)."""
+    return dataclasses.asdict(cfg)
+
+
+def diff_from_defaults(cfg: PostTrainConfig) -> dict[str, Any]:
+    """Dotted keys whose value differs from the schema default."""
+    ours, base = flatten(to_dict(cfg)), flatten(to_dict(PostTrainConfig()))
+    return {k: v for k, v in ours.items() if base.get(k) != v}

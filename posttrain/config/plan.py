@@ -1,0 +1,253 @@
+"""The batch plan: every batch size of a training step, derived once from config + world shape.
+
+The plan is frozen; nothing downstream recomputes or mutates batch arithmetic. Units:
+- prompts: unique prompts; samples: prompts x rollout.n.
+- "per rank" means per data-parallel (DP) rank; DP size = world size / Ulysses SP size.
+
+Rules checked here (each failure is a ValueError naming keys, values, the rule and nearby valid values):
+1. data.train_batch_size % <role>.ppo_mini_batch_size == 0 (SkyRL, trlx: whole mini-batches per step).
+2. <role>.ppo_mini_batch_size * rollout.n % DP == 0 and >= DP (verl's normalisation: a non-empty,
+   equal share of every mini-batch on every DP rank).
+3. mini-batch per rank % <role>.ppo_micro_batch_size_per_gpu == 0 and micro <= mini per rank
+   (fixed micro-batches; gradient accumulation steps = mini per rank / micro).
+4. world size % <role>.ulysses_sequence_parallel_size == 0.
+5. with dynamic batch size on, every token budget >= max_prompt_length + max_response_length (a
+   single sample must fit one micro-batch).
+6. group-based estimators (grpo, drgrpo, rloo, reinforce_plus_plus_baseline) need rollout.n >= 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from posttrain.config.schema import PostTrainConfig
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+CRITIC_ESTIMATORS = ("gae",)
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """A forward-only pass (old log-probs, reference log-probs, values, reward-model scores)."""
+
+    role: str
+    dp_size: int
+    sp_size: int
+    samples_per_rank: int
+    use_dynamic_bsz: bool
+    micro_batch_size_per_rank: int | None
+    max_token_len_per_rank: int | None
+    passes_per_rank: int | None  # fixed micro-batches: forward passes per rank per step
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """A training role's update: epochs x mini-batches x micro-batches."""
+
+    role: str
+    dp_size: int
+    sp_size: int
+    ppo_epochs: int
+    mini_batch_prompts: int
+    mini_batch_samples: int
+    mini_batches_per_epoch: int
+    optimizer_steps_per_step: int
+    mini_batch_samples_per_rank: int
+    use_dynamic_bsz: bool
+    micro_batch_size_per_rank: int | None
+    grad_accum_steps: int | None
+    max_token_len_per_rank: int | None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The whole step's batch arithmetic. Keys of `to_dict()` are stable (docs/batch-plan.md)."""
+
+    world_size: int
+    prompts_per_step: int
+    n: int
+    samples_per_step: int
+    max_seq_len: int
+    rollout_chunk_prompts: int
+    rollout_chunks_per_step: int
+    actor: UpdatePlan
+    old_log_prob: ForwardPlan
+    ref: ForwardPlan | None
+    critic: UpdatePlan | None
+    values: ForwardPlan | None
+    reward_model: ForwardPlan | None
+
+    @property
+    def max_policy_lag(self) -> int:
+        """Optimizer steps between the rollout policy and the policy updating on the last mini-batch."""
+        return self.actor.optimizer_steps_per_step - 1
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["max_policy_lag"] = self.max_policy_lag
+        return d
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(candidates: list[int], target: int, k: int = 2) -> str:
+    best = sorted(set(candidates), key=lambda c: (abs(c - target), c))[:k]
+    return " or ".join(str(b) for b in sorted(best))
+
+
+def _dp_size(world_size: int, sp: int, key: str) -> int:
+    if world_size % sp != 0:
+        valid = _nearest(_divisors(world_size), sp)
+        raise ValueError(
+            f"{key}={sp} must divide the world size ({world_size}): each data-parallel rank is a group "
+            f"of {key} GPUs. Nearest valid: {key}={valid}"
+        )
+    return world_size // sp
+
+
+def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan:
+    rc = getattr(cfg, role)
+    tbs, n = cfg.data.train_batch_size, cfg.rollout.n
+    sp = rc.ulysses_sequence_parallel_size
+    dp = _dp_size(world_size, sp, f"{role}.ulysses_sequence_parallel_size")
+    mini = rc.ppo_mini_batch_size
+    if mini > tbs or tbs % mini != 0:
+        raise ValueError(
+            f"data.train_batch_size ({tbs}) must be a multiple of {role}.ppo_mini_batch_size ({mini}) "
+            f"(both count prompts; each step splits into whole mini-batches). Nearest valid: "
+            f"{role}.ppo_mini_batch_size={_nearest(_divisors(tbs), mini)}"
+        )
+    mini_samples = mini * n
+    if mini_samples % dp != 0:
+        valid = [m for m in _divisors(tbs) if (m * n) % dp == 0]
+        hint = f"{role}.ppo_mini_batch_size={_nearest(valid, mini)}" if valid else "a data.train_batch_size divisible by DP"
+        raise ValueError(
+            f"{role}.ppo_mini_batch_size ({mini}) x rollout.n ({n}) = {mini_samples} samples must split "
+            f"evenly over {dp} data-parallel ranks (world {world_size} / SP {sp}), with at least one "
+            f"sample each. Nearest valid: {hint}"
+        )
+    per_rank = mini_samples // dp
+    micro = accum = None
+    budget = None
+    if rc.use_dynamic_bsz:
+        budget = rc.ppo_max_token_len_per_gpu
+        _check_budget(cfg, f"{role}.ppo_max_token_len_per_gpu", budget)
+    else:
+        micro = rc.ppo_micro_batch_size_per_gpu
+        if micro > per_rank or per_rank % micro != 0:
+            raise ValueError(
+                f"{role}.ppo_micro_batch_size_per_gpu ({micro}) must divide the mini-batch per DP rank "
+                f"({per_rank} samples = {role}.ppo_mini_batch_size {mini} x rollout.n {n} / DP {dp}) so "
+                f"that gradient accumulation covers it exactly. Nearest valid: "
+                f"{role}.ppo_micro_batch_size_per_gpu={_nearest(_divisors(per_rank), micro)}"
+            )
+        accum = per_rank // micro
+    per_epoch = tbs // mini
+    return UpdatePlan(
+        role=role,
+        dp_size=dp,
+        sp_size=sp,
+        ppo_epochs=rc.ppo_epochs,
+        mini_batch_prompts=mini,
+        mini_batch_samples=mini_samples,
+        mini_batches_per_epoch=per_epoch,
+        optimizer_steps_per_step=per_epoch * rc.ppo_epochs,
+        mini_batch_samples_per_rank=per_rank,
+        use_dynamic_bsz=rc.use_dynamic_bsz,
+        micro_batch_size_per_rank=micro,
+        grad_accum_steps=accum,
+        max_token_len_per_rank=budget,
+    )
+
+
+def _check_budget(cfg: PostTrainConfig, key: str, budget: int) -> None:
+    need = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if budget < need:
+        raise ValueError(
+            f"{key} ({budget}) must be at least data.max_prompt_length + data.max_response_length "
+            f"({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = {need}) so that the longest "
+            f"sample fits one micro-batch. Set {key}={need} or more (verl's advice: 2-3x, i.e. {2 * need})"
+        )
+
+
+def _forward_plan(
+    cfg: PostTrainConfig, role: str, world_size: int, sp: int, sp_key: str,
+    dynamic: bool, micro: int, budget: int, budget_key: str,
+) -> ForwardPlan:  # fmt: skip
+    dp = _dp_size(world_size, sp, sp_key)
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    if samples % dp != 0:
+        raise ValueError(
+            f"data.train_batch_size ({cfg.data.train_batch_size}) x rollout.n ({cfg.rollout.n}) = {samples} "
+            f"samples must split evenly over {dp} data-parallel ranks for the {role} pass"
+        )
+    per_rank = samples // dp
+    if dynamic:
+        _check_budget(cfg, budget_key, budget)
+        return ForwardPlan(role, dp, sp, per_rank, True, None, budget, None)
+    return ForwardPlan(role, dp, sp, per_rank, False, micro, None, -(-per_rank // micro))
+
+
+def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
+    """Derive the frozen BatchPlan; raises ValueError on any inconsistent setting."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    est, n = cfg.algorithm.adv_estimator, cfg.rollout.n
+    if est in GROUP_ESTIMATORS and n < 2:
+        raise ValueError(
+            f"algorithm.adv_estimator={est} compares samples of the same prompt, so rollout.n ({n}) must be "
+            f"at least 2 (typical: 4-16); with n=1 use reinforce_plus_plus, remax or gae"
+        )
+    a, r = cfg.actor, cfg.ref
+    actor = _update_plan(cfg, "actor", world_size)
+    old_lp = _forward_plan(
+        cfg, "old_log_prob", world_size, a.ulysses_sequence_parallel_size, "actor.ulysses_sequence_parallel_size",
+        a.use_dynamic_bsz, a.log_prob_micro_batch_size_per_gpu, a.log_prob_max_token_len_per_gpu,
+        "actor.log_prob_max_token_len_per_gpu",
+    )  # fmt: skip
+    uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    ref = (
+        _forward_plan(
+            cfg, "ref", world_size, r.ulysses_sequence_parallel_size, "ref.ulysses_sequence_parallel_size",
+            a.use_dynamic_bsz, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu,
+            "ref.log_prob_max_token_len_per_gpu",
+        )  # fmt: skip
+        if uses_ref
+        else None
+    )
+    critic = values = None
+    if est in CRITIC_ESTIMATORS:
+        c = cfg.critic
+        critic = _update_plan(cfg, "critic", world_size)
+        values = _forward_plan(
+            cfg, "values", world_size, c.ulysses_sequence_parallel_size, "critic.ulysses_sequence_parallel_size",
+            c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu,
+            "critic.forward_max_token_len_per_gpu",
+        )  # fmt: skip
+    rm = None
+    if cfg.reward.model.enable:
+        m = cfg.reward.model
+        rm = _forward_plan(
+            cfg, "reward_model", world_size, 1, "", m.use_dynamic_bsz, m.micro_batch_size_per_gpu,
+            m.forward_max_token_len_per_gpu, "reward.model.forward_max_token_len_per_gpu",
+        )  # fmt: skip
+    tbs = cfg.data.train_batch_size
+    chunk = min(cfg.rollout.chunk_size, tbs)
+    return BatchPlan(
+        world_size=world_size,
+        prompts_per_step=tbs,
+        n=n,
+        samples_per_step=tbs * n,
+        max_seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        rollout_chunk_prompts=chunk,
+        rollout_chunks_per_step=-(-tbs // chunk),
+        actor=actor,
+        old_log_prob=old_lp,
+        ref=ref,
+        critic=critic,
+        values=values,
+        reward_model=rm,
+    )

@@ -1,0 +1,309 @@
+"""The typed configuration schema: the only place where posttrain's defaults live.
+
+Units are fixed here once (see docs/config.md for the full table):
+- "prompts" counts unique prompts; "samples" counts prompt x response pairs (prompts x rollout.n).
+- "global" sizes are for the whole job; "per_gpu" sizes are per data-parallel (DP) rank: with
+  Ulysses sequence parallelism several GPUs share one DP rank, as in verl.
+- token budgets count prompt + response tokens of the samples in one micro-batch on one DP rank.
+
+YAML files and command-line overrides only override these defaults; an unknown key is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.fields import knob, section
+
+ADV_ESTIMATORS = (
+    "grpo",
+    "drgrpo",
+    "gae",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+)
+POLICY_LOSSES = ("vanilla", "gspo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = (
+    "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
+    "k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+",
+)  # fmt: skip
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (actor, and the reference policy, which starts as a copy of it)."""
+
+    path: str = knob(
+        "builtin:tiny",
+        "Local Hugging Face causal-LM directory, or 'builtin:tiny' for the built-in tiny Qwen2 model "
+        "(built locally from trainer.seed and warm-started with SFT on the task).",
+    )
+    dtype: str = knob("fp32", "Parameter and compute dtype of the trained models.", choices=DTYPES)
+
+
+@dataclass
+class DataConfig:
+    """Prompt data, lengths, and the per-step prompt batch."""
+
+    task: str = knob(
+        "arithmetic",
+        "Built-in task providing train/validation prompts and a reward when train_files is empty.",
+        choices=("arithmetic", "gsm8k"),
+    )
+    train_files: list[str] = knob(
+        default_factory=list,
+        help="Prompt files (.parquet, .jsonl, .json or a saved `datasets` dir). Empty: the built-in task.",
+    )
+    val_files: list[str] = knob(default_factory=list, help="Validation prompt files, same formats.")
+    prompt_key: str = knob("prompt", "Field holding the prompt (a string or a list of chat messages).")
+    answer_key: str = knob("answer", "Field holding the ground truth handed to the reward function.")
+    train_batch_size: int = knob(
+        32, "Prompts sampled per training step (global, all DP ranks).", unit="prompts", min=1
+    )
+    val_batch_size: int = knob(
+        64, "Prompts per validation generation batch (SkyRL's eval_batch_size).", unit="prompts", min=1
+    )
+    max_prompt_length: int = knob(64, "Longest prompt kept, after the chat template.", unit="tokens", min=1)
+    max_response_length: int = knob(16, "Most tokens generated per response.", unit="tokens", min=1)
+    overlong_prompts: str = knob(
+        "filter",
+        "Prompts longer than max_prompt_length are dropped and counted ('filter') or are an error.",
+        choices=("filter", "error"),
+    )
+    num_train_examples: int = knob(
+        4096, "Examples the built-in task generates for training.", unit="prompts", min=1
+    )
+    num_val_examples: int = knob(
+        128, "Examples the built-in task generates for validation.", unit="prompts", min=1
+    )
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = knob(1e-5, "Peak learning rate.", min=0.0)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
+    betas: list[float] = knob(default_factory=lambda: [0.9, 0.999], help="AdamW betas.")
+    warmup_steps: int = knob(0, "Linear warm-up length.", unit="optimizer steps", min=0)
+    lr_schedule: str = knob(
+        "constant", "Schedule after warm-up.", choices=("constant", "cosine", "linear")
+    )
+    min_lr_ratio: float = knob(0.0, "Final lr / peak lr for cosine and linear schedules.", min=0.0, max=1.0)
+    grad_clip: float = knob(1.0, "Clip the global gradient norm to this value (0 disables).", min=0.0)
+
+
+@dataclass
+class RolloutConfig:
+    """Response generation (the rollout engine)."""
+
+    n: int = knob(8, "Responses sampled per prompt.", unit="samples per prompt", min=1)
+    temperature: float = knob(1.0, "Sampling temperature (also used when recomputing log-probs).", min=0.0)
+    top_p: float = knob(1.0, "Nucleus sampling mass; 1.0 disables.", min=0.0, max=1.0)
+    top_k: int = knob(-1, "Sample among the k most likely tokens; -1 disables.", min=-1)
+    chunk_size: int = knob(
+        64,
+        "Prompts handed to the engine at once (trlx's chunk_size): bounds rollout memory however "
+        "large train_batch_size is.",
+        unit="prompts",
+        min=1,
+    )
+    val_n: int = knob(
+        1, "Responses per validation prompt; > 1 reports pass@k.", unit="samples per prompt", min=1
+    )
+    val_greedy: bool = knob(True, "Validate with greedy decoding (otherwise sample at `temperature`).")
+
+
+@dataclass
+class ActorConfig:
+    """The policy update (PPO/GRPO loss) and the actor's forward-only pass for old log-probs."""
+
+    ppo_mini_batch_size: int = knob(
+        32,
+        "Prompts per optimizer step (global; x rollout.n samples). A prompt's samples stay in one "
+        "mini-batch, so group statistics are never split.",
+        unit="prompts",
+        min=1,
+    )
+    ppo_micro_batch_size_per_gpu: int = knob(
+        16, "Samples per forward/backward pass on one DP rank.", unit="samples per DP rank", min=1
+    )
+    ppo_epochs: int = knob(1, "Passes over each step's samples.", unit="epochs", min=1)
+    shuffle: bool = knob(
+        True, "Shuffle samples between epochs (groups stay whole); False keeps the rollout order."
+    )
+    use_dynamic_bsz: bool = knob(
+        False,
+        "Form micro-batches by token budget instead of count (ignores the *_micro_batch_size_per_gpu "
+        "keys of the actor and the reference policy).",
+    )
+    ppo_max_token_len_per_gpu: int = knob(
+        16384,
+        "Token budget of one training micro-batch when use_dynamic_bsz is on.",
+        unit="tokens per DP rank",
+        min=1,
+    )
+    log_prob_micro_batch_size_per_gpu: int = knob(
+        32,
+        "Samples per forward-only pass computing old log-probs (may exceed the training micro size).",
+        unit="samples per DP rank",
+        min=1,
+    )
+    log_prob_max_token_len_per_gpu: int = knob(
+        32768,
+        "Token budget of one old-log-prob forward pass when use_dynamic_bsz is on.",
+        unit="tokens per DP rank",
+        min=1,
+    )
+    ulysses_sequence_parallel_size: int = knob(
+        1, "GPUs sharing each sequence (Ulysses); DP size = world size / this.", unit="GPUs", min=1
+    )
+    policy_loss: str = knob("vanilla", "Policy loss: PPO clip ('vanilla') or GSPO.", choices=POLICY_LOSSES)
+    clip_ratio_low: float = knob(0.2, "PPO ratio clip below: 1 - clip_ratio_low.", min=0.0)
+    clip_ratio_high: float = knob(0.2, "PPO ratio clip above: 1 + clip_ratio_high (clip-higher).", min=0.0)
+    clip_ratio_c: float = knob(
+        3.0, "Dual-clip bound on the loss of negative-advantage tokens (> 1).", min=1.0
+    )
+    loss_agg_mode: str = knob(
+        "token-mean", "How token losses become one number (global over the mini-batch).", choices=LOSS_AGG_MODES
+    )
+    entropy_coeff: float = knob(0.0, "Entropy bonus weight (subtracted from the loss).")
+    use_kl_loss: bool = knob(False, "Add a KL(policy || reference) term to the loss (GRPO style).")
+    kl_loss_coef: float = knob(0.001, "Weight of the KL loss term.", min=0.0)
+    kl_loss_type: str = knob("low_var_kl", "KL estimator of the loss term.", choices=KL_ESTIMATORS)
+    optim: OptimConfig = section(OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (built only when a KL term is used)."""
+
+    log_prob_micro_batch_size_per_gpu: int = knob(
+        32, "Samples per reference forward pass.", unit="samples per DP rank", min=1
+    )
+    log_prob_max_token_len_per_gpu: int = knob(
+        32768,
+        "Token budget of one reference forward pass when actor.use_dynamic_bsz is on.",
+        unit="tokens per DP rank",
+        min=1,
+    )
+    ulysses_sequence_parallel_size: int = knob(1, "GPUs sharing each sequence.", unit="GPUs", min=1)
+
+
+@dataclass
+class CriticConfig:
+    """The value model (built only for estimators that need one, e.g. gae)."""
+
+    model_path: str = knob("", "Critic initialisation; empty: the actor's model.path.")
+    ppo_mini_batch_size: int = knob(32, "Prompts per critic optimizer step (global).", unit="prompts", min=1)
+    ppo_micro_batch_size_per_gpu: int = knob(
+        16, "Samples per critic forward/backward pass.", unit="samples per DP rank", min=1
+    )
+    forward_micro_batch_size_per_gpu: int = knob(
+        32, "Samples per forward-only pass computing values.", unit="samples per DP rank", min=1
+    )
+    ppo_epochs: int = knob(1, "Critic passes over each step's samples.", unit="epochs", min=1)
+    use_dynamic_bsz: bool = knob(False, "Form critic micro-batches by token budget.")
+    ppo_max_token_len_per_gpu: int = knob(
+        32768, "Token budget of one critic training micro-batch.", unit="tokens per DP rank", min=1
+    )
+    forward_max_token_len_per_gpu: int = knob(
+        32768, "Token budget of one value forward pass.", unit="tokens per DP rank", min=1
+    )
+    ulysses_sequence_parallel_size: int = knob(1, "GPUs sharing each sequence.", unit="GPUs", min=1)
+    cliprange_value: float = knob(0.5, "Value clipping range around the old values.", min=0.0)
+    loss_agg_mode: str = knob("token-mean", "Aggregation of the value loss.", choices=LOSS_AGG_MODES)
+    warmup_steps: int = knob(
+        0, "Training steps that update only the critic (verl's critic_warmup).", unit="steps", min=0
+    )
+    optim: OptimConfig = section(OptimConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    """An optional Hugging Face sequence-classification reward model."""
+
+    enable: bool = knob(False, "Score responses with the reward model at `path`.")
+    path: str = knob("", "Local directory of an AutoModelForSequenceClassification with one label.")
+    micro_batch_size_per_gpu: int = knob(
+        32, "Samples per reward-model forward pass.", unit="samples per DP rank", min=1
+    )
+    use_dynamic_bsz: bool = knob(False, "Form reward-model micro-batches by token budget.")
+    forward_max_token_len_per_gpu: int = knob(
+        32768, "Token budget of one reward-model forward pass.", unit="tokens per DP rank", min=1
+    )
+
+
+@dataclass
+class RewardConfig:
+    """Rule-based or user reward functions, and the optional reward model."""
+
+    function: str = knob(
+        "",
+        "Reward function: a built-in name (exact_match, arithmetic, gsm8k) or 'path/to/file.py:fn'. "
+        "Empty: the task's own reward.",
+    )
+    timeout_s: float = knob(10.0, "Seconds one reward call may take (0 disables the guard).", min=0.0)
+    failure_reward: float = knob(0.0, "Reward given when the function raises or times out.")
+    fail_fast: bool = knob(False, "Abort the run on the first reward-function failure.")
+    model: RewardModelConfig = section(RewardModelConfig)
+
+
+@dataclass
+class KLControlConfig:
+    """The coefficient of the in-reward KL penalty."""
+
+    type: str = knob("fixed", "Fixed or adaptive (PPO-style target KL) coefficient.", choices=("fixed", "adaptive"))
+    kl_coef: float = knob(0.001, "(Initial) KL penalty coefficient.", min=0.0)
+    target_kl: float = knob(0.1, "Adaptive controller's target KL per token.", min=0.0)
+    horizon: int = knob(10000, "Adaptive controller's horizon.", unit="samples", min=1)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and the in-reward KL penalty."""
+
+    adv_estimator: str = knob("grpo", "Advantage estimator; 'gae' trains a critic.", choices=ADV_ESTIMATORS)
+    gamma: float = knob(1.0, "Discount factor.", min=0.0, max=1.0)
+    lam: float = knob(1.0, "GAE lambda.", min=0.0, max=1.0)
+    norm_adv_by_std_in_grpo: bool = knob(True, "Divide GRPO advantages by the group's std.")
+    use_kl_in_reward: bool = knob(False, "Subtract a per-token KL penalty from the rewards.")
+    kl_penalty: str = knob("k1", "KL estimator of the in-reward penalty.", choices=KL_ESTIMATORS)
+    kl_ctrl: KLControlConfig = section(KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    """The run: length, validation, checkpoints, logging, device."""
+
+    total_steps: int = knob(40, "Training steps (one rollout + update each).", unit="steps", min=1)
+    test_freq: int = knob(5, "Validate every this many steps (and before training); 0 disables.", min=0)
+    save_freq: int = knob(0, "Checkpoint every this many steps (and at the end); 0: only at the end.", min=0)
+    max_ckpt_to_keep: int = knob(2, "Complete checkpoints kept; older ones are deleted.", min=1)
+    run_dir: str = knob("runs/latest", "Directory for metrics, the resolved config, plots and checkpoints.")
+    resume: str = knob("auto", "'auto' (latest checkpoint in run_dir), 'disable', or a checkpoint path.")
+    seed: int = knob(1, "Seed for data order, sampling and the built-in model.")
+    device: str = knob("auto", "'auto' (CUDA when present), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda"))
+    loggers: list[str] = knob(
+        default_factory=lambda: ["console", "jsonl"], help="Metric sinks: console, jsonl, tensorboard, wandb."
+    )
+    export_hf: bool = knob(True, "Export the final policy as a Hugging Face model directory.")
+
+
+@dataclass
+class PostTrainConfig:
+    """The whole posttrain configuration."""
+
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    actor: ActorConfig = section(ActorConfig)
+    ref: RefConfig = section(RefConfig)
+    critic: CriticConfig = section(CriticConfig)
+    reward: RewardConfig = section(RewardConfig)
+    algorithm: AlgorithmConfig = section(AlgorithmConfig)
+    trainer: TrainerConfig = section(TrainerConfig)

@@ -1,0 +1,44 @@
+"""The set of config keys is frozen: adding or renaming one is a deliberate edit of this test.
+
+Every key here must work end to end (nothing in the schema is silently ignored).
+"""
+
+from posttrain.config.load import all_keys
+
+EXPECTED_KEYS = """
+model.path model.dtype
+data.task data.train_files data.val_files data.prompt_key data.answer_key data.train_batch_size
+data.val_batch_size data.max_prompt_length data.max_response_length data.overlong_prompts
+data.num_train_examples data.num_val_examples
+rollout.n rollout.temperature rollout.top_p rollout.top_k rollout.chunk_size rollout.val_n rollout.val_greedy
+actor.ppo_mini_batch_size actor.ppo_micro_batch_size_per_gpu actor.ppo_epochs actor.shuffle
+actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu actor.log_prob_micro_batch_size_per_gpu
+actor.log_prob_max_token_len_per_gpu actor.ulysses_sequence_parallel_size actor.policy_loss
+actor.clip_ratio_low actor.clip_ratio_high actor.clip_ratio_c actor.loss_agg_mode actor.entropy_coeff
+actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type
+actor.optim.lr actor.optim.weight_decay actor.optim.betas actor.optim.warmup_steps actor.optim.lr_schedule
+actor.optim.min_lr_ratio actor.optim.grad_clip
+ref.log_prob_micro_batch_size_per_gpu ref.log_prob_max_token_len_per_gpu ref.ulysses_sequence_parallel_size
+critic.model_path critic.ppo_mini_batch_size critic.ppo_micro_batch_size_per_gpu
+critic.forward_micro_batch_size_per_gpu critic.ppo_epochs critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu
+critic.forward_max_token_len_per_gpu critic.ulysses_sequence_parallel_size critic.cliprange_value
+critic.loss_agg_mode critic.warmup_steps
+critic.optim.lr critic.optim.weight_decay critic.optim.betas critic.optim.warmup_steps critic.optim.lr_schedule
+critic.optim.min_lr_ratio critic.optim.grad_clip
+reward.function reward.timeout_s reward.failure_reward reward.fail_fast
+reward.model.enable reward.model.path reward.model.micro_batch_size_per_gpu reward.model.use_dynamic_bsz
+reward.model.forward_max_token_len_per_gpu
+algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
+algorithm.use_kl_in_reward algorithm.kl_penalty
+algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon
+trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
+trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf
+""".split()
+
+
+def test_config_keys_are_frozen():
+    keys = all_keys()
+    assert len(keys) == len(set(keys))
+    added = sorted(set(keys) - set(EXPECTED_KEYS))
+    removed = sorted(set(EXPECTED_KEYS) - set(keys))
+    assert not added and not removed, f"config keys changed: added {added}, removed {removed}"

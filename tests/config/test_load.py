@@ -1,0 +1,90 @@
+"""Config loading: defaults from the schema, YAML overrides, dotted overrides, clear errors."""
+
+import dataclasses
+
+import pytest
+
+from posttrain.config.load import all_keys, build_config, diff_from_defaults, field_info
+from posttrain.config.schema import PostTrainConfig
+
+
+def test_defaults_come_from_schema():
+    assert build_config() == PostTrainConfig()
+
+
+def test_dotted_overrides_are_coerced():
+    cfg = build_config(
+        overrides=[
+            "actor.ppo_mini_batch_size=16",
+            "actor.optim.lr=3e-6",
+            "actor.use_kl_loss=true",
+            "trainer.loggers=jsonl,tensorboard",
+            "actor.optim.betas=[0.9, 0.95]",
+        ]
+    )
+    assert cfg.actor.ppo_mini_batch_size == 16
+    assert cfg.actor.optim.lr == pytest.approx(3e-6)
+    assert cfg.actor.use_kl_loss is True
+    assert cfg.trainer.loggers == ["jsonl", "tensorboard"]
+    assert cfg.actor.optim.betas == [0.9, 0.95]
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train_batch_size: 8\nrollout:\n  n: 4\nactor:\n  ppo_mini_batch_size: 8\n")
+    cfg = build_config([path], ["rollout.n=2"])
+    assert cfg.data.train_batch_size == 8
+    assert cfg.rollout.n == 2
+    assert diff_from_defaults(cfg) == {"data.train_batch_size": 8, "rollout.n": 2, "actor.ppo_mini_batch_size": 8}
+
+
+def test_config_objects_are_not_shared():
+    a = build_config(overrides=["trainer.loggers=jsonl"])
+    b = build_config()
+    assert b.trainer.loggers == ["console", "jsonl"]
+    assert a.trainer.loggers == ["jsonl"]
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("actor.ppo_mini_bach_size=4", ["actor.ppo_mini_bach_size", "actor.ppo_mini_batch_size"]),
+        ("ppo_mini_batch_size=4", ["'ppo_mini_batch_size'", "actor.ppo_mini_batch_size"]),
+        ("rollout.n=four", ["rollout.n", "integer", "four"]),
+        ("actor.use_kl_loss=maybe", ["actor.use_kl_loss", "true or false"]),
+        ("actor.optim.lr=fast", ["actor.optim.lr", "number"]),
+        ("algorithm.adv_estimator=grp", ["algorithm.adv_estimator", "'grpo'"]),
+        ("actor.ppo_epochs=0", ["actor.ppo_epochs", ">= 1"]),
+        ("rollout.top_p=1.5", ["rollout.top_p", "<= 1"]),
+        ("actor.ppo_mini_batch_size.x=1", ["actor.ppo_mini_batch_size", "not a section"]),
+        ("noequals", ["key=value"]),
+    ],
+)
+def test_bad_overrides_name_the_key(override, fragments):
+    with pytest.raises(ValueError) as info:
+        build_config(overrides=[override])
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_bad_yaml_is_reported_with_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor: [1, 2\n")
+    with pytest.raises(ValueError, match="bad.yaml"):
+        build_config([path])
+    with pytest.raises(ValueError, match="does not exist"):
+        build_config([tmp_path / "missing.yaml"])
+    path.write_text("actor:\n  ppo_epoch: 2\n")
+    with pytest.raises(ValueError, match="actor.ppo_epochs"):
+        build_config([path])
+
+
+def test_every_field_documents_itself():
+    for key in all_keys():
+        field, _ = field_info(key)
+        assert field.metadata.get("help"), f"{key} has no help text"
+
+
+def test_sections_have_docstrings():
+    for f in dataclasses.fields(PostTrainConfig):
+        assert f.metadata.get("help"), f.name

@@ -1,0 +1,71 @@
+"""The command line: explain output, JSON, key listing, and config errors (exit 2, no traceback)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from posttrain import __version__
+from posttrain.cli import main
+
+SEED_004 = [
+    "data.train_batch_size=1024",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=64",
+    "actor.ppo_micro_batch_size_per_gpu=1",
+    "--world-size",
+    "4",
+]
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_version():
+    out = run_cli("--version")
+    assert out.returncode == 0 and __version__ in out.stdout
+
+
+def test_explain_tree_has_the_numbers(capsys):
+    assert main(["explain", *SEED_004]) == 0
+    text = capsys.readouterr().out
+    assert "4096 samples per step" in text
+    assert "16 optimizer steps per step" in text
+    assert "64 gradient-accumulation steps per mini-batch" in text
+
+
+def test_explain_json_is_stable(capsys):
+    assert main(["explain", "--json", *SEED_004]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["samples_per_step"] == 4096
+    assert plan["actor"]["optimizer_steps_per_step"] == 16
+    assert plan["actor"]["grad_accum_steps"] == 64
+    assert plan["actor"]["dp_size"] == 4
+    assert set(plan) >= {"world_size", "prompts_per_step", "n", "actor", "old_log_prob", "ref", "critic", "max_policy_lag"}
+
+
+def test_explain_keys_lists_units(capsys):
+    assert main(["explain", "--keys"]) == 0
+    text = capsys.readouterr().out
+    assert "actor.ppo_mini_batch_size [prompts]:" in text
+
+
+@pytest.mark.parametrize(
+    "args, keys",
+    [
+        (["actor.ppo_mini_batch_size=300", "data.train_batch_size=1024"], ["actor.ppo_mini_batch_size"]),
+        (["actor.ppo_micro_batch_size_per_gpu=3"], ["actor.ppo_micro_batch_size_per_gpu"]),
+        (["actor.ppo_mini_bach_size=3"], ["actor.ppo_mini_bach_size", "actor.ppo_mini_batch_size"]),
+        (["missing.yaml"], ["missing.yaml"]),
+    ],
+)
+def test_invalid_config_exits_2_without_traceback(args, keys):
+    out = run_cli("explain", *args)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    for key in keys:
+        assert key in out.stderr
