@@ -1,0 +1,86 @@
+"""Pure-tensor RL algorithms: advantage estimators, policy/value losses, KL, loss aggregation.
+
+Every function takes and returns tensors (no model, no distribution, no config objects); registries are keyed by
+the config names, so a trainer looks a component up by the string in its config.
+"""
+
+from posttrain.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ESTIMATORS_NEEDING_CRITIC,
+    RECOMMENDED_LOSS_AGG_MODE,
+    compute_drgrpo_advantages,
+    compute_gae_advantages,
+    compute_grpo_advantages,
+    compute_reinforce_plus_plus_advantages,
+    compute_reinforce_plus_plus_baseline_advantages,
+    compute_remax_advantages,
+    compute_rloo_advantages,
+    get_advantage_estimator,
+    needs_critic,
+)
+from posttrain.algorithms.aggregation import (
+    LOSS_AGG_MODES,
+    LossNormalizer,
+    aggregate_loss,
+    check_loss_agg_mode,
+)
+from posttrain.algorithms.kl import (
+    KL_CONTROLLER_KINDS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+    make_kl_controller,
+)
+from posttrain.algorithms.logprobs import (
+    entropy_from_logits,
+    entropy_from_logits_with_chunking,
+    logprobs_from_logits,
+)
+from posttrain.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from posttrain.algorithms.policy_loss import (
+    POLICY_LOSSES,
+    compute_policy_loss_gspo,
+    compute_policy_loss_vanilla,
+    get_policy_loss,
+)
+from posttrain.algorithms.value_loss import compute_value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "ESTIMATORS_NEEDING_CRITIC",
+    "KL_CONTROLLER_KINDS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "RECOMMENDED_LOSS_AGG_MODE",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "LossNormalizer",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "check_loss_agg_mode",
+    "compute_drgrpo_advantages",
+    "compute_gae_advantages",
+    "compute_grpo_advantages",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_advantages",
+    "compute_reinforce_plus_plus_baseline_advantages",
+    "compute_remax_advantages",
+    "compute_rloo_advantages",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "entropy_from_logits_with_chunking",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "needs_critic",
+]

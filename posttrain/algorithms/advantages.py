@@ -1,0 +1,287 @@
+"""Advantage estimators, one small function each, behind one uniform keyword-only signature.
+
+Every estimator is called as::
+
+    advantages, returns = ADVANTAGE_ESTIMATORS[name](
+        token_level_rewards=...,   # [B, T] float
+        response_mask=...,         # [B, T] bool or float
+        group_ids=...,             # [B] any hashable per sample (prompt uid); groups need not be contiguous
+        values=...,                # [B, T] critic values, or None
+        reward_baselines=...,      # [B] ReMax greedy-rollout reward, or None
+        gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
+    )
+
+and ignores the arguments it does not need. Both outputs are ``[B, T]`` in the rewards' dtype and computed
+without gradient. Formulas, epsilons and the unbiased standard deviations match verl's ``core_algos`` (the
+loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberate differences:
+
+- Every output is exactly 0 outside ``response_mask``. verl leaves non-zero values there for ``gae``
+  (whitened advantages and ``returns = advantages + values``) and ``remax``; those entries are never used by a
+  masked loss, so only the padding changes.
+- ``reinforce_plus_plus`` follows current verl (returns carried through masked spans such as tool-observation
+  tokens, verl-project/verl#7278) rather than older releases, which reset the running return at every masked
+  token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from posttrain.algorithms.masked import masked_whiten
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+GroupIds = Sequence[Hashable] | torch.Tensor | None
+"""Per-sample group ids: a list, tuple, numpy array or tensor of hashables (e.g. prompt uids)."""
+
+
+def _float_mask(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    if token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must be [B, T], got shape {tuple(token_level_rewards.shape)}")
+    if response_mask.shape != token_level_rewards.shape:
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} != token_level_rewards shape "
+            f"{tuple(token_level_rewards.shape)}"
+        )
+    return response_mask.to(token_level_rewards.dtype)
+
+
+def group_index(group_ids: GroupIds, batch_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Map arbitrary per-sample group ids to contiguous ``[B]`` long indices ``0..G-1`` (first-seen order)."""
+    if group_ids is None:
+        raise ValueError("group_ids is required by group-based estimators (grpo, drgrpo, rloo, ...); got None")
+    ids = group_ids.reshape(-1).tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if len(ids) != batch_size:
+        raise ValueError(f"group_ids has {len(ids)} entries but the batch has {batch_size} rows")
+    seen: dict[Hashable, int] = {}
+    index = [seen.setdefault(gid, len(seen)) for gid in ids]
+    return torch.tensor(index, dtype=torch.long, device=device)
+
+
+def group_stats(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample group mean, unbiased std and group size, broadcast back to ``[B]``.
+
+    A group of one sample gets mean 0 and std 1 (verl's convention), so its GRPO advantage is
+    ``score / (1 + epsilon)`` rather than 0.
+    """
+    num_groups = int(index.max().item()) + 1 if index.numel() else 0
+    zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, index, torch.ones_like(scores))
+    mean = zeros.index_add(0, index, scores) / count
+    sq_dev = zeros.index_add(0, index, (scores - mean[index]) ** 2)
+    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
+    single = count <= 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return mean[index], std[index], count[index]
+
+
+@torch.no_grad()
+def compute_gae_advantages(
+    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
+    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
+    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (PPO with a critic), as verl's ``gae``.
+
+    Masked positions are skipped: the TD error uses the value of the next *valid* token, so observation spans
+    inside a response are transparent. ``returns = GAE + values``; advantages are then whitened over the mask.
+
+    Args:
+        token_level_rewards: ``[B, T]``; values: ``[B, T]`` critic values (required); gamma, lam: discount and
+            GAE lambda.
+
+    Returns:
+        ``(advantages [B, T] whitened, returns [B, T])``, both 0 outside the mask.
+    """
+    mask = _float_mask(token_level_rewards, response_mask)
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs critic values; got values=None")
+    if values.shape != token_level_rewards.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} != rewards shape {tuple(token_level_rewards.shape)}")
+    values = values.to(token_level_rewards.dtype)
+    next_value = torch.zeros_like(token_level_rewards[:, 0])
+    running = torch.zeros_like(next_value)
+    gaes = torch.zeros_like(token_level_rewards)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        m = mask[:, t]
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        running = m * (delta + gamma * lam * running) + (1 - m) * running
+        next_value = m * values[:, t] + (1 - m) * next_value
+        gaes[:, t] = running
+    returns = (gaes + values) * mask
+    advantages = masked_whiten(gaes, mask) * mask
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_grpo_advantages(
+    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
+    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
+    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage, as verl's ``grpo``: ``(r_i - mean_g) / (std_g + epsilon)`` per group.
+
+    ``r_i`` is the row sum of ``token_level_rewards``; ``std_g`` is the unbiased (``torch.std``) group std.
+    With ``norm_adv_by_std_in_grpo=False`` only the mean is subtracted (Dr.GRPO). Identical rewards in a group
+    give 0; a group of one sample gets ``score / (1 + epsilon)`` (mean 0, std 1, as verl).
+
+    Returns:
+        ``(advantages, returns)``, the same ``[B, T]`` tensor twice: the scalar broadcast over the mask.
+    """
+    mask = _float_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1)
+    index = group_index(group_ids, scores.shape[0], scores.device)
+    mean, std, _count = group_stats(scores, index)
+    centred = scores - mean
+    scalars = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    advantages = scalars.unsqueeze(-1) * mask
+    return advantages, advantages
+
+
+def compute_drgrpo_advantages(
+    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
+    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
+    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO: :func:`compute_grpo_advantages` with ``norm_adv_by_std_in_grpo`` forced to False.
+
+    The other half of Dr.GRPO is the loss aggregation ``seq-mean-token-sum-norm``; see
+    :data:`RECOMMENDED_LOSS_AGG_MODE`. In verl this is ``grpo`` plus ``norm_adv_by_std_in_grpo=False``.
+    """
+    return compute_grpo_advantages(
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        group_ids=group_ids,
+        norm_adv_by_std_in_grpo=False,
+        epsilon=epsilon,
+    )
+
+
+@torch.no_grad()
+def compute_rloo_advantages(
+    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
+    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
+    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO, as verl's ``rloo``: ``r_i - mean(r_j, j != i)`` = ``n / (n - 1) * (r_i - mean_g)``.
+
+    A group of one sample keeps its raw score (verl's loop implementation; its ``rloo_vectorized`` gives 0).
+
+    Returns:
+        ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
+    """
+    mask = _float_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1)
+    index = group_index(group_ids, scores.shape[0], scores.device)
+    mean, _std, count = group_stats(scores, index)
+    loo = (scores - mean) * count / (count - 1).clamp(min=1)
+    scalars = torch.where(count > 1, loo, scores)
+    advantages = scalars.unsqueeze(-1) * mask
+    return advantages, advantages
+
+
+def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go over valid tokens ``[B, T]``; masked tokens are skipped (their reward ignored), return 0."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        running = m * (rewards[:, t] + gamma * running) + (1 - m) * running
+        returns[:, t] = running * m
+    return returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_advantages(
+    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
+    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
+    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++, as verl's ``reinforce_plus_plus``: discounted returns whitened over the whole batch.
+
+    Returns:
+        ``(advantages [B, T], returns [B, T])``; returns are the un-whitened discounted reward-to-go.
+    """
+    mask = _float_mask(token_level_rewards, response_mask)
+    returns = _discounted_returns(token_level_rewards, mask, gamma)
+    advantages = masked_whiten(returns, mask) * mask
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_advantages(
+    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
+    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
+    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline, as verl's ``reinforce_plus_plus_baseline``.
+
+    Subtract the group mean of the outcome score (0 for a group of one), broadcast over the mask, then whiten
+    over all valid tokens of the batch.
+
+    Returns:
+        ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
+    """
+    mask = _float_mask(token_level_rewards, response_mask)
+    scores = token_level_rewards.sum(dim=-1)
+    index = group_index(group_ids, scores.shape[0], scores.device)
+    mean, _std, _count = group_stats(scores, index)
+    centred = (scores - mean).unsqueeze(-1) * mask
+    advantages = masked_whiten(centred, mask) * mask
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_remax_advantages(
+    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
+    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
+    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax, as verl's ``remax``: undiscounted reward-to-go minus the greedy rollout's reward.
+
+    Args:
+        reward_baselines: ``[B]`` reward of the greedy (argmax) response to the same prompt (required).
+
+    Returns:
+        ``(advantages [B, T], returns [B, T])``.
+    """
+    mask = _float_mask(token_level_rewards, response_mask)
+    if reward_baselines is None:
+        raise ValueError("advantage estimator 'remax' needs reward_baselines (greedy rewards [B]); got None")
+    baselines = torch.as_tensor(reward_baselines, dtype=token_level_rewards.dtype, device=mask.device).reshape(-1)
+    if baselines.shape[0] != mask.shape[0]:
+        raise ValueError(f"reward_baselines has {baselines.shape[0]} entries but the batch has {mask.shape[0]} rows")
+    returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1]) * mask
+    advantages = returns - baselines.unsqueeze(-1) * mask
+    return advantages, returns
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
+    "gae": compute_gae_advantages,
+    "grpo": compute_grpo_advantages,
+    "drgrpo": compute_drgrpo_advantages,
+    "rloo": compute_rloo_advantages,
+    "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
+    "remax": compute_remax_advantages,
+}
+
+ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset({"gae"})
+
+RECOMMENDED_LOSS_AGG_MODE: dict[str, str] = {"drgrpo": "seq-mean-token-sum-norm"}
+"""Loss aggregation an estimator's paper prescribes (a default for the config layer, not enforced here)."""
+
+
+def get_advantage_estimator(name: str) -> AdvantageFn:
+    """Look up an estimator; ValueError naming ``name`` and the valid keys if unknown."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"adv_estimator={name!r} is not supported; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def needs_critic(name: str) -> bool:
+    """Whether estimator ``name`` needs a value model (critic)."""
+    get_advantage_estimator(name)
+    return name in ESTIMATORS_NEEDING_CRITIC

@@ -1,0 +1,66 @@
+"""Token log-probabilities and entropies from logits.
+
+The math runs in at least float32 (bf16/fp16 logits are upcast; float64 stays float64), so results do not depend
+on the model's compute dtype. Unlike verl's ``entropy_from_logits`` (which computes in the input dtype), the
+unchunked entropy here is also upcast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label: ``logits[label] - logsumexp(logits)``.
+
+    Avoids materialising a full ``[N, V]`` log-softmax (only the row-wise logsumexp is kept).
+
+    Args:
+        logits: ``[..., V]`` unnormalised scores (any float dtype).
+        labels: ``[...]`` long token ids in ``[0, V)``.
+
+    Returns:
+        ``[...]`` log-probs in float32 (float64 for float64 logits).
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}")
+    logits = logits.to(_compute_dtype(logits))
+    picked = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution: ``logsumexp(z) - sum(softmax(z) * z)``.
+
+    Args:
+        logits: ``[..., V]``.
+
+    Returns:
+        ``[...]`` entropies in float32 (float64 for float64 logits).
+    """
+    logits = logits.to(_compute_dtype(logits))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+    """:func:`entropy_from_logits` over row chunks, bounding the float32 temporaries to ``[chunk_size, V]``.
+
+    Args:
+        logits: ``[N, V]``.
+        chunk_size: rows per chunk, >= 1.
+
+    Returns:
+        ``[N]`` entropies; differentiable like the unchunked version.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    if logits.shape[0] == 0:
+        return logits.new_zeros(0, dtype=_compute_dtype(logits))
+    return torch.cat([entropy_from_logits(chunk) for chunk in torch.split(logits, chunk_size, dim=0)])
