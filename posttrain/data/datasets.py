@@ -1,0 +1,251 @@
+"""Load prompt files into :class:`PromptRecord` lists and tokenize them.
+
+Supported sources: ``.parquet``, ``.jsonl``, ``.json`` (a list of objects) and a directory written by
+Hugging Face ``datasets``' ``save_to_disk``. Rows are numbered from 0 in error messages (the index a
+``datasets`` user would type); JSON-lines errors also give the 1-based line number an editor shows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.data.records import PromptRecord
+
+_SUFFIXES = (".parquet", ".jsonl", ".json")
+_OVERLONG_MODES = ("filter", "error")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_records(
+    path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"
+) -> list[PromptRecord]:
+    """Read every row of ``path`` into a :class:`PromptRecord`.
+
+    ``prompt_key`` names the prompt field (a string or a list of ``{"role", "content"}`` messages);
+    ``answer_key`` names the ground-truth field (string or number; missing or null gives None).
+    All other fields go to ``PromptRecord.extra``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: unsupported format, or a malformed row (the message names file, row and field).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt data file not found: {path}")
+    records = [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in _iter_rows(path)]
+    if not records:
+        raise ValueError(f"{path}: no rows found; a prompt data file needs at least one row")
+    return records
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, row)`` pairs; ``location`` is e.g. ``"row 3"`` or ``"row 3 (line 5)"``."""
+    if path.is_dir():
+        yield from _iter_saved_dataset(path)
+    elif path.suffix == ".jsonl":
+        yield from _iter_jsonl(path)
+    elif path.suffix == ".json":
+        yield from _iter_json(path)
+    elif path.suffix == ".parquet":
+        yield from _iter_parquet(path)
+    else:
+        raise ValueError(
+            f"{path}: unsupported prompt file type {path.suffix!r}; use one of {', '.join(_SUFFIXES)} "
+            "or a directory saved with datasets' save_to_disk"
+        )
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    row = 0
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (often a trailing newline) are not rows
+            where = f"row {row} (line {line_no})"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: {where}: invalid JSON: {exc.msg} at column {exc.colno}") from exc
+            row += 1
+
+
+def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+    if not isinstance(data, list):
+        raise ValueError(
+            f"{path}: a .json prompt file must hold a list of objects, got {type(data).__name__}; "
+            "use .jsonl for one object per line"
+        )
+    for i, row in enumerate(data):
+        yield f"row {i}", row
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(
+            "reading .parquet prompt files needs pyarrow: pip install 'posttrain[data]'"
+        ) from exc
+    for i, row in enumerate(pq.read_table(path).to_pylist()):
+        yield f"row {i}", row
+
+
+def _iter_saved_dataset(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(
+            "reading a saved datasets directory needs the datasets package: pip install 'posttrain[data]'"
+        ) from exc
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = ", ".join(str(path / name) for name in loaded)
+        raise ValueError(f"{path} holds several splits; point to one split directory: {splits}")
+    for i, row in enumerate(loaded):
+        yield f"row {i}", row
+
+
+def _row_to_record(row: Any, where: str, path: Path, prompt_key: str, answer_key: str) -> PromptRecord:
+    if not isinstance(row, dict):
+        raise ValueError(
+            f"{path}: {where}: expected an object with a {prompt_key!r} field, got {type(row).__name__}"
+        )
+    if prompt_key not in row:
+        raise ValueError(
+            f"{path}: {where}: missing field {prompt_key!r}; available fields: {sorted(row)}. "
+            "Set prompt_key to the field that holds the prompt"
+        )
+    prompt = _check_prompt(row[prompt_key], f"{path}: {where}: field {prompt_key!r}")
+    answer = _check_answer(row.get(answer_key), f"{path}: {where}: field {answer_key!r}")
+    extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    return PromptRecord(prompt=prompt, ground_truth=answer, extra=extra)
+
+
+def _check_prompt(value: Any, where: str) -> str | list[dict[str, str]]:
+    """Return ``value`` if it is a string or a list of chat messages, else raise naming ``where``."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(
+            f"{where}: a prompt must be a string or a non-empty list of {{'role', 'content'}} messages, "
+            f"got {type(value).__name__}"
+        )
+    messages = []
+    for i, message in enumerate(value):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"{where}: message {i} must be a dict with string 'role' and 'content', got {message!r}"
+            )
+        # Parquet/datasets may add null columns of sibling messages; keep only the chat fields.
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+def _check_answer(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{where}: the answer must be a string or a number, got {type(value).__name__}")
+
+
+# --------------------------------------------------------------------------- tokenizing
+
+
+@dataclass(frozen=True)
+class TokenizedPrompts:
+    """Prompt token ids aligned with the records kept.
+
+    Attributes:
+        prompt_ids: one list of token ids per kept record.
+        records: the kept records, in input order (``records[i]`` produced ``prompt_ids[i]``).
+        n_filtered: how many records were dropped for exceeding ``max_prompt_length``.
+    """
+
+    prompt_ids: list[list[int]]
+    records: list[PromptRecord]
+    n_filtered: int
+
+
+def tokenize_prompts(
+    records: Sequence[PromptRecord],
+    tokenizer: Any,
+    max_prompt_length: int,
+    overlong: str = "filter",
+    apply_chat_template: bool | None = None,
+) -> TokenizedPrompts:
+    """Tokenize prompts, dropping (``overlong="filter"``) or rejecting (``"error"``) overlong ones.
+
+    ``apply_chat_template=None`` applies the template when ``tokenizer.chat_template`` is set. With the
+    template, a string prompt becomes one user message and the generation prompt is appended; without
+    it, the string is encoded with the tokenizer's own special tokens (e.g. BOS).
+    """
+    if overlong not in _OVERLONG_MODES:
+        raise ValueError(f"overlong={overlong!r} is not supported; use one of {_OVERLONG_MODES}")
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length={max_prompt_length} must be >= 1, e.g. 512")
+    if not records:
+        raise ValueError("records is empty; tokenize_prompts needs at least one prompt")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if apply_chat_template is None:
+        apply_chat_template = has_template
+    elif apply_chat_template and not has_template:
+        raise ValueError(
+            "apply_chat_template=True but the tokenizer has no chat_template; "
+            "set apply_chat_template=False or use a tokenizer with a chat template"
+        )
+
+    kept_ids: list[list[int]] = []
+    kept: list[PromptRecord] = []
+    for row, record in enumerate(records):
+        ids = encode_prompt(record.prompt, tokenizer, apply_chat_template, where=f"row {row}")
+        if len(ids) <= max_prompt_length:
+            kept_ids.append(ids)
+            kept.append(record)
+        elif overlong == "error":
+            raise ValueError(
+                f"row {row}: prompt is {len(ids)} tokens, longer than max_prompt_length={max_prompt_length}; "
+                "raise max_prompt_length or set overlong='filter' to drop such prompts"
+            )
+    if not kept:
+        raise ValueError(
+            f"all {len(records)} prompts are longer than max_prompt_length={max_prompt_length}; raise it"
+        )
+    return TokenizedPrompts(prompt_ids=kept_ids, records=kept, n_filtered=len(records) - len(kept))
+
+
+def encode_prompt(
+    prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool, where: str = "prompt"
+) -> list[int]:
+    """Token ids of one prompt, ready for generation (see :func:`tokenize_prompts`)."""
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        # Render to text first: the template already holds BOS etc., so encoding must not add them twice.
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt)["input_ids"]
+    else:
+        raise ValueError(
+            f"{where}: the prompt is a list of chat messages but no chat template is applied; "
+            "use a tokenizer with a chat_template or plain-string prompts"
+        )
+    if not ids:
+        raise ValueError(f"{where}: the prompt encodes to zero tokens; remove empty prompts from the data")
+    return list(ids)

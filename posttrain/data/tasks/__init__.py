@@ -1,0 +1,86 @@
+"""Built-in tasks: each turns options into train/validation records and names its default reward.
+
+Usage::
+
+    task = get_task("arithmetic")
+    train, val = task.load(seed=0, n_train=1000, n_val=100)
+    reward_fn = resolve_reward_function(task.default_reward)  # from posttrain.rewards
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.data.records import PromptRecord
+from posttrain.data.tasks.arithmetic import load_arithmetic, make_arithmetic_splits
+from posttrain.data.tasks.gsm8k import load_gsm8k, load_gsm8k_task
+
+#: ``load(seed, **options) -> (train_records, val_records)``.
+TaskLoader = Callable[..., tuple[list[PromptRecord], list[PromptRecord]]]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task.
+
+    Attributes:
+        name: the registry key.
+        load: ``load(seed, **options) -> (train_records, val_records)``; options are task specific.
+        default_reward: name of its reward in ``posttrain.rewards.REWARD_FUNCTIONS``.
+        description: one line for help texts.
+    """
+
+    name: str
+    load: TaskLoader
+    default_reward: str
+    description: str
+
+
+TASKS: dict[str, Task] = {
+    "arithmetic": Task(
+        name="arithmetic",
+        load=load_arithmetic,
+        default_reward="arithmetic",
+        description="'What is 23 + 58?' generated from the seed; options n_train, n_val, min_digits, "
+        "max_digits, ops, allow_negative",
+    ),
+    "gsm8k": Task(
+        name="gsm8k",
+        load=load_gsm8k_task,
+        default_reward="gsm8k",
+        description="GSM8K-format files of your own; options train_path, val_path, instruction",
+    ),
+}
+
+
+def get_task(name: str) -> Task:
+    """The task registered as ``name``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
+    return TASKS[name]
+
+
+def load_task(name: str, seed: int, **options: Any) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """``get_task(name).load(seed, **options)`` with an error naming unknown options."""
+    task = get_task(name)
+    parameters = inspect.signature(task.load).parameters
+    unknown = sorted(set(options) - set(parameters) - {"seed"})
+    if unknown:
+        valid = [p for p in parameters if p != "seed"]
+        raise ValueError(f"task {name!r} has no option(s) {unknown}; its options are {valid}")
+    return task.load(seed, **options)
+
+
+__all__ = [
+    "TASKS",
+    "Task",
+    "get_task",
+    "load_arithmetic",
+    "load_gsm8k",
+    "load_gsm8k_task",
+    "load_task",
+    "make_arithmetic_splits",
+]

@@ -1,0 +1,120 @@
+"""Score (prompt, response) pairs with a Hugging Face sequence-classification reward model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RewardModelScorer:
+    """A reward model (``AutoModelForSequenceClassification`` with ``num_labels=1``) and its tokenizer.
+
+    The text scored is the chat-templated conversation (user prompt, assistant response) when the reward
+    model's tokenizer has a chat template, else ``prompt + response``. The score is the model's output at
+    the last real token. Sequences are right-padded (positions of real tokens then match an unpadded
+    forward) and sorted by length into micro-batches to waste little compute on padding.
+
+    Args:
+        path: directory with the model and its tokenizer.
+        micro_batch_size: sequences per forward pass.
+        device: where the model runs.
+        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        max_length: longest input in tokens; longer ones keep their LAST ``max_length`` tokens (the
+            response end the score is read at). None: no truncation.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        micro_batch_size: int = 8,
+        device: str | torch.device = "cpu",
+        dtype: str = "fp32",
+        max_length: int | None = None,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length={max_length} must be >= 1, or None for no truncation")
+        config = AutoConfig.from_pretrained(path)
+        # Checked before loading weights: a classifier with several labels would load fine and then
+        # silently score with label 0.
+        if config.num_labels != 1:
+            raise ValueError(
+                f"reward model {path} has num_labels={config.num_labels}; a reward model needs num_labels=1 "
+                "(a single scalar head)"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.padding_side = "right"
+        self.tokenizer.truncation_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            if self.tokenizer.eos_token is None:
+                raise ValueError(
+                    f"reward model tokenizer in {path} has neither a pad nor an eos token; add one"
+                )
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=_DTYPES[dtype])
+        if self.model.config.pad_token_id is None:
+            # The HF head finds the last real token through pad_token_id; it must match the tokenizer.
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
+
+    def format(self, prompt: str | list[dict[str, str]], response: str) -> str:
+        """The text the reward model reads for one sample."""
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            messages.append({"role": "assistant", "content": response})
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        if not isinstance(prompt, str):
+            raise ValueError(
+                "the reward model tokenizer has no chat_template, so chat-message prompts cannot be "
+                "rendered; use plain-string prompts or a reward model with a chat template"
+            )
+        return prompt + response
+
+    def _encode(self, text: str) -> list[int]:
+        # A chat template already holds BOS etc.; plain text gets the tokenizer's own special tokens.
+        templated = bool(getattr(self.tokenizer, "chat_template", None))
+        ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        if self.max_length is not None and len(ids) > self.max_length:
+            ids = ids[-self.max_length :]
+        return ids
+
+    @torch.inference_mode()
+    def score(self, prompts: Sequence[str | list[dict[str, str]]], responses: Sequence[str]) -> list[float]:
+        """One scalar reward per (prompt, response) pair, in input order."""
+        if len(prompts) != len(responses):
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(responses)} responses; pass one per sample"
+            )
+        encoded = [self._encode(self.format(p, r)) for p, r in zip(prompts, responses)]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        scores = [0.0] * len(encoded)
+        for start in range(0, len(order), self.micro_batch_size):
+            chunk = order[start : start + self.micro_batch_size]
+            for i, value in zip(chunk, self._forward([encoded[i] for i in chunk])):
+                scores[i] = value
+        return scores
+
+    def _forward(self, batch: list[list[int]]) -> list[float]:
+        longest = max(len(ids) for ids in batch)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, : len(ids)] = 1
+        logits = self.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
+        ).logits
+        return logits[:, 0].float().cpu().tolist()

@@ -1,0 +1,305 @@
+"""Run a reward function over many samples without letting it crash or hang the training run.
+
+With ``timeout_s > 0`` the function runs in worker processes: each worker gets its share of the samples
+in one message and sends back one small result per sample. A sample that raises, returns a non-finite
+or non-numeric value, kills its worker, or takes longer than ``timeout_s`` gets ``failure_reward``; a hung
+or dead worker is killed and replaced, and the rest of its share goes to the replacement. Workers are
+started with ``fork`` where available so a function loaded from a user file needs no pickling (on
+platforms without fork it must be picklable). Because the workers are daemonic, a reward function
+cannot itself start ``multiprocessing`` children (``subprocess`` works).
+
+With ``timeout_s`` None or 0 the function runs in this process: fastest, but a hung function hangs the
+run. Exceptions and bad return values are still caught there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import multiprocessing as mp
+import numbers
+import os
+import signal
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+logger = logging.getLogger("posttrain.rewards")
+
+_STARTUP_TIMEOUT_S = 60.0  # generous: a spawned interpreter may import a lot before it is ready
+_PARENT_CHECK_S = 1.0  # how often an idle worker checks that the trainer is still alive
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One sample to score."""
+
+    prompt: str
+    response: str
+    ground_truth: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _call_one(fn: Callable[..., Any], sample: tuple[Any, ...]) -> tuple[bool, float | str]:
+    """``(True, reward)`` or ``(False, error text)``; never raises for user errors."""
+    try:
+        value = fn(*sample)
+    except Exception:
+        return False, traceback.format_exc()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False, f"reward function returned {type(value).__name__} {value!r}; it must return a float"
+    value = float(value)
+    if not math.isfinite(value):
+        return False, f"reward function returned {value}; it must return a finite float"
+    return True, value
+
+
+def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connection, parent_pid: int) -> None:
+    """Worker loop: receive a list of ``(index, args)``, send ``(index, ok, value)`` per sample."""
+    parent_conn.close()  # keep only our end, so a closed trainer end reads as EOF here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, not ours
+    conn.send("ready")
+    while True:
+        # Poll rather than block so an orphaned worker (trainer killed) notices and exits.
+        while not conn.poll(_PARENT_CHECK_S):
+            if os.getppid() != parent_pid:
+                return
+        try:
+            batch = conn.recv()
+        except EOFError:
+            return
+        if batch is None:
+            return
+        for index, sample in batch:
+            ok, value = _call_one(fn, sample)
+            conn.send((index, ok, value))
+
+
+class _Worker:
+    """One worker process, the samples sent to it but not yet answered, and its deadline."""
+
+    def __init__(self, ctx: Any, fn: Callable[..., Any]) -> None:
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_worker_main, args=(fn, child_conn, self.conn, os.getpid()), daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        try:
+            if not self.conn.poll(_STARTUP_TIMEOUT_S):
+                raise EOFError
+            self.conn.recv()  # the "ready" message
+        except (EOFError, OSError) as exc:
+            self.kill()
+            raise RuntimeError(
+                f"the reward worker process did not start within {_STARTUP_TIMEOUT_S:.0f} s "
+                f"(exit code {self.process.exitcode})"
+            ) from exc
+        self.pending: deque[int] = deque()
+        self.samples: dict[int, tuple[Any, ...]] = {}
+        self.deadline = math.inf
+
+    def submit(self, items: list[tuple[int, tuple[Any, ...]]], timeout_s: float) -> None:
+        self.pending.extend(index for index, _ in items)
+        self.samples.update(items)
+        self.conn.send(items)
+        self.deadline = time.monotonic() + timeout_s
+
+    def unanswered(self) -> list[tuple[int, tuple[Any, ...]]]:
+        return [(index, self.samples[index]) for index in self.pending]
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5.0)
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Ask the worker to exit; kill it if it does not within a second."""
+        with contextlib.suppress(OSError):  # already dead
+            self.conn.send(None)
+        self.process.join(timeout=1.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5.0)
+        self.conn.close()
+
+
+def _stop_all(workers: list[_Worker | None], kill: bool = False) -> None:
+    for i, worker in enumerate(workers):
+        if worker is None:
+            continue
+        if kill:
+            worker.kill()
+        else:
+            worker.stop()
+        workers[i] = None
+
+
+class RewardRunner:
+    """Scores samples with ``fn``, turning errors and timeouts into ``failure_reward``.
+
+    Args:
+        fn: ``fn(prompt, response, ground_truth, extra) -> float``.
+        timeout_s: per-sample limit in seconds; None or 0 runs ``fn`` in-process with no timeout.
+        failure_reward: the reward a failed or timed-out sample gets.
+        fail_fast: raise RuntimeError (with the original traceback) on the first failure instead.
+        num_workers: worker processes used when ``timeout_s`` is set.
+
+    Use as a context manager or call :meth:`close`; workers are also stopped at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        timeout_s: float | None,
+        failure_reward: float = 0.0,
+        fail_fast: bool = False,
+        num_workers: int = 1,
+    ) -> None:
+        if timeout_s is not None and timeout_s < 0:
+            raise ValueError(f"timeout_s={timeout_s} must be >= 0 (0 or None: in-process, no timeout)")
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        if not math.isfinite(failure_reward):
+            raise ValueError(f"failure_reward={failure_reward} must be a finite number, e.g. 0.0")
+        self.fn = fn
+        self.timeout_s = timeout_s or None
+        self.failure_reward = float(failure_reward)
+        self.fail_fast = fail_fast
+        self.num_workers = num_workers
+        self.first_error: str | None = None
+        self._counts = {"failures": 0, "timeouts": 0}
+        methods = mp.get_all_start_methods()
+        self._ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+        self._workers: list[_Worker | None] = [None] * num_workers
+        # Not atexit.register(self.close): that would keep every runner alive until exit.
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes; a later :meth:`score` starts new ones."""
+        _stop_all(self._workers)
+
+    def score(self, samples: list[RewardInput]) -> tuple[list[float], dict[str, float]]:
+        """Rewards in sample order, and metrics ``reward/num_failures`` (every sample given
+        ``failure_reward``, timeouts included), ``reward/num_timeouts`` and ``reward/time_s``."""
+        start = time.perf_counter()
+        self._counts = {"failures": 0, "timeouts": 0}
+        args = [(s.prompt, s.response, s.ground_truth, s.extra) for s in samples]
+        if self.timeout_s is None:
+            rewards = self._score_in_process(args)
+        else:
+            try:
+                rewards = self._score_in_workers(args)
+            except BaseException:
+                # Workers may still be busy with this call's samples; kill them so those answers
+                # never leak into the next call.
+                _stop_all(self._workers, kill=True)
+                raise
+        metrics = {
+            "reward/num_failures": float(self._counts["failures"]),
+            "reward/num_timeouts": float(self._counts["timeouts"]),
+            "reward/time_s": time.perf_counter() - start,
+        }
+        return rewards, metrics
+
+    def _score_in_process(self, args: list[tuple[Any, ...]]) -> list[float]:
+        rewards = []
+        for index, sample in enumerate(args):
+            ok, value = _call_one(self.fn, sample)
+            rewards.append(value if ok else self._fail(index, str(value)))
+        return rewards
+
+    def _score_in_workers(self, args: list[tuple[Any, ...]]) -> list[float]:
+        rewards: list[float | None] = [None] * len(args)
+        items = list(enumerate(args))
+        chunk = math.ceil(len(items) / self.num_workers) if items else 0
+        busy: dict[int, _Worker] = {}
+        for w in range(self.num_workers):
+            share = items[w * chunk : (w + 1) * chunk]
+            if share:
+                busy[w] = self._worker(w)
+                busy[w].submit(share, self.timeout_s)
+        while busy:
+            by_conn = {worker.conn: w for w, worker in busy.items()}
+            next_deadline = min(worker.deadline for worker in busy.values())
+            ready = wait(list(by_conn), timeout=max(0.0, next_deadline - time.monotonic()))
+            for conn in ready:
+                self._drain(by_conn[conn], busy, rewards)
+            now = time.monotonic()
+            for w in [w for w, worker in busy.items() if worker.deadline <= now]:
+                index = busy[w].pending[0]
+                message = f"reward function timed out after {self.timeout_s} s (sample {index})"
+                rewards[index] = self._fail(index, message, timeout=True)
+                self._replace(w, busy)
+        return rewards  # type: ignore[return-value]  # every index is filled once busy is empty
+
+    def _drain(self, w: int, busy: dict[int, _Worker], rewards: list[float | None]) -> None:
+        """Read every answer worker ``w`` has sent; handle its death."""
+        worker = busy[w]
+        try:
+            while worker.pending and worker.conn.poll():
+                index, ok, value = worker.conn.recv()
+                assert index == worker.pending[0], "reward worker answered out of order"
+                worker.pending.popleft()
+                rewards[index] = value if ok else self._fail(index, value)
+                worker.deadline = time.monotonic() + self.timeout_s
+        except (EOFError, OSError):
+            worker.process.join(timeout=5.0)
+            index = worker.pending[0]
+            message = f"reward worker process died (exit code {worker.process.exitcode}) on sample {index}"
+            rewards[index] = self._fail(index, message)
+            self._replace(w, busy)
+            return
+        if not worker.pending:
+            del busy[w]
+
+    def _replace(self, w: int, busy: dict[int, _Worker]) -> None:
+        """Kill worker ``w`` (its current sample is settled) and give the rest of its share to a new one."""
+        old = busy.pop(w)
+        old.pending.popleft()
+        rest = old.unanswered()
+        old.kill()
+        self._workers[w] = None
+        if rest:
+            busy[w] = self._worker(w)
+            busy[w].submit(rest, self.timeout_s)
+
+    def _worker(self, w: int) -> _Worker:
+        worker = self._workers[w]
+        if worker is not None and not worker.process.is_alive():
+            worker.kill()  # died between calls; release its pipe before replacing it
+            worker = None
+        if worker is None:
+            worker = self._workers[w] = _Worker(self._ctx, self.fn)
+        worker.pending.clear()
+        worker.samples.clear()
+        return worker
+
+    def _fail(self, index: int, message: str, timeout: bool = False) -> float:
+        """Count a failed sample, log the first one, and return ``failure_reward`` (or raise)."""
+        self._counts["failures"] += 1
+        self._counts["timeouts"] += int(timeout)
+        if self.fail_fast:
+            raise RuntimeError(f"reward function failed on sample {index} (fail_fast=True):\n{message}")
+        if self.first_error is None:
+            self.first_error = message
+            logger.warning(
+                "reward function failed on sample %d; it gets failure_reward=%s. Only this first failure is "
+                "logged; later ones are counted in reward/num_failures.\n%s",
+                index,
+                self.failure_reward,
+                message,
+            )
+        return self.failure_reward

@@ -1,0 +1,90 @@
+"""Built-in arithmetic task: generation, splits, reward, registry."""
+
+import pytest
+
+from posttrain.data.tasks import TASKS, get_task, load_task
+from posttrain.data.tasks.arithmetic import (
+    arithmetic_problem_count,
+    arithmetic_reward,
+    make_arithmetic_splits,
+)
+from posttrain.rewards import REWARD_FUNCTIONS
+
+
+def test_deterministic_and_seed_dependent():
+    a = make_arithmetic_splits(seed=1, n_train=50, n_val=10)
+    assert a == make_arithmetic_splits(seed=1, n_train=50, n_val=10)
+    assert a != make_arithmetic_splits(seed=2, n_train=50, n_val=10)
+
+
+def test_splits_are_disjoint_and_answers_correct():
+    train, val = make_arithmetic_splits(seed=0, n_train=300, n_val=100, max_digits=2)
+    assert len(train) == 300 and len(val) == 100
+    keys = [r.prompt for r in train + val]
+    assert len(set(keys)) == 400
+    for record in train + val:
+        a, op, b = record.extra["a"], record.extra["op"], record.extra["b"]
+        assert record.prompt == f"What is {a} {op} {b}?"
+        assert record.ground_truth == str(a + b if op == "+" else a - b)
+        assert int(record.ground_truth) >= 0  # allow_negative=False by default
+        assert 0 <= a < 100 and 0 <= b < 100
+
+
+def test_digit_and_op_options():
+    train, _ = make_arithmetic_splits(
+        seed=0, n_train=50, n_val=0, min_digits=3, max_digits=3, ops=("-",), allow_negative=True
+    )
+    assert all(r.extra["op"] == "-" and 100 <= r.extra["a"] <= 999 for r in train)
+    assert any(int(r.ground_truth) < 0 for r in train)
+
+
+def test_whole_problem_space_can_be_drawn():
+    total = arithmetic_problem_count(max_digits=1)  # 100 sums + 55 ordered differences
+    assert total == 155
+    train, val = make_arithmetic_splits(seed=0, n_train=150, n_val=5, max_digits=1)
+    assert len({r.prompt for r in train + val}) == 155
+    with pytest.raises(ValueError, match="exceeds the 155 distinct problems"):
+        make_arithmetic_splits(seed=0, n_train=150, n_val=6, max_digits=1)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match=r"supported operations are \('\+', '-'\)"):
+        make_arithmetic_splits(seed=0, n_train=5, n_val=5, ops=("*",))
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("81", 1.0),
+        (" 81\n", 1.0),
+        ("81<|im_end|>", 1.0),
+        ("81 is the answer", 1.0),
+        ("The answer is 81.", 1.0),
+        ("8", 0.0),
+        ("810", 0.0),
+        ("81.5", 0.0),
+        ("-81", 0.0),
+        ("23 + 58 = 81", 0.0),
+        ("", 0.0),
+        ("eighty-one", 0.0),
+    ],
+)
+def test_arithmetic_reward(response, expected):
+    assert arithmetic_reward("What is 23 + 58?", response, "81", {}) == expected
+
+
+def test_arithmetic_reward_negative_answer():
+    assert arithmetic_reward("What is 3 - 5?", "-2", "-2", {}) == 1.0
+    assert arithmetic_reward("What is 3 - 5?", "2", "-2", {}) == 0.0
+
+
+def test_registry():
+    assert set(TASKS) == {"arithmetic", "gsm8k"}
+    for task in TASKS.values():
+        assert task.default_reward in REWARD_FUNCTIONS
+    train, val = load_task("arithmetic", seed=0, n_train=20, n_val=5)
+    assert (len(train), len(val)) == (20, 5)
+    with pytest.raises(ValueError, match="no option.*n_test.*n_train"):
+        load_task("arithmetic", seed=0, n_test=5)
+    with pytest.raises(ValueError, match=r"unknown task 'math'.*\['arithmetic', 'gsm8k'\]"):
+        get_task("math")
