@@ -1,0 +1,148 @@
+"""The rollout engine interface: token ids in, sampled token ids and their log-probs out.
+
+Engines know nothing about text, chat templates or rewards. The native engine (``posttrain.rollout.native``)
+implements this in-process over a Hugging Face model; an engine in another process or one backed by vLLM
+implements the same protocol, so the trainer does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+FINISH_REASONS = ("eos", "length")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample responses. Keyword-only; ``max_tokens`` is required.
+
+    n: samples per prompt (>= 1).
+    temperature: logits are divided by it before softmax (> 0; use ``greedy=True`` for argmax decoding).
+    top_p: nucleus filtering, keep the smallest set of tokens whose probability sum reaches top_p (0 < top_p <= 1).
+    top_k: keep the k most likely tokens; -1 disables it.
+    max_tokens: maximum number of generated tokens per sample (>= 1), eos included.
+    greedy: take the argmax (temperature/top_p/top_k are then ignored for choosing tokens).
+    seed: seed of the sampling generator; same seed + same inputs -> same outputs, independently of the global
+        torch RNG. None draws the seed from the global torch RNG (reproducible under ``torch.manual_seed``).
+    """
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    greedy: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, low=1, hint="e.g. max_tokens=256")
+        _check_int("n", self.n, low=1, hint="use n=1 for one sample per prompt")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise ValueError(f"temperature={self.temperature!r} must be a number, e.g. temperature=1.0")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"temperature={self.temperature!r} must be > 0; for argmax decoding use greedy=True"
+            )
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]; use top_p=1.0 to disable it")
+        if self.top_k != -1:
+            _check_int("top_k", self.top_k, low=1, hint="use top_k=-1 to disable it")
+        if not isinstance(self.greedy, bool):
+            raise ValueError(f"greedy={self.greedy!r} must be True or False")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, hint="or seed=None to draw it from the global torch RNG")
+
+
+def _check_int(name: str, value: object, low: int, hint: str) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an int (not bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}; {hint}")
+
+
+@dataclass
+class RolloutResult:
+    """Sampled responses, one entry per sample, ordered prompt-major.
+
+    For prompts P0, P1 and n=2 the samples are [P0s0, P0s1, P1s0, P1s1]: prompt i's n samples are contiguous.
+
+    prompt_index: [S] which prompt (index into the ``prompt_ids`` given to ``generate``) each sample answers.
+    response_ids: [S][L_s] generated token ids, without the prompt and without padding; an eos that ended the
+        sample is included (it is a sampled action, and the policy must learn its probability too).
+    response_logprobs: [S][L_s] log-prob of each sampled token under the temperature-scaled distribution
+        ``log_softmax(logits / temperature)`` BEFORE top-p/top-k filtering, i.e. the same quantity the trainer
+        recomputes from logits. Greedy sampling reports it at temperature 1.
+    finish_reasons: [S] "eos" (stopped on an eos token) or "length" (hit ``max_tokens``).
+    """
+
+    prompt_index: list[int] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)
+    response_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        sizes = {
+            len(self.prompt_index),
+            len(self.response_ids),
+            len(self.response_logprobs),
+            len(self.finish_reasons),
+        }
+        if len(sizes) != 1:
+            raise ValueError(f"RolloutResult fields have different numbers of samples: {sorted(sizes)}")
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def response_lengths(self) -> list[int]:
+        """[S] number of generated tokens per sample."""
+        return [len(r) for r in self.response_ids]
+
+    def extend(self, other: RolloutResult) -> None:
+        """Append ``other``'s samples (used to join results of prompt chunks, keeping prompt-major order)."""
+        self.prompt_index.extend(other.prompt_index)
+        self.response_ids.extend(other.response_ids)
+        self.response_logprobs.extend(other.response_logprobs)
+        self.finish_reasons.extend(other.finish_reasons)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine.
+
+    Weight refresh is explicit: after each policy update the trainer calls ``sync_weights`` with the policy's
+    (name, tensor) pairs, named like the Hugging Face model's ``state_dict`` keys. It is an iterable, not a dict,
+    so a trainer can stream weights one tensor (or one layer) at a time and an engine in another process can
+    copy each as it arrives; any subset is valid (e.g. only LoRA adapters or only the layers that changed).
+    """
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutResult:
+        """Sample ``params.n`` responses for each prompt (token ids, no padding); see :class:`RolloutResult`."""
+        ...
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the given (name, tensor) pairs into the engine's copy of the policy; names not given are kept."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free what the engine holds between rollouts (KV cache, or weights when offloaded) before training.
+
+        No-op by default; an engine sharing a GPU with the trainer (e.g. vLLM sleep mode) frees memory here.
+        """
+        return None
+
+    def wake_up(self) -> None:
+        """Re-acquire what :meth:`release_memory` freed, before the next ``generate``. No-op by default."""
+        return None
+
+
+def validate_prompts(prompt_ids: list[list[int]]) -> None:
+    """Raise ValueError unless ``prompt_ids`` is a non-empty list of non-empty lists of token ids."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty; pass at least one prompt (a list of token ids)")
+    for i, prompt in enumerate(prompt_ids):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token")
