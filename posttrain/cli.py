@@ -106,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
+        # User errors (config, data, paths): one clear message, no traceback.
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        print(f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -191,6 +191,30 @@ def _forward_plan(
     return ForwardPlan(role, dp, sp, per_rank, False, micro, None, -(-per_rank // micro))
 
 
+def build_sft_plan(cfg: PostTrainConfig, world_size: int = 1) -> UpdatePlan:
+    """SFT's plan: sft.batch_size examples per optimizer step over DP ranks, fixed micro-batches."""
+    s = cfg.sft
+    if s.batch_size % world_size != 0:
+        raise ValueError(
+            f"sft.batch_size ({s.batch_size}) must split evenly over {world_size} data-parallel ranks. "
+            f"Nearest valid: sft.batch_size={_nearest([m * world_size for m in range(1, s.batch_size + 1)], s.batch_size)}"
+        )
+    per_rank = s.batch_size // world_size
+    micro = s.micro_batch_size_per_gpu
+    if micro > per_rank or per_rank % micro != 0:
+        raise ValueError(
+            f"sft.micro_batch_size_per_gpu ({micro}) must divide the examples per DP rank per step "
+            f"({per_rank} = sft.batch_size {s.batch_size} / DP {world_size}). Nearest valid: "
+            f"sft.micro_batch_size_per_gpu={_nearest(_divisors(per_rank), micro)}"
+        )
+    return UpdatePlan(
+        role="sft", dp_size=world_size, sp_size=1, ppo_epochs=s.epochs, mini_batch_prompts=s.batch_size,
+        mini_batch_samples=s.batch_size, mini_batches_per_epoch=0, optimizer_steps_per_step=1,
+        mini_batch_samples_per_rank=per_rank, use_dynamic_bsz=False, micro_batch_size_per_rank=micro,
+        grad_accum_steps=per_rank // micro, max_token_len_per_rank=None,
+    )  # fmt: skip
+
+
 def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
     """Derive the frozen BatchPlan; raises ValueError on any inconsistent setting."""
     if world_size < 1:

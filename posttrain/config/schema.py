@@ -295,6 +295,26 @@ class TrainerConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning (`posttrain sft`, and the built-in model's warm start)."""
+
+    train_files: list[str] = knob(
+        default_factory=list,
+        help="Prompt/response files (.parquet, .jsonl, .json, saved `datasets` dir). Empty: the task's "
+        "training split, with the ground truth as the response.",
+    )
+    response_key: str = knob("response", "Field holding the target response.")
+    batch_size: int = knob(64, "Examples per optimizer step (global).", unit="examples", min=1)
+    micro_batch_size_per_gpu: int = knob(
+        64, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1
+    )
+    epochs: int = knob(1, "Passes over the training examples.", unit="epochs", min=1)
+    max_steps: int = knob(0, "Stop after this many optimizer steps (0: run all epochs).", unit="optimizer steps", min=0)
+    output_dir: str = knob("", "Where `posttrain sft` saves the model; empty: <trainer.run_dir>/sft_model.")
+    optim: OptimConfig = section(OptimConfig)
+
+
+@dataclass
 class PostTrainConfig:
     """The whole posttrain configuration."""
 
@@ -307,3 +327,4 @@ class PostTrainConfig:
     reward: RewardConfig = section(RewardConfig)
     algorithm: AlgorithmConfig = section(AlgorithmConfig)
     trainer: TrainerConfig = section(TrainerConfig)
+    sft: SFTConfig = section(SFTConfig)

@@ -531,3 +531,14 @@ def _check_module_weights(file: Path, key: str, module: nn.Module) -> None:
             f"modules[{key!r}]: weights in {file} do not match the module ({problems}); "
             "was the checkpoint written for a different model or config?"
         )
+
+
+def load_module_weights(path: str | os.PathLike, key: str, module: nn.Module, map_location: str = "cpu") -> None:
+    """Load only `modules[key]`'s weights from a checkpoint (e.g. the policy, for evaluation or export)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if key not in manifest["modules"]:
+        raise ValueError(f"checkpoint {path} has no module {key!r}; it holds modules {manifest['modules']}")
+    file = path / "model" / f"{key}.safetensors"
+    _check_module_weights(file, key, module)
+    module.load_state_dict(load_file(file, device=str(map_location)), strict=False)

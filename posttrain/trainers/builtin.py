@@ -1,0 +1,102 @@
+"""The built-in model: a tiny Qwen2 built from the seed, then warm-started with SFT on the task.
+
+Both directories are cached (keyed by everything that shapes them), so only the first run pays
+for building and warm-starting. The warm start is part of the built-in model's definition (like its
+architecture): it is deliberately short, leaving the model at a low accuracy RL can visibly improve.
+Set POSTTRAIN_CACHE to move the cache (default ~/.cache/posttrain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from posttrain.config.load import apply_values
+from posttrain.config.schema import PostTrainConfig
+
+# Version the recipe: bump when the tiny model, its tokenizer or the warm start change.
+RECIPE_VERSION = 1
+WARM_START = {
+    "sft.batch_size": 64,
+    "sft.micro_batch_size_per_gpu": 64,
+    "sft.epochs": 1,
+    "sft.max_steps": 150,
+    "sft.optim.lr": 2e-3,
+    "sft.optim.warmup_steps": 10,
+    "sft.optim.lr_schedule": "cosine",
+    "sft.optim.weight_decay": 0.0,
+    "sft.optim.grad_clip": 1.0,
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
+
+
+def _key(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _atomic_build(target: Path, build) -> Path:
+    """Build into a temporary sibling, then rename: an interrupted build never looks complete."""
+    if (target / "config.json").exists():
+        return target
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    if target.exists():  # a concurrent build finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    os.replace(tmp, target)
+    return target
+
+
+def builtin_base_dir(cfg: PostTrainConfig) -> Path:
+    """The untrained tiny model + tokenizer for trainer.seed."""
+    from posttrain.models.tiny import create_tiny_model_dir
+
+    seed = cfg.trainer.seed
+    target = cache_root() / f"tiny-base-v{RECIPE_VERSION}-seed{seed}"
+    return _atomic_build(target, lambda tmp: create_tiny_model_dir(tmp, seed=seed))
+
+
+def warm_start_config(cfg: PostTrainConfig) -> PostTrainConfig:
+    """cfg with the warm-start recipe in its sft section (data settings stay the user's)."""
+    return apply_values(cfg, WARM_START)
+
+
+def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:
+    """The warm-started built-in model for this config's task and seed (built once, then cached)."""
+    base = builtin_base_dir(cfg)
+    ws = warm_start_config(cfg)
+    shape = {
+        "recipe": RECIPE_VERSION,
+        "seed": cfg.trainer.seed,
+        "data": dataclasses.asdict(cfg.data),
+        "sft": dataclasses.asdict(ws.sft),
+        "dtype": cfg.model.dtype,
+    }
+    target = cache_root() / f"tiny-{cfg.data.task}-sft-{_key(shape)}"
+    if (target / "config.json").exists():
+        return target
+
+    def build(tmp: Path) -> None:
+        from posttrain.models.hf import load_causal_lm, load_tokenizer, save_hf
+        from posttrain.trainers.common import load_splits, seed_everything, select_device
+        from posttrain.trainers.sft import run_sft
+
+        if not quiet:
+            print(f"Building the built-in model: SFT warm start on '{cfg.data.task}' (cached in {target})")
+        seed_everything(cfg.trainer.seed)
+        tokenizer = load_tokenizer(base)
+        model = load_causal_lm(base, cfg.model.dtype, select_device(cfg))
+        run_sft(ws, model, tokenizer, load_splits(cfg).train, quiet=quiet)
+        save_hf(model, tokenizer, tmp)
+        (tmp / "posttrain_builtin.json").write_text(json.dumps(shape, indent=2))
+
+    return _atomic_build(target, build)

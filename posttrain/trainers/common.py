@@ -1,0 +1,62 @@
+"""Setup shared by `posttrain train`, `sft` and `eval`: device, seeds, data splits, rewards."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from posttrain.config.schema import PostTrainConfig
+from posttrain.data.datasets import load_records
+from posttrain.data.records import PromptRecord
+from posttrain.data.tasks import get_task, load_task
+
+log = logging.getLogger("posttrain")
+
+
+def select_device(cfg: PostTrainConfig) -> torch.device:
+    """trainer.device: 'auto' picks CUDA when present; asking for CUDA without one is an error."""
+    want = cfg.trainer.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda' but no CUDA device is visible; use trainer.device=cpu or auto")
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(want)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: list[PromptRecord]
+    val: list[PromptRecord]
+    reward_spec: str  # a built-in reward name or 'file.py:fn'
+
+
+def load_splits(cfg: PostTrainConfig) -> Splits:
+    """Training and validation records from data.train_files/val_files, or the built-in task."""
+    d = cfg.data
+    reward = cfg.reward.function
+    if d.train_files:
+        train = [r for f in d.train_files for r in load_records(f, d.prompt_key, d.answer_key)]
+        val = [r for f in d.val_files for r in load_records(f, d.prompt_key, d.answer_key)]
+        if not reward:
+            raise ValueError(
+                "reward.function is empty but data.train_files are given: name a reward, e.g. "
+                "reward.function=exact_match, reward.function=gsm8k or reward.function=path/to/file.py:fn"
+            )
+        return Splits(train, val, reward)
+    if d.task == "gsm8k":
+        raise ValueError(
+            "data.task=gsm8k reads your own GSM8K-format files: set data.train_files=[train.jsonl] "
+            "(and data.val_files), with reward.function=gsm8k"
+        )
+    train, val = load_task(d.task, cfg.trainer.seed, n_train=d.num_train_examples, n_val=d.num_val_examples)
+    return Splits(train, val, reward or get_task(d.task).default_reward)

@@ -1,0 +1,158 @@
+"""Build everything a training run needs, once, from the config and the batch plan.
+
+Roles are built only when used: the reference policy when a KL term is on, the critic when the
+advantage estimator needs values, the reward model when reward.model.enable is set.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from posttrain.algorithms.kl import KLController, make_kl_controller
+from posttrain.config.plan import BatchPlan, build_plan
+from posttrain.config.schema import PostTrainConfig
+from posttrain.data.datasets import TokenizedPrompts, tokenize_prompts
+from posttrain.data.sampler import PromptSampler
+from posttrain.engine.roles import Trainable
+from posttrain.models.critic import CriticModel
+from posttrain.models.hf import load_causal_lm, load_tokenizer
+from posttrain.rewards.functions import resolve_reward_function
+from posttrain.rewards.reward_model import RewardModelScorer
+from posttrain.rewards.runner import RewardRunner
+from posttrain.rollout.native import NativeEngine
+from posttrain.trainers.common import Splits, load_splits, select_device
+
+log = logging.getLogger("posttrain")
+
+
+def resolve_model_path(cfg: PostTrainConfig, quiet: bool = False) -> Path:
+    """model.path, or the warm-started built-in tiny model for 'builtin:tiny'."""
+    if cfg.model.path == "builtin:tiny":
+        from posttrain.trainers.builtin import builtin_model_dir
+
+        return builtin_model_dir(cfg, quiet=quiet)
+    path = Path(cfg.model.path)
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json); "
+            "give a local directory saved with save_pretrained, or model.path=builtin:tiny"
+        )
+    return path
+
+
+def load_checkpoint_policy(ckpt: Path, model: nn.Module) -> None:
+    """Overlay a training checkpoint's actor weights on `model` (for `posttrain eval`)."""
+    from posttrain.engine.checkpoint import load_module_weights
+
+    load_module_weights(ckpt, "actor", model)
+
+
+@dataclass
+class Components:
+    cfg: PostTrainConfig
+    plan: BatchPlan
+    device: torch.device
+    model_path: Path
+    tokenizer: object
+    actor: Trainable
+    ref: nn.Module | None
+    critic: Trainable | None
+    engine: NativeEngine
+    train_prompts: TokenizedPrompts
+    val_prompts: TokenizedPrompts | None
+    sampler: PromptSampler
+    reward_runner: RewardRunner
+    reward_model: RewardModelScorer | None
+    kl_ctrl: KLController | None
+
+    def close(self) -> None:
+        self.reward_runner.close()
+
+
+def _tokenize(cfg: PostTrainConfig, splits: Splits, tokenizer) -> tuple[TokenizedPrompts, TokenizedPrompts | None]:
+    d = cfg.data
+    train = tokenize_prompts(splits.train, tokenizer, d.max_prompt_length, d.overlong_prompts)
+    val = tokenize_prompts(splits.val, tokenizer, d.max_prompt_length, d.overlong_prompts) if splits.val else None
+    for name, t in (("training", train), ("validation", val)):
+        if t is not None and t.n_filtered:
+            log.warning(
+                "%d %s prompts are longer than data.max_prompt_length=%d and were dropped",
+                t.n_filtered, name, d.max_prompt_length,
+            )  # fmt: skip
+    return train, val
+
+
+def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = False) -> Components:
+    """Validate, then load models, data and rewards. Config errors surface before any model loads."""
+    plan = build_plan(cfg, world_size)
+    device = select_device(cfg)
+    splits = load_splits(cfg)
+    reward_fn = resolve_reward_function(splits.reward_spec)
+    if cfg.rollout.val_greedy and cfg.rollout.val_n > 1:
+        from posttrain.trainers.evaluate import validation_params
+
+        validation_params(cfg, 0)  # raises the explanatory error
+    model_path = resolve_model_path(cfg, quiet=quiet)
+    tokenizer = load_tokenizer(model_path)
+    policy = load_causal_lm(model_path, cfg.model.dtype, device)
+    a = plan.actor
+    actor_steps = cfg.trainer.total_steps * a.optimizer_steps_per_step
+    actor = Trainable.create(policy, cfg.actor.optim, actor_steps)
+    ref = None
+    if plan.ref is not None:
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    critic = None
+    if plan.critic is not None:
+        critic_path = cfg.critic.model_path or model_path
+        critic_module = CriticModel.from_causal_lm_path(critic_path, cfg.model.dtype, device)
+        critic_steps = cfg.trainer.total_steps * plan.critic.optimizer_steps_per_step
+        critic = Trainable.create(critic_module, cfg.critic.optim, critic_steps)
+    train_prompts, val_prompts = _tokenize(cfg, splits, tokenizer)
+    if len(train_prompts.prompt_ids) < cfg.data.train_batch_size:
+        raise ValueError(
+            f"data.train_batch_size ({cfg.data.train_batch_size}) exceeds the {len(train_prompts.prompt_ids)} "
+            "training prompts available; lower it or add data"
+        )
+    sampler = PromptSampler(len(train_prompts.prompt_ids), cfg.data.train_batch_size, cfg.trainer.seed)
+    eos = [tokenizer.eos_token_id]
+    # The engine shares the actor's module: weights are current after every update without a copy.
+    engine = NativeEngine(policy, eos, tokenizer.pad_token_id, chunk_size=cfg.rollout.chunk_size, device=device)
+    runner = RewardRunner(
+        reward_fn, timeout_s=cfg.reward.timeout_s or None, failure_reward=cfg.reward.failure_reward,
+        fail_fast=cfg.reward.fail_fast,
+    )  # fmt: skip
+    rm = None
+    if cfg.reward.model.enable:
+        m = cfg.reward.model
+        if not m.path:
+            raise ValueError("reward.model.enable=true needs reward.model.path (a sequence-classification model dir)")
+        rm = RewardModelScorer(
+            m.path, micro_batch_size=m.micro_batch_size_per_gpu, device=device, dtype=cfg.model.dtype,
+            max_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        )  # fmt: skip
+    kl_ctrl = None
+    if cfg.algorithm.use_kl_in_reward:
+        k = cfg.algorithm.kl_ctrl
+        kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+    return Components(
+        cfg, plan, device, model_path, tokenizer, actor, ref, critic, engine, train_prompts, val_prompts,
+        sampler, runner, rm, kl_ctrl,
+    )  # fmt: skip
+
+
+def write_run_metadata(run_dir: Path, cfg: PostTrainConfig, plan: BatchPlan) -> None:
+    """The resolved config and the plan, next to the metrics, so a run explains itself."""
+    import yaml
+
+    from posttrain.config.load import to_dict
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))

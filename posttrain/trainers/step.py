@@ -1,0 +1,170 @@
+"""One RL training step, phase by phase:
+
+prompts → rollout → rewards → old log-probs → ref log-probs → values → advantages →
+critic update → actor update → (rollout weights are current: the engine shares the actor) → metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.algorithms.advantages import get_advantage_estimator
+from posttrain.algorithms.kl import apply_kl_penalty
+from posttrain.config.plan import ForwardPlan
+from posttrain.data.batch import RolloutBatch, build_rollout_batch
+from posttrain.engine.micro_batches import forward_in_micro_batches
+from posttrain.engine.roles import actor_loss_fn, critic_loss_fn, run_update
+from posttrain.models.forward import critic_values, policy_logprobs
+from posttrain.rewards.runner import RewardInput
+from posttrain.rollout.base import RolloutResult, SamplingParams
+from posttrain.trainers.evaluate import CORRECT_THRESHOLD
+from posttrain.trainers.setup import Components
+from posttrain.utils.metrics import PhaseTimer
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A per-step seed: a resumed run draws exactly what the uninterrupted run drew."""
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
+
+
+def _budget(plan: ForwardPlan) -> int | None:
+    return plan.max_token_len_per_rank if plan.use_dynamic_bsz else None
+
+
+def score_samples(c: Components, prompt_rows: list[int], result: RolloutResult) -> tuple[torch.Tensor, dict]:
+    """Rule/user reward (+ reward-model score when enabled) per sample, with failure metrics."""
+    records = c.train_prompts.records
+    texts = c.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+    inputs = [
+        RewardInput(records[prompt_rows[p]].prompt, t, records[prompt_rows[p]].ground_truth,
+                    records[prompt_rows[p]].extra)
+        for p, t in zip(result.prompt_index, texts)
+    ]  # fmt: skip
+    rewards, metrics = c.reward_runner.score(inputs)
+    scores = torch.tensor(rewards, dtype=torch.float32)
+    if c.reward_model is not None:
+        rm = torch.tensor(c.reward_model.score([i.prompt for i in inputs], texts), dtype=torch.float32)
+        metrics["reward/model_score_mean"] = float(rm.mean())
+        scores = scores + rm
+    return scores, metrics
+
+
+def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
+    """[B, R] token-level scores: each sample's reward on its last response token."""
+    out = torch.zeros_like(batch.response_mask)
+    last = (batch.response_mask.sum(-1).long() - 1).clamp(min=0)
+    out[torch.arange(batch.num_rows), last] = scores
+    return out * batch.response_mask
+
+
+def remax_baselines(c: Components, prompt_rows: list[int], group_ids: torch.Tensor) -> torch.Tensor:
+    """ReMax's baseline: the reward of a greedy response to the same prompt."""
+    cfg = c.cfg
+    greedy = c.engine.generate(
+        [c.train_prompts.prompt_ids[i] for i in prompt_rows],
+        SamplingParams(max_tokens=cfg.data.max_response_length, n=1, greedy=True),
+    )
+    scores, _ = score_samples(c, prompt_rows, greedy)
+    return scores[group_ids]
+
+
+def rollout_metrics(result: RolloutResult, scores: torch.Tensor) -> dict[str, float]:
+    lengths = torch.tensor([len(r) for r in result.response_ids], dtype=torch.float32)
+    eos = sum(f == "eos" for f in result.finish_reasons) / max(1, len(result.finish_reasons))
+    return {
+        "reward/mean": float(scores.mean()),
+        "reward/accuracy": float((scores >= CORRECT_THRESHOLD).float().mean()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "finish/eos": eos,
+        "finish/length": 1.0 - eos,
+    }
+
+
+def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
+    """Run one step (1-based `step`) and return its metrics."""
+    cfg, plan = c.cfg, c.plan
+    prompt_rows = c.sampler.next_batch()
+    prompt_ids = [c.train_prompts.prompt_ids[i] for i in prompt_rows]
+    r = cfg.rollout
+    with timer.phase("rollout"):
+        params = SamplingParams(
+            max_tokens=cfg.data.max_response_length, n=r.n, temperature=r.temperature if r.temperature > 0 else 1.0,
+            top_p=r.top_p, top_k=r.top_k, greedy=r.temperature == 0, seed=step_seed(cfg.trainer.seed, step),
+        )  # fmt: skip
+        result = c.engine.generate(prompt_ids, params)
+    batch = build_rollout_batch(
+        [prompt_ids[p] for p in result.prompt_index], result.response_ids, result.prompt_index,
+        c.tokenizer.pad_token_id,
+    )  # fmt: skip
+    with timer.phase("reward"):
+        scores, metrics = score_samples(c, prompt_rows, result)
+        batch.token_level_scores = place_scores(batch, scores)
+        if cfg.algorithm.adv_estimator == "remax":
+            batch.reward_baselines = remax_baselines(c, prompt_rows, batch.group_ids)
+    metrics.update(rollout_metrics(result, scores))
+    policy = c.actor.module
+    temperature = r.temperature if r.temperature > 0 else 1.0
+    with timer.phase("old_log_prob"):
+        policy.eval()
+        batch.old_log_probs = forward_in_micro_batches(
+            lambda mb: policy_logprobs(policy, mb, temperature=temperature)[0], batch,
+            plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device,
+        )  # fmt: skip
+    if c.ref is not None:
+        with timer.phase("ref"):
+            batch.ref_log_probs = forward_in_micro_batches(
+                lambda mb: policy_logprobs(c.ref, mb, temperature=temperature)[0], batch,
+                plan.ref.micro_batch_size_per_rank, _budget(plan.ref), c.device,
+            )  # fmt: skip
+    if c.critic is not None:
+        with timer.phase("values"):
+            c.critic.module.eval()
+            batch.values = forward_in_micro_batches(
+                lambda mb: critic_values(c.critic.module, mb), batch,
+                plan.values.micro_batch_size_per_rank, _budget(plan.values), c.device,
+            )  # fmt: skip
+    with timer.phase("advantage"):
+        if c.kl_ctrl is not None:
+            batch.token_level_rewards, kl_metrics = apply_kl_penalty(
+                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+                c.kl_ctrl, cfg.algorithm.kl_penalty,
+            )  # fmt: skip
+            c.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=batch.num_rows)
+            metrics.update(kl_metrics)
+        else:
+            batch.token_level_rewards = batch.token_level_scores
+        alg = cfg.algorithm
+        batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(
+            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+            group_ids=batch.group_ids, values=batch.values, reward_baselines=batch.reward_baselines,
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        )  # fmt: skip
+    norm_constant = float(cfg.data.max_response_length)
+    gen = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, salt=1))
+    if c.critic is not None:
+        with timer.phase("update_critic"):
+            metrics.update(
+                run_update(
+                    c.critic, batch, plan.critic, critic_loss_fn(c.critic.module, cfg.critic),
+                    shuffle=cfg.actor.shuffle, norm_constant=norm_constant, generator=gen, prefix="critic",
+                )  # fmt: skip
+            )
+    if step > cfg.critic.warmup_steps or c.critic is None:
+        with timer.phase("update_actor"):
+            metrics.update(
+                run_update(
+                    c.actor, batch, plan.actor, actor_loss_fn(policy, cfg.actor, temperature),
+                    shuffle=cfg.actor.shuffle, norm_constant=norm_constant, generator=gen, prefix="actor",
+                )  # fmt: skip
+            )
+    # The native engine shares the actor's module, so this refresh is free; other engines copy here.
+    with timer.phase("sync_weights"):
+        if c.engine.model is not policy:
+            c.engine.sync_weights(policy.state_dict().items())
+    tokens = float(batch.attention_mask.sum())
+    metrics.update(timer.pop())
+    step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))
+    metrics["timing/step"] = step_time
+    metrics["perf/tokens_per_s"] = tokens / max(step_time, 1e-9)
+    return metrics

@@ -1,0 +1,26 @@
+"""Shared test setup: small thread pools (CI has 2 cores), a private cache, tiny model directories."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A very small Qwen2 model + the built-in tokenizer, saved as a Hugging Face directory."""
+    from posttrain.models.tiny import create_tiny_model_dir
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    return create_tiny_model_dir(
+        path, seed=0, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128,
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "posttrain-cache"))
