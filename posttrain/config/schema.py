@@ -75,10 +75,15 @@ class DataConfig:
         choices=("filter", "error"),
     )
     num_train_examples: int = knob(
-        4096, "Examples the built-in task generates for training.", unit="prompts", min=1
+        480, "Problems the built-in task generates for training.", unit="prompts", min=1
     )
     num_val_examples: int = knob(
-        128, "Examples the built-in task generates for validation.", unit="prompts", min=1
+        128, "Held-out problems the built-in task generates for validation.", unit="prompts", min=1
+    )
+    max_operand: int = knob(
+        19,
+        "Largest operand of the built-in arithmetic task (19: 610 distinct problems; 99: 15,050).",
+        min=1,
     )
 
 

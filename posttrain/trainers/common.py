@@ -58,5 +58,7 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
             "data.task=gsm8k reads your own GSM8K-format files: set data.train_files=[train.jsonl] "
             "(and data.val_files), with reward.function=gsm8k"
         )
-    train, val = load_task(d.task, cfg.trainer.seed, n_train=d.num_train_examples, n_val=d.num_val_examples)
+    train, val = load_task(
+        d.task, cfg.trainer.seed, n_train=d.num_train_examples, n_val=d.num_val_examples, max_operand=d.max_operand
+    )
     return Splits(train, val, reward or get_task(d.task).default_reward)

@@ -7,6 +7,7 @@ setup → (resume) → validate → [step → log → validate every test_freq �
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from posttrain.config.schema import PostTrainConfig
@@ -74,6 +75,7 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     backends = [b for b in t.loggers if b != "console"]
     logger = MetricsLogger(run_dir, backends=backends, config=None)
     timer = PhaseTimer()
+    began = time.monotonic()
     start = maybe_resume(c, run_dir)
     display = TrainingDisplay(
         total_steps=t.total_steps, keys=HEADLINE, start_step=start, description="train",
@@ -81,9 +83,10 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     )  # fmt: skip
     display.start()
     last: dict[str, float] = {}
+    first_val: dict[str, float] = {}
     try:
         if start == 0 and t.test_freq > 0:
-            last = run_validation(c, 0)
+            last = first_val = run_validation(c, 0)
             logger.log(last, step=0)
             display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
@@ -100,6 +103,12 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
         logger.close()
         c.close()
     _finish(c, run_dir, quiet)
+    if not quiet and "val/accuracy" in last:
+        before = f"{first_val['val/accuracy']:.1%} → " if first_val else ""
+        print(
+            f"Validation accuracy {before}{last['val/accuracy']:.1%} after {t.total_steps} steps "
+            f"({time.monotonic() - began:.0f} s of training)"
+        )
     return last
 
 

@@ -9,7 +9,7 @@ EXPECTED_KEYS = """
 model.path model.dtype
 data.task data.train_files data.val_files data.prompt_key data.answer_key data.train_batch_size
 data.val_batch_size data.max_prompt_length data.max_response_length data.overlong_prompts
-data.num_train_examples data.num_val_examples
+data.num_train_examples data.num_val_examples data.max_operand
 rollout.n rollout.temperature rollout.top_p rollout.top_k rollout.chunk_size rollout.val_n rollout.val_greedy
 actor.ppo_mini_batch_size actor.ppo_micro_batch_size_per_gpu actor.ppo_epochs actor.shuffle
 actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu actor.log_prob_micro_batch_size_per_gpu
@@ -33,6 +33,9 @@ algorithm.use_kl_in_reward algorithm.kl_penalty
 algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon
 trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
 trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf
+sft.train_files sft.response_key sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir
+sft.optim.lr sft.optim.weight_decay sft.optim.betas sft.optim.warmup_steps sft.optim.lr_schedule
+sft.optim.min_lr_ratio sft.optim.grad_clip
 """.split()
 
 

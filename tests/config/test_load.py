@@ -88,3 +88,14 @@ def test_every_field_documents_itself():
 def test_sections_have_docstrings():
     for f in dataclasses.fields(PostTrainConfig):
         assert f.metadata.get("help"), f.name
+
+
+def test_config_reference_doc_is_current():
+    from pathlib import Path
+
+    from posttrain.config.reference import render_config_reference
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert doc.read_text() == render_config_reference(), (
+        "docs/config.md is stale: run `python -m posttrain.config.reference > docs/config.md`"
+    )

@@ -23,10 +23,13 @@ OPS = ("+", "-")
 _NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?")
 
 
-def _operand_range(min_digits: int, max_digits: int) -> range:
-    """All integers with ``min_digits`` to ``max_digits`` digits (0 counts as one digit)."""
+def _operand_range(min_digits: int, max_digits: int, max_operand: int | None = None) -> range:
+    """All integers with ``min_digits`` to ``max_digits`` digits (0 counts as one digit), up to ``max_operand``."""
     low = 0 if min_digits == 1 else 10 ** (min_digits - 1)
-    return range(low, 10**max_digits)
+    high = 10**max_digits if max_operand is None else min(10**max_digits, max_operand + 1)
+    if high <= low:
+        raise ValueError(f"max_operand={max_operand} leaves no operand with at least {min_digits} digit(s)")
+    return range(low, high)
 
 
 def _check_options(min_digits: int, max_digits: int, ops: Sequence[str]) -> None:
@@ -63,11 +66,15 @@ def _decode(index: int, op: str, operands: range, allow_negative: bool) -> tuple
 
 
 def arithmetic_problem_count(
-    min_digits: int = 1, max_digits: int = 2, ops: Sequence[str] = OPS, allow_negative: bool = False
+    min_digits: int = 1,
+    max_digits: int = 2,
+    ops: Sequence[str] = OPS,
+    allow_negative: bool = False,
+    max_operand: int | None = None,
 ) -> int:
     """Number of distinct problems with these options (an upper bound on ``n_train + n_val``)."""
     _check_options(min_digits, max_digits, ops)
-    n = len(_operand_range(min_digits, max_digits))
+    n = len(_operand_range(min_digits, max_digits, max_operand))
     return sum(_pairs_for(op, n, allow_negative) for op in ops)
 
 
@@ -89,6 +96,7 @@ def make_arithmetic_splits(
     max_digits: int = 2,
     ops: Sequence[str] = OPS,
     allow_negative: bool = False,
+    max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Deterministic train and validation problems with no problem in both splits.
 
@@ -98,13 +106,13 @@ def make_arithmetic_splits(
     """
     if n_train < 1 or n_val < 0:
         raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
-    total = arithmetic_problem_count(min_digits, max_digits, ops, allow_negative)
+    total = arithmetic_problem_count(min_digits, max_digits, ops, allow_negative, max_operand)
     if n_train + n_val > total:
         raise ValueError(
             f"n_train + n_val = {n_train + n_val} exceeds the {total} distinct problems with "
             f"min_digits={min_digits}, max_digits={max_digits}, ops={tuple(ops)}; raise max_digits or ask for fewer"
         )
-    operands = _operand_range(min_digits, max_digits)
+    operands = _operand_range(min_digits, max_digits, max_operand)
     sizes = [_pairs_for(op, len(operands), allow_negative) for op in ops]
     # Sampling indices of the problem space without replacement makes the splits disjoint by
     # construction; random.sample over a range never materialises the (possibly huge) space.
@@ -150,6 +158,7 @@ def load_arithmetic(
     max_digits: int = 2,
     ops: Sequence[str] = OPS,
     allow_negative: bool = False,
+    max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Task-registry entry point: :func:`make_arithmetic_splits` with task defaults."""
-    return make_arithmetic_splits(seed, n_train, n_val, min_digits, max_digits, ops, allow_negative)
+    return make_arithmetic_splits(seed, n_train, n_val, min_digits, max_digits, ops, allow_negative, max_operand)

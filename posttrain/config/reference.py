@@ -1,0 +1,69 @@
+"""Render the configuration reference (docs/config.md) from the schema, so docs never drift.
+
+Regenerate with: python -m posttrain.config.reference > docs/config.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from posttrain.config.load import field_info
+from posttrain.config.schema import PostTrainConfig
+
+HEADER = """# Configuration reference
+
+Generated from `posttrain/config/schema.py` (the only place defaults live) by
+`python -m posttrain.config.reference > docs/config.md`; a test keeps this file in sync.
+
+Units: *prompts* count unique prompts, *samples* count prompt x response pairs (prompts x `rollout.n`).
+*per DP rank* sizes are per data-parallel rank (verl's `*_per_gpu`): with Ulysses sequence parallelism
+several GPUs form one DP rank. Override any key in a YAML file (nested sections) or on the command line
+(`actor.ppo_mini_batch_size=16`). `posttrain explain --keys` prints the same list.
+"""
+
+
+def _type_name(hint: typing.Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return f"list[{typing.get_args(hint)[0].__name__}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _default(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return repr(field.default)
+    return repr(field.default_factory())  # type: ignore[misc]
+
+
+def render_config_reference() -> str:
+    lines = [HEADER]
+    for section in dataclasses.fields(PostTrainConfig):
+        _render_section(lines, section.name, typing.get_type_hints(PostTrainConfig)[section.name])
+    return "\n".join(lines) + "\n"
+
+
+def _render_section(lines: list[str], prefix: str, cls: type) -> None:
+    lines.append(f"## `{prefix}`\n\n{(cls.__doc__ or '').strip()}\n")
+    lines.append("| key | type | default | unit | meaning |")
+    lines.append("|---|---|---|---|---|")
+    nested = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            nested.append((key, hint))
+            continue
+        field, _ = field_info(key)
+        meta = field.metadata
+        text = meta.get("help", "")
+        if meta.get("choices"):
+            text += " One of: " + ", ".join(f"`{c}`" for c in meta["choices"]) + "."
+        lines.append(f"| `{key}` | {_type_name(hint)} | `{_default(f)}` | {meta.get('unit', '')} | {text} |")
+    lines.append("")
+    for key, hint in nested:
+        _render_section(lines, key, hint)
+
+
+if __name__ == "__main__":
+    print(render_config_reference(), end="")
