@@ -54,29 +54,19 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         f"(rollout.chunk_size) × n {plan.n}; sequences ≤ {plan.max_seq_len} tokens "
         f"({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
     )
-    _forward_branch(
-        root, plan.old_log_prob, "old log-probs (actor)",
-        "actor.log_prob_max_token_len_per_gpu" if plan.old_log_prob.use_dynamic_bsz
-        else "actor.log_prob_micro_batch_size_per_gpu",
+    forward_passes = (
+        (plan.old_log_prob, "old log-probs (actor)", "actor.log_prob_max_token_len_per_gpu",
+         "actor.log_prob_micro_batch_size_per_gpu"),
+        (plan.ref, "reference log-probs", "ref.log_prob_max_token_len_per_gpu",
+         "ref.log_prob_micro_batch_size_per_gpu"),
+        (plan.values, "values (critic)", "critic.forward_max_token_len_per_gpu",
+         "critic.forward_micro_batch_size_per_gpu"),
+        (plan.reward_model, "reward model", "reward.model.forward_max_token_len_per_gpu",
+         "reward.model.micro_batch_size_per_gpu"),
     )  # fmt: skip
-    if plan.ref is not None:
-        _forward_branch(
-            root, plan.ref, "reference log-probs",
-            "ref.log_prob_max_token_len_per_gpu" if plan.ref.use_dynamic_bsz
-            else "ref.log_prob_micro_batch_size_per_gpu",
-        )  # fmt: skip
-    if plan.values is not None:
-        _forward_branch(
-            root, plan.values, "values (critic)",
-            "critic.forward_max_token_len_per_gpu" if plan.values.use_dynamic_bsz
-            else "critic.forward_micro_batch_size_per_gpu",
-        )  # fmt: skip
-    if plan.reward_model is not None:
-        _forward_branch(
-            root, plan.reward_model, "reward model",
-            "reward.model.forward_max_token_len_per_gpu" if plan.reward_model.use_dynamic_bsz
-            else "reward.model.micro_batch_size_per_gpu",
-        )  # fmt: skip
+    for p, title, budget_key, micro_key in forward_passes:
+        if p is not None:
+            _forward_branch(root, p, title, budget_key if p.use_dynamic_bsz else micro_key)
     if plan.critic is not None:
         _update_branch(root, plan.critic, "critic update", "critic")
     _update_branch(root, plan.actor, "actor update", "actor")

@@ -7,6 +7,7 @@ the docs and the error messages read it at run time, so the schema stays the sin
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 
@@ -30,6 +31,8 @@ def knob(
     return dataclasses.field(default=default, metadata=meta)
 
 
-def section(cls: type) -> Any:
-    """A nested config section, defaulting to the section's own defaults."""
-    return dataclasses.field(default_factory=cls, metadata={"help": (cls.__doc__ or "").strip()})
+def section(cls: type, **overrides: Any) -> Any:
+    """A nested config section with the section's defaults, or with `overrides` of some of them
+    (e.g. a role-specific learning rate): the result is still defined here, in the schema."""
+    factory = functools.partial(cls, **overrides) if overrides else cls
+    return dataclasses.field(default_factory=factory, metadata={"help": (cls.__doc__ or "").strip()})

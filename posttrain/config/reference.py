@@ -30,20 +30,17 @@ def _type_name(hint: typing.Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _default(field: dataclasses.Field) -> str:
-    if field.default is not dataclasses.MISSING:
-        return repr(field.default)
-    return repr(field.default_factory())  # type: ignore[misc]
-
-
 def render_config_reference() -> str:
     lines = [HEADER]
+    defaults = PostTrainConfig()
     for section in dataclasses.fields(PostTrainConfig):
-        _render_section(lines, section.name, typing.get_type_hints(PostTrainConfig)[section.name])
+        cls = typing.get_type_hints(PostTrainConfig)[section.name]
+        _render_section(lines, section.name, cls, getattr(defaults, section.name))
     return "\n".join(lines) + "\n"
 
 
-def _render_section(lines: list[str], prefix: str, cls: type) -> None:
+def _render_section(lines: list[str], prefix: str, cls: type, defaults: typing.Any) -> None:
+    """One table per section; defaults are read from a default instance (sections may override them)."""
     lines.append(f"## `{prefix}`\n\n{(cls.__doc__ or '').strip()}\n")
     lines.append("| key | type | default | unit | meaning |")
     lines.append("|---|---|---|---|---|")
@@ -52,17 +49,18 @@ def _render_section(lines: list[str], prefix: str, cls: type) -> None:
         key = f"{prefix}.{f.name}"
         hint = typing.get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(hint):
-            nested.append((key, hint))
+            nested.append((key, hint, getattr(defaults, f.name)))
             continue
         field, _ = field_info(key)
         meta = field.metadata
         text = meta.get("help", "")
         if meta.get("choices"):
             text += " One of: " + ", ".join(f"`{c}`" for c in meta["choices"]) + "."
-        lines.append(f"| `{key}` | {_type_name(hint)} | `{_default(f)}` | {meta.get('unit', '')} | {text} |")
+        default = repr(getattr(defaults, f.name))
+        lines.append(f"| `{key}` | {_type_name(hint)} | `{default}` | {meta.get('unit', '')} | {text} |")
     lines.append("")
-    for key, hint in nested:
-        _render_section(lines, key, hint)
+    for key, hint, sub in nested:
+        _render_section(lines, key, hint, sub)
 
 
 if __name__ == "__main__":

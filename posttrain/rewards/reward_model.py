@@ -20,9 +20,10 @@ class RewardModelScorer:
 
     Args:
         path: directory with the model and its tokenizer.
-        micro_batch_size: sequences per forward pass.
+        micro_batch_size: sequences per forward pass (when max_tokens is None).
         device: where the model runs.
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        max_tokens: token budget of one forward pass (dynamic batch size); None: fixed micro_batch_size.
         max_length: longest input in tokens; longer ones keep their LAST ``max_length`` tokens (the
             response end the score is read at). None: no truncation.
     """
@@ -34,6 +35,7 @@ class RewardModelScorer:
         device: str | torch.device = "cpu",
         dtype: str = "fp32",
         max_length: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -43,6 +45,10 @@ class RewardModelScorer:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length={max_length} must be >= 1, or None for no truncation")
+        if max_tokens is not None and max_length is not None and max_tokens < max_length:
+            raise ValueError(
+                f"max_tokens={max_tokens} (token budget per forward pass) must be >= max_length={max_length}"
+            )
         config = AutoConfig.from_pretrained(path)
         # Checked before loading weights: a classifier with several labels would load fine and then
         # silently score with label 0.
@@ -68,6 +74,7 @@ class RewardModelScorer:
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
+        self.max_tokens = max_tokens
 
     def format(self, prompt: str | list[dict[str, str]], response: str) -> str:
         """The text the reward model reads for one sample."""
@@ -98,13 +105,20 @@ class RewardModelScorer:
                 f"got {len(prompts)} prompts but {len(responses)} responses; pass one per sample"
             )
         encoded = [self._encode(self.format(p, r)) for p, r in zip(prompts, responses)]
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         scores = [0.0] * len(encoded)
-        for start in range(0, len(order), self.micro_batch_size):
-            chunk = order[start : start + self.micro_batch_size]
+        for chunk in self._micro_batches([len(ids) for ids in encoded]):
             for i, value in zip(chunk, self._forward([encoded[i] for i in chunk])):
                 scores[i] = value
         return scores
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Fixed-size groups of similar lengths, or token-budget groups (hard cap) when max_tokens is set."""
+        if self.max_tokens is not None:
+            from posttrain.batching.token_budget import plan_token_micro_batches
+
+            return plan_token_micro_batches(lengths, self.max_tokens)
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        return [order[s : s + self.micro_batch_size] for s in range(0, len(order), self.micro_batch_size)]
 
     def _forward(self, batch: list[list[int]]) -> list[float]:
         longest = max(len(ids) for ids in batch)

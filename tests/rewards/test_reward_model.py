@@ -94,3 +94,16 @@ def test_bad_arguments(tmp_path):
         RewardModelScorer(path, dtype="float8")
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         RewardModelScorer(path).score(PROMPTS[:2], RESPONSES[:1])
+
+
+def test_token_budget_batches_give_the_same_scores(tmp_path):
+    path = save_reward_model(tmp_path / "rm", chat_template=None)
+    fixed = RewardModelScorer(path, micro_batch_size=2).score(PROMPTS, RESPONSES)
+    scorer = RewardModelScorer(path, max_tokens=16)
+    calls = []
+    original = scorer._forward
+    scorer._forward = lambda batch: calls.append(sum(len(ids) for ids in batch)) or original(batch)
+    assert scorer.score(PROMPTS, RESPONSES) == pytest.approx(fixed, abs=1e-5)
+    assert calls and max(calls) <= 16
+    with pytest.raises(ValueError, match="max_tokens"):
+        RewardModelScorer(path, max_tokens=8, max_length=16)
