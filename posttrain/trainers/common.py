@@ -13,6 +13,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import load_records
 from posttrain.data.records import PromptRecord
 from posttrain.data.tasks import get_task, load_task
+from posttrain.data.tasks.gsm8k import load_gsm8k
 
 log = logging.getLogger("posttrain")
 
@@ -41,9 +42,19 @@ class Splits:
 
 
 def load_splits(cfg: PostTrainConfig) -> Splits:
-    """Training and validation records from data.train_files/val_files, or the built-in task."""
+    """Training and validation records: GSM8K-format files (data.task=gsm8k), other prompt files
+    (data.train_files with a reward.function), or the generated arithmetic task."""
     d = cfg.data
     reward = cfg.reward.function
+    if d.task == "gsm8k":
+        if not d.train_files:
+            raise ValueError(
+                "data.task=gsm8k reads your own GSM8K-format files (question, answer ending in '#### 42'): "
+                "set data.train_files=[train.jsonl] (and data.val_files=[test.jsonl])"
+            )
+        train = [r for f in d.train_files for r in load_gsm8k(f)]
+        val = [r for f in d.val_files for r in load_gsm8k(f)]
+        return Splits(train, val, reward or "gsm8k")
     if d.train_files:
         train = [r for f in d.train_files for r in load_records(f, d.prompt_key, d.answer_key)]
         val = [r for f in d.val_files for r in load_records(f, d.prompt_key, d.answer_key)]
@@ -53,11 +64,6 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
                 "reward.function=exact_match, reward.function=gsm8k or reward.function=path/to/file.py:fn"
             )
         return Splits(train, val, reward)
-    if d.task == "gsm8k":
-        raise ValueError(
-            "data.task=gsm8k reads your own GSM8K-format files: set data.train_files=[train.jsonl] "
-            "(and data.val_files), with reward.function=gsm8k"
-        )
     train, val = load_task(
         d.task, cfg.trainer.seed, n_train=d.num_train_examples, n_val=d.num_val_examples, max_operand=d.max_operand
     )

@@ -138,3 +138,32 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "final_model").state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
+
+
+def test_gsm8k_files_and_reward_model(tiny_model_dir, tmp_path):
+    """GSM8K-format files with the numeric verifier, plus a sequence-classification reward model."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from posttrain.models.hf import load_tokenizer
+
+    rows = [{"question": f"Tom has {i} apples and buys 2 more. How many?", "answer": f"{i}+2={i + 2}\n#### {i + 2}"}
+            for i in range(8)]  # fmt: skip
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    tok = load_tokenizer(tiny_model_dir)
+    rm_dir = tmp_path / "rm"
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, num_labels=1, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(rm_dir)
+    tok.save_pretrained(rm_dir)
+    cfg = small_config(
+        tiny_model_dir, tmp_path / "run", "data.task=gsm8k", f"data.train_files=[{data}]",
+        f"data.val_files=[{data}]", "reward.function=", "data.max_prompt_length=128", "trainer.total_steps=1",
+        "trainer.test_freq=1", "reward.model.enable=true", f"reward.model.path={rm_dir}",
+    )  # fmt: skip
+    final = run_training(cfg, quiet=True)
+    assert "reward/model_score_mean" in final and "val/accuracy" in final
+    assert_finite(read_metrics(tmp_path / "run"))
