@@ -1,4 +1,4 @@
-"""The `posttrain` command line: train, sft, eval, explain.
+"""The `posttrain` command line: train, sft, eval, explain, tune.
 
 Every subcommand takes optional YAML files and dotted overrides, in any order:
     posttrain train my.yaml actor.ppo_mini_batch_size=16 trainer.total_steps=20
@@ -31,10 +31,40 @@ def _load(args: argparse.Namespace):
     return build_config(yamls, overrides)
 
 
+def _what_if(args: argparse.Namespace, world_size: int):
+    from posttrain.tuning.memory import WhatIf
+
+    fsdp = world_size if args.fsdp_size == -1 else args.fsdp_size
+    if fsdp < 1 or world_size % fsdp != 0:
+        raise ValueError(
+            f"--fsdp-size {args.fsdp_size} must divide the world size ({world_size}) (-1: shard over all GPUs)"
+        )
+    return WhatIf(
+        fsdp_size=fsdp, param_offload=args.param_offload, optimizer_offload=args.optimizer_offload,
+        lora_rank=args.lora_rank, master_weights_fp32=args.master_weights_fp32, rollout_engine=args.rollout_engine,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs, rollout_tp=args.rollout_tp,
+    )  # fmt: skip
+
+
+def _model_shape(cfg, model_config: str | None):
+    from posttrain.tuning.shape import ModelShape, shape_for_model_path
+
+    if model_config:
+        return ModelShape.from_path(model_config)
+    return shape_for_model_path(cfg.model.path)
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    for name in ("nodes", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    return args.world_size if args.world_size is not None else args.nodes * args.gpus_per_node
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from posttrain.config.explain import plan_tree
+    from posttrain.config.explain import advice_lines, estimate_table, plan_tree
     from posttrain.config.load import all_keys, field_info
     from posttrain.config.plan import build_plan
 
@@ -45,16 +75,54 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"{key}{unit}: {field.metadata.get('help', '')}")
         return 0
     cfg = _load(args)
-    plan = build_plan(cfg, world_size=args.world_size)
+    world = _world_size(args)
+    plan = build_plan(cfg, world_size=world)
+    estimate, advice, shape, point = None, {}, _model_shape(cfg, args.model_config), None
+    if shape is not None:
+        from posttrain.tuning.advice import advise, starting_point
+        from posttrain.tuning.memory import Cluster, estimate_memory
+
+        # --world-size, when given, replaces nodes x gpus-per-node (one node of that many GPUs).
+        nodes, per_node = (args.nodes, args.gpus_per_node) if args.world_size is None else (1, world)
+        cluster = Cluster(nodes, per_node, args.gpu_memory_gb)
+        what_if = _what_if(args, world)
+        estimate = estimate_memory(cfg, plan, shape, cluster, what_if)
+        advice = advise(cfg, estimate, shape, cluster, what_if)
+        point = starting_point(shape) if args.suggest else None
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
-    else:
-        # Piped output (CI logs, files) gets a fixed width instead of rich's 80-column default.
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=120)
-        console.print(plan_tree(cfg, plan))
+        out = plan.to_dict()
+        mem = None
+        if estimate is not None:
+            mem = estimate.to_dict()
+            mem["advice"] = {k: {"overrides": a.overrides, "peak_gib": round(a.peak_bytes / 2**30, 3), "fits": a.fits,
+                                 "reason": a.reason} for k, a in advice.items()}  # fmt: skip
+            if point is not None:
+                mem["starting_point"] = {"tier": point.tier, "source": point.source, "overrides": point.overrides}
+        out["memory_estimate"] = mem
+        print(json.dumps(out, indent=2))
+        return 0
+    # Piped output (CI logs, files) gets a fixed width instead of rich's 80-column default.
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    console.print(plan_tree(cfg, plan))
+    if estimate is None:
+        console.print(f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)")
+        return 0
+    console.print(estimate_table(estimate, advice))
+    for line in advice_lines(estimate, advice):
+        console.print(line)
+    if point is not None:
+        args_text = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in point.overrides.items())
+        console.print(f"starting point for a {point.tier} model ({point.source}):\n  {args_text}")
     return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from posttrain.tuning.cli_tune import run_tune
+
+    yamls, overrides = _split_args(args.config)
+    return run_tune(args, _load(args), overrides, yamls)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -95,11 +163,46 @@ def build_parser() -> argparse.ArgumentParser:
     add("sft", cmd_sft, "Supervised fine-tuning on prompt/response data.")
     p = add("eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task.")
     p.add_argument("--model", default=None, help="Model directory or checkpoint (default: model.path)")
-    p = add("explain", cmd_explain, "Print the batch plan derived from a config.")
-    p.add_argument("--world-size", type=int, default=1, help="Number of GPUs/processes (default 1)")
+    p = add("explain", cmd_explain, "Print the batch plan and the per-GPU memory estimate derived from a config.")
+    p.add_argument("--world-size", type=int, default=None, help="Number of GPUs/processes (default: nodes x gpus-per-node)")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON (stable keys)")
     p.add_argument("--keys", action="store_true", help="List every config key with its unit and help")
+    p.add_argument("--suggest", action="store_true", help="Also print the seeds' starting point for this model size")
+    _add_cluster_args(p)
+    p = add("tune", cmd_tune, "Measure micro-batch sizes / token budgets on this device; write a config overlay.")
+    p.add_argument("--memory-cap-gb", type=float, default=None,
+                   help="Memory a trial may use, GiB (default: the GPU's memory; on CPU the available RAM)")  # fmt: skip
+    p.add_argument("--headroom", type=float, default=0.1, help="Fraction of the cap kept free (default 0.1)")
+    p.add_argument("--time-budget-s", type=float, default=300.0, help="Stop starting trials after this (0: no trials)")
+    p.add_argument("--max-trials", type=int, default=12, help="Most trials in total (default 12)")
+    p.add_argument("--roles", default=None, help="Comma list of actor,old_log_prob,critic,values (default: used ones)")
+    p.add_argument("--max-micro-batch", type=int, default=None, help="Largest micro-batch size to try")
+    p.add_argument("--rows", type=int, default=None, help="Samples per measured step (default: mini-batch per rank)")
+    p.add_argument("--repeats", type=int, default=2, help="Timed steps per trial; the fastest counts (default 2)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="Where to measure")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per trial (default 1)")
+    p.add_argument("--output", default="tuned.yaml", help="Overlay YAML to write (default tuned.yaml)")
+    p.add_argument("--world-size", type=int, default=None, help="Number of GPUs/processes (default: nodes x gpus-per-node)")
+    _add_cluster_args(p)
     return parser
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster and what-if inputs of the memory estimate (docs/tuning.md)")
+    g.add_argument("--nodes", type=int, default=1, help="Nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
+    g.add_argument("--gpu-memory-gb", type=float, default=None, help="Memory per GPU in GiB (enables OOM warnings)")
+    g.add_argument("--model-config", default=None, help="config.json (or its directory) giving the architecture")
+    g.add_argument("--fsdp-size", type=int, default=1,
+                   help="What if FSDP sharded model states over this many GPUs (-1: all; default 1: none, as today)")  # fmt: skip
+    g.add_argument("--param-offload", action="store_true", help="What if parameters were offloaded to CPU")
+    g.add_argument("--optimizer-offload", action="store_true", help="What if optimizer states were offloaded to CPU")
+    g.add_argument("--lora-rank", type=int, default=0, help="What if only LoRA adapters of this rank were trained")
+    g.add_argument("--master-weights-fp32", action="store_true", help="What if fp32 master weights (mixed precision)")
+    g.add_argument("--rollout-engine", default="native", choices=("native", "vllm"), help="Rollout engine to model")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's reserved fraction (default 0.5)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's concurrent sequences (default 256)")
+    g.add_argument("--rollout-tp", type=int, default=1, help="vLLM's tensor-parallel size (default 1)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,3 +82,57 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
             f"(PPO's ratio clip corrects for this; ppo_mini_batch_size = train_batch_size removes it)"
         )
     return root
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f}"
+
+
+def estimate_table(estimate, advice: dict | None = None):
+    """A rich Table of the per-GPU memory estimate (one row per phase), with OOM warnings and fixes."""
+    from rich.table import Table
+
+    c = estimate.cluster
+    limit = c.gpu_memory_gb
+    m = estimate.model
+    title = (
+        f"Estimated peak memory per GPU (GiB): {m.name or 'model'}, {_count(m.num_params())} params, "
+        f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s)" + (f" x {limit:g} GiB" if limit else "")
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("phase")
+    table.add_column("total", justify="right")
+    table.add_column("components")
+    table.add_column("fits?")
+    for p in estimate.phases:
+        parts = ", ".join(f"{x.name} {_gib(x.bytes)}" for x in p.components if x.bytes)
+        fits = "-" if limit is None else ("yes" if p.total <= limit * 2**30 else "[bold red]NO (OOM)[/]")
+        table.add_row(p.phase, _gib(p.total), parts, fits)
+    return table
+
+
+def advice_lines(estimate, advice: dict) -> list[str]:
+    """One warning per phase predicted over the GPU's memory, with the cheapest fix in the seeds' order."""
+    lines = []
+    limit = estimate.cluster.gpu_memory_gb
+    for phase, a in advice.items():
+        head = (
+            f"[bold red]warning[/]: {phase} is predicted to need {_gib(estimate.phase(phase).total)} GiB per GPU, "
+            f"more than the {limit:g} GiB a GPU has (out of memory)"
+        )
+        if a.fits:
+            lines.append(f"{head}; cheapest fix ({a.reason}): {a.as_args()} -> {_gib(a.peak_bytes)} GiB")
+            continue
+        tail = (
+            "the model states alone exceed the GPU: they need sharding or offload (see the what-if options "
+            "--fsdp-size, --param-offload, --optimizer-offload, --lora-rank), more GPUs, or GPUs with more memory"
+        )
+        if a.overrides:
+            lines.append(f"{head}; the config's knobs reach {_gib(a.peak_bytes)} GiB ({a.as_args()}); {tail}")
+        else:
+            lines.append(f"{head}; no config key fixes it: {tail}")
+    return lines

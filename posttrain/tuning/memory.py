@@ -1,0 +1,425 @@
+"""Per-GPU peak memory of each phase of an RL step, estimated from the config, the model shape and the cluster.
+
+No GPU is needed. Every formula is a small function below whose docstring says what it models and what it
+ignores; :func:`estimate_memory` adds them up phase by phase. Sizes are bytes unless a name says otherwise.
+
+What this trainer does today, and what the estimator can also answer as a "what if" (:class:`WhatIf`):
+
+* The trainer is one process on one device: every role's weights and optimizer states live on it for the whole
+  step (the rollout engine shares the actor's module). ``WhatIf.fsdp_size`` shows what FSDP full sharding (or
+  HSDP with groups of that size) of parameters, gradients and optimizer states *would* give; so do
+  ``param_offload``, ``optimizer_offload``, ``lora_rank`` and a vLLM-style rollout engine
+  (``gpu_memory_utilization``, ``max_num_seqs``, ``rollout_tp``). None of these exists as a config key yet.
+* Parameters, gradients and AdamW's two moments are in ``model.dtype`` (no fp32 master copy), as the trainer
+  keeps them; ``WhatIf.master_weights_fp32`` models FSDP mixed precision (fp32 master weights, gradients and
+  moments; a ``model.dtype`` copy of the layer being computed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan
+from posttrain.config.schema import PostTrainConfig
+from posttrain.tuning.shape import GIB, ModelShape
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+# Elements saved for backward per token per decoder layer, beyond 11 x hidden + 4 x kv_dim + 4 x intermediate:
+# one per attention head (the attention kernel's log-sum-exp). Counted with saved-tensor hooks on Qwen2 (sdpa).
+HEAD_SAVED_LOGITS = 2.0  # naive head: fp32 logits + one more [N, V] tensor kept for backward (entropy's softmax)
+HEAD_BACKWARD_LOGITS = 1.0  # naive head: the [N, V] gradient of the logits during backward
+CHUNK_TENSORS = 2.0  # chunked head: [chunk, V] fp32 tensors alive at once (logits, probabilities)
+FORWARD_HEAD_LOGITS = 2.0  # forward-only naive head: fp32 logits + one temporary of the same size
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gb`` GiB each (None: unknown)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1
+    gpu_memory_gb: float | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """Estimator inputs for features the trainer does not have yet (each is "what it would give")."""
+
+    fsdp_size: int = 1  # GPUs sharing one copy of params/grads/optimizer states (FSDP/HSDP group); 1: none
+    param_offload: bool = False  # parameters live in CPU memory; one layer at a time is brought to the GPU
+    optimizer_offload: bool = False  # AdamW moments (and master weights) live in CPU memory
+    lora_rank: int = 0  # > 0: only LoRA adapters (all-linear) are trained
+    master_weights_fp32: bool = False  # FSDP mixed precision: fp32 master weights, grads and moments
+    rollout_engine: str = "native"  # "native" (this project's) or "vllm"
+    gpu_memory_utilization: float = 0.5  # vLLM: fraction of GPU memory it reserves for weights + KV cache
+    max_num_seqs: int = 256  # vLLM: sequences decoded at once
+    rollout_tp: int = 1  # vLLM: tensor-parallel size of the rollout engine
+
+    def __post_init__(self) -> None:
+        if self.fsdp_size < 1:
+            raise ValueError(f"fsdp size ({self.fsdp_size}) must be >= 1 (1: no sharding)")
+        if self.lora_rank < 0:
+            raise ValueError(f"LoRA rank ({self.lora_rank}) must be >= 0 (0: full fine-tuning)")
+        if self.rollout_engine not in ("native", "vllm"):
+            raise ValueError(f"rollout engine {self.rollout_engine!r} must be 'native' or 'vllm'")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Component:
+    """One named share of a phase's peak."""
+
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PhaseEstimate:
+    """The per-GPU peak of one phase: resident model states + the phase's own working memory."""
+
+    phase: str
+    components: tuple[Component, ...]
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+    def part(self, name: str) -> int:
+        return sum(c.bytes for c in self.components if c.name == name)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU estimates of every phase of a step. ``to_dict()`` is the ``memory_estimate`` JSON object."""
+
+    model: ModelShape
+    cluster: Cluster
+    what_if: WhatIf
+    phases: tuple[PhaseEstimate, ...]
+
+    @property
+    def peak(self) -> PhaseEstimate:
+        return max(self.phases, key=lambda p: p.total)
+
+    def phase(self, name: str) -> PhaseEstimate:
+        return next(p for p in self.phases if p.phase == name)
+
+    def to_dict(self) -> dict:
+        limit = self.cluster.gpu_memory_gb
+        return {
+            "model": dataclasses.asdict(self.model) | {"num_params": self.model.num_params()},
+            "cluster": dataclasses.asdict(self.cluster) | {"world_size": self.cluster.world_size},
+            "what_if": dataclasses.asdict(self.what_if),
+            "phases": {
+                p.phase: {
+                    "total_gib": round(p.total / GIB, 3),
+                    "fits": None if limit is None else p.total <= limit * GIB,
+                    "components_gib": {c.name: round(c.bytes / GIB, 3) for c in p.components},
+                    **p.detail,
+                }
+                for p in self.phases
+            },
+            "peak_phase": self.peak.phase,
+            "peak_gib": round(self.peak.total / GIB, 3),
+        }
+
+
+# --- model states ------------------------------------------------------------------------------------------
+
+
+def parameter_bytes(shape: ModelShape, dtype_bytes: int, shard: int, offload: bool) -> int:
+    """Weights on one GPU: all parameters / ``shard``; with offload only the layers being computed.
+
+    Sharded (FSDP) or offloaded weights are gathered one decoder layer at a time, plus one prefetched layer: two
+    unsharded layers on the GPU. Ignores buffers (RoPE tables) and the allocator's rounding.
+    """
+    gathered = 2 * shape.layer_params() * dtype_bytes if (shard > 1 or offload) else 0
+    if offload:
+        return gathered
+    return shape.num_params() * dtype_bytes // shard + gathered
+
+
+def trainable_params(shape: ModelShape, lora_rank: int) -> int:
+    """Parameters that get gradients and optimizer states: all, or only the LoRA adapters."""
+    return shape.lora_params(lora_rank) if lora_rank > 0 else shape.num_params()
+
+
+def gradient_bytes(trainable: int, grad_bytes: int, shard: int) -> int:
+    """Gradients of the trainable parameters, sharded like them (FSDP reduce-scatters them).
+
+    Ignores the unsharded gradient of the layer being reduced and communication buckets.
+    """
+    return trainable * grad_bytes // shard
+
+
+def optimizer_bytes(trainable: int, state_bytes: int, shard: int, offload: bool, master_fp32: bool) -> int:
+    """AdamW's two moments (+ fp32 master weights under mixed precision), sharded; 0 on the GPU when offloaded."""
+    if offload:
+        return 0
+    per_param = 2 * state_bytes + (FP32 if master_fp32 else 0)
+    return trainable * per_param // shard
+
+
+# --- activations ------------------------------------------------------------------------------------------
+
+
+def layer_saved_elements_per_token(shape: ModelShape) -> int:
+    """Elements one decoder layer saves for backward per token (Llama/Qwen2 with sdpa/flash attention).
+
+    Counted with saved-tensor hooks on a Qwen2 layer: two RMSNorms (input + output each: 4 x hidden), q and its
+    RoPE copies (3 x hidden), K/V projections, RoPE'd K and the GQA-repeated K/V (4 x kv_dim + 2 x hidden), the
+    attention output and its o_proj input (2 x hidden), the gated MLP (gate, up, SiLU, product: 4 x
+    intermediate), and one log-sum-exp per head. Ignores attention-probability matrices: an eager (non-fused)
+    attention would add heads x sequence length per token.
+    """
+    return 11 * shape.hidden_size + 4 * shape.kv_dim + 4 * shape.intermediate_size + shape.num_heads
+
+
+def update_activation_bytes(
+    shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool, offload: bool
+) -> int:
+    """Activations a training micro-batch of ``tokens`` tokens keeps on the GPU at the start of backward.
+
+    Plain: every layer's saved tensors. Gradient checkpointing: each layer's input (hidden x tokens) plus one
+    layer recomputed in backward. Activation offload (CUDA): saved tensors live in CPU memory, so the GPU holds
+    about one layer's worth (the one being computed). Ignores the embedding output and rotary tables.
+    """
+    one_layer = tokens * layer_saved_elements_per_token(shape) * dtype_bytes
+    if offload:
+        return one_layer
+    if checkpointing:
+        return shape.num_layers * tokens * shape.hidden_size * dtype_bytes + one_layer
+    return shape.num_layers * one_layer
+
+
+def update_step_bytes(activations: int, gradients: int) -> int:
+    """Activations and gradients at the backward's peak: backward frees each layer's saved activations as it
+    creates that layer's gradients, so the peak is the larger of the two (measured on CPU: they do not add up).
+    Ignores gradient-communication buckets (FSDP/DDP), which are small next to either."""
+    return max(activations, gradients)
+
+
+def head_update_bytes(
+    response_tokens: int, vocab: int, dtype_bytes: int, chunk: int | None, checkpoint: bool
+) -> int:
+    """The log-prob + entropy head of a training micro-batch (only response positions go through the head).
+
+    Naive: fp32 logits and one more ``[N, V]`` tensor are saved, and backward adds the logits' gradient
+    (``HEAD_SAVED_LOGITS + HEAD_BACKWARD_LOGITS`` x ``[N, V]`` fp32, plus the ``model.dtype`` logits before the
+    cast when that is not fp32). Chunked with recompute (``entropy_checkpointing``): a few ``[chunk, V]`` fp32
+    tensors, independent of N. Chunked without recompute: every chunk's tensors stay for autograd (about as
+    much as naive). Ignores the head's weight gradient (counted in gradients).
+    """
+    nv = response_tokens * vocab
+    cast = nv * dtype_bytes if dtype_bytes != FP32 else 0
+    if chunk is None or not checkpoint:
+        return int(nv * FP32 * (HEAD_SAVED_LOGITS + HEAD_BACKWARD_LOGITS)) + cast
+    return int(min(chunk, response_tokens) * vocab * FP32 * CHUNK_TENSORS)
+
+
+def forward_only_bytes(
+    shape: ModelShape, tokens: int, response_tokens: int, dtype_bytes: int, chunk: int | None, lm_head: bool
+) -> int:
+    """Working memory of a forward-only micro-batch (old/reference log-probs, values): nothing is saved, so
+    the peak is the residual stream plus the largest single step, a decoder layer's MLP (hidden states in and
+    out, gate/up/product: ``4 x hidden + 3 x intermediate`` per token) or the log-prob head (``[N, V]`` fp32
+    logits + one temporary; ``[chunk, V]`` when chunked). ``lm_head=False`` for the critic (a scalar head)."""
+    layer = tokens * (4 * shape.hidden_size + 3 * shape.intermediate_size) * dtype_bytes
+    if not lm_head:
+        return layer
+    rows = response_tokens if chunk is None else min(chunk, response_tokens)
+    head = int(rows * shape.vocab_size * FP32 * FORWARD_HEAD_LOGITS) + tokens * shape.hidden_size * dtype_bytes
+    return max(layer, head)
+
+
+# --- rollout ---------------------------------------------------------------------------------------------
+
+
+def kv_cache_bytes(shape: ModelShape, sequences: int, tokens_per_sequence: int, dtype_bytes: int) -> int:
+    """K and V of every layer for ``sequences`` x ``tokens_per_sequence`` tokens (GQA: kv_dim wide)."""
+    return 2 * shape.num_layers * shape.kv_dim * sequences * tokens_per_sequence * dtype_bytes
+
+
+def native_rollout_bytes(
+    shape: ModelShape, sequences: int, prompt_len: int, response_len: int, dtype_bytes: int
+) -> tuple[int, int]:
+    """(KV cache, prefill working memory) of this project's engine: one call generates ``rollout.chunk_size x
+    rollout.n`` sequences with a Hugging Face dynamic cache that grows to prompt + response tokens; prefill
+    runs all prompts at once (one layer's MLP working set) and keeps only the last position's logits. Weights
+    are the actor's own module (no copy). Ignores the cache's growth by concatenation (a transient copy of one
+    layer's cache)."""
+    kv = kv_cache_bytes(shape, sequences, prompt_len + response_len, dtype_bytes)
+    prefill = sequences * prompt_len * (4 * shape.hidden_size + 3 * shape.intermediate_size) * dtype_bytes
+    sampling = 3 * sequences * shape.vocab_size * FP32
+    return kv, prefill + sampling
+
+
+def vllm_rollout(
+    shape: ModelShape, gpu_bytes: int, what_if: WhatIf, seq_len: int, dtype_bytes: int
+) -> dict:
+    """What a vLLM engine would reserve: ``gpu_memory_utilization`` x GPU memory for its weights (split over
+    ``rollout_tp`` GPUs) and KV cache, and how many sequences of ``seq_len`` tokens that cache holds
+    (``max_num_seqs`` caps it). Ignores CUDA graphs, vLLM's activation profiling and fragmentation."""
+    reserved = int(what_if.gpu_memory_utilization * gpu_bytes)
+    weights = shape.num_params() * dtype_bytes // what_if.rollout_tp
+    per_seq = kv_cache_bytes(shape, 1, seq_len, dtype_bytes) // what_if.rollout_tp
+    kv = max(0, reserved - weights)
+    return {
+        "reserved_bytes": reserved,
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv,
+        "max_concurrent_seqs": min(what_if.max_num_seqs, kv // max(per_seq, 1)),
+    }
+
+
+# --- assembling the phases ------------------------------------------------------------------------------------
+
+
+def micro_batch_tokens(
+    use_dynamic_bsz: bool, micro: int | None, budget: int | None, prompt_len: int, response_len: int, sp: int
+) -> tuple[int, int]:
+    """(tokens, response tokens) of the largest micro-batch on one GPU.
+
+    Fixed micro-batches: ``micro`` samples at the longest possible length (prompt + response; padding to the
+    longest row makes this the worst case with or without packing). Token budget: ``budget`` tokens, of which
+    the response share is that of max-length samples. Ulysses SP splits every sequence over ``sp`` GPUs.
+    """
+    seq = prompt_len + response_len
+    if use_dynamic_bsz:
+        tokens = int(budget or seq)
+        response = tokens * response_len // seq
+    else:
+        tokens, response = int(micro or 1) * seq, int(micro or 1) * response_len
+    return -(-tokens // sp), -(-response // sp)
+
+
+def _flag(section: object, name: str) -> bool:
+    # Keys added by other work items are read by their documented names when present (False otherwise).
+    return bool(getattr(section, name, False))
+
+
+def _head_chunk(section: object) -> int | None:
+    if not _flag(section, "entropy_from_logits_with_chunking"):
+        return None
+    return int(getattr(section, "entropy_from_logits_chunk_size", 2048))
+
+
+def _critic_params(shape: ModelShape) -> ModelShape:
+    # The critic is the backbone without the LM head (+ a [H, 1] value head, negligible): an untied head's
+    # V x H weights are not there; with tied embeddings the matrix stays as the input embedding.
+    return dataclasses.replace(shape, tie_word_embeddings=True)
+
+
+def _resident(cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, w: WhatIf) -> list[Component]:
+    """Model states that stay on the GPU for the whole step (single-process trainer: every role)."""
+    b = DTYPE_BYTES[cfg.model.dtype]
+    keep = FP32 if w.master_weights_fp32 else b
+    out: list[Component] = []
+    roles = [("actor", shape, True)]
+    if plan.ref is not None:
+        roles.append(("reference", shape, False))
+    if plan.critic is not None:
+        roles.append(("critic", _critic_params(shape), True))
+    for name, s, trained in roles:
+        out.append(Component(f"{name} weights", parameter_bytes(s, keep, w.fsdp_size, w.param_offload)))
+        if trained:
+            trainable = trainable_params(s, w.lora_rank)
+            opt = optimizer_bytes(trainable, keep, w.fsdp_size, w.optimizer_offload, w.master_weights_fp32)
+            out.append(Component(f"{name} optimizer", opt, "AdamW exp_avg + exp_avg_sq"))
+    return out
+
+
+def _update_phase(
+    cfg: PostTrainConfig, p: UpdatePlan, shape: ModelShape, w: WhatIf, resident: list[Component]
+) -> PhaseEstimate:
+    d = cfg.data
+    b = DTYPE_BYTES[cfg.model.dtype]
+    actor = p.role == "actor"
+    section = cfg.actor if actor else cfg.critic
+    ckpt_section = cfg.model if actor else cfg.critic
+    tokens, resp = micro_batch_tokens(
+        p.use_dynamic_bsz, p.micro_batch_size_per_rank, p.max_token_len_per_rank, d.max_prompt_length,
+        d.max_response_length, p.sp_size,
+    )  # fmt: skip
+    s = shape if actor else _critic_params(shape)
+    grads = gradient_bytes(trainable_params(s, w.lora_rank), FP32 if w.master_weights_fp32 else b, w.fsdp_size)
+    gc = _flag(ckpt_section, "enable_gradient_checkpointing")
+    acts = update_activation_bytes(shape, tokens, b, gc, _flag(ckpt_section, "enable_activation_offload"))
+    comps = [
+        *resident,
+        Component(
+            "gradients/activations", update_step_bytes(acts, grads),
+            f"max(activations {acts / GIB:.2f} GiB, gradients {grads / GIB:.2f} GiB)",
+        ),
+    ]  # fmt: skip
+    if actor:
+        head = head_update_bytes(resp, shape.vocab_size, b, _head_chunk(section), _flag(section, "entropy_checkpointing"))
+        comps.append(Component("log-prob/entropy head", head))
+    detail = {"micro_batch_tokens": tokens, "activations_gib": round(acts / GIB, 3), "gradients_gib": round(grads / GIB, 3)}
+    return PhaseEstimate(f"{p.role}_update", tuple(comps), detail)
+
+
+def _forward_phase(
+    cfg: PostTrainConfig, p: ForwardPlan, shape: ModelShape, resident: list[Component], chunk: int | None
+) -> PhaseEstimate:
+    d = cfg.data
+    tokens, resp = micro_batch_tokens(
+        p.use_dynamic_bsz, p.micro_batch_size_per_rank, p.max_token_len_per_rank, d.max_prompt_length,
+        d.max_response_length, p.sp_size,
+    )  # fmt: skip
+    work = forward_only_bytes(shape, tokens, resp, DTYPE_BYTES[cfg.model.dtype], chunk, p.role != "values")
+    comps = (*resident, Component("forward working memory", work))
+    return PhaseEstimate(p.role, comps, {"micro_batch_tokens": tokens})
+
+
+def _rollout_phase(
+    cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, cluster: Cluster, w: WhatIf, resident: list[Component]
+) -> PhaseEstimate:
+    d, b = cfg.data, DTYPE_BYTES[cfg.model.dtype]
+    if w.rollout_engine == "vllm":
+        gpu = int((cluster.gpu_memory_gb or 80) * GIB)
+        v = vllm_rollout(shape, gpu, w, plan.max_seq_len, b)
+        comps = (*resident, Component("vLLM reservation", v["reserved_bytes"], "weights + KV cache"))
+        detail = {"vllm_max_concurrent_seqs": v["max_concurrent_seqs"],
+                  "vllm_kv_cache_gib": round(v["kv_cache_bytes"] / GIB, 3)}  # fmt: skip
+        return PhaseEstimate("rollout", comps, detail)
+    seqs = plan.rollout_chunk_prompts * plan.n
+    kv, work = native_rollout_bytes(shape, seqs, d.max_prompt_length, d.max_response_length, b)
+    comps = (*resident, Component("KV cache", kv), Component("prefill + sampling", work))
+    return PhaseEstimate("rollout", comps, {"sequences_per_call": seqs})
+
+
+def estimate_memory(
+    cfg: PostTrainConfig,
+    plan: BatchPlan,
+    shape: ModelShape,
+    cluster: Cluster | None = None,
+    what_if: WhatIf | None = None,
+) -> MemoryEstimate:
+    """Per-GPU peak memory of every phase of one RL step (rollout, forward passes, updates).
+
+    Each phase's peak = the model states resident on the GPU for the whole step + the phase's working memory.
+    The plan's per-rank micro-batch sizes and token budgets are used as they are (they are already per GPU).
+    """
+    cluster = cluster or Cluster()
+    w = what_if or WhatIf()
+    resident = _resident(cfg, plan, shape, w)
+    phases = [_rollout_phase(cfg, plan, shape, cluster, w, resident)]
+    phases.append(_forward_phase(cfg, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
+    if plan.ref is not None:
+        phases.append(_forward_phase(cfg, plan.ref, shape, resident, _head_chunk(cfg.ref)))
+    if plan.values is not None:
+        phases.append(_forward_phase(cfg, plan.values, shape, resident, None))
+    if plan.critic is not None:
+        phases.append(_update_phase(cfg, plan.critic, shape, w, resident))
+    phases.append(_update_phase(cfg, plan.actor, shape, w, resident))
+    return MemoryEstimate(shape, cluster, w, tuple(phases))
