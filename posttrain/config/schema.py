@@ -43,6 +43,35 @@ class ModelConfig:
         "(built locally from trainer.seed and warm-started with SFT on the task).",
     )
     dtype: str = knob("fp32", "Parameter and compute dtype of the trained models.", choices=DTYPES)
+    use_remove_padding: bool = knob(
+        False,
+        "Pack each micro-batch's real tokens (no pads) into rows, positions restarting per sequence, for the "
+        "actor update, old log-probs, reference log-probs and SFT. Same numbers, less compute. Needs an "
+        "architecture verified in posttrain/models/registry.py (docs/throughput.md).",
+    )
+    remove_padding_max_row_tokens: int = knob(
+        512,
+        "Row length of packed micro-batches with dense attention (sdpa/eager: CPU, or CUDA without "
+        "flash-attn), for every packed pass (actor, reference, critic, SFT); raised to the micro-batch's "
+        "longest sequence when shorter. With flash-attention a micro-batch is always one row.",
+        unit="tokens",
+        min=1,
+    )
+    enable_gradient_checkpointing: bool = knob(
+        False,
+        "Recompute the policy's decoder-layer activations in backward instead of keeping them (actor update "
+        "and SFT): less activation memory for about one extra forward of compute.",
+    )
+    enable_activation_offload: bool = knob(
+        False,
+        "Move the tensors the policy's training forward saves for backward to pinned CPU memory (actor "
+        "update and SFT). CUDA only: on CPU it has no effect (a warning says so).",
+    )
+    use_liger: bool = knob(
+        False,
+        "Liger-kernel Triton kernels (RoPE, RMSNorm, SwiGLU) in the policy for the actor and SFT. Needs a "
+        "CUDA device and `pip install liger-kernel`; an error otherwise.",
+    )
 
 
 @dataclass
@@ -51,7 +80,8 @@ class DataConfig:
 
     task: str = knob(
         "arithmetic",
-        "Built-in task providing train/validation prompts and a reward when train_files is empty.",
+        "Built-in task: 'arithmetic' (generated locally; used when data.train_files is empty) or 'gsm8k' "
+        "(your GSM8K-format data.train_files: question, answer ending in '#### <number>'; numeric verifier).",
         choices=("arithmetic", "gsm8k"),
     )
     train_files: list[str] = knob(
@@ -68,7 +98,7 @@ class DataConfig:
         64, "Prompts per validation generation batch (SkyRL's eval_batch_size).", unit="prompts", min=1
     )
     max_prompt_length: int = knob(64, "Longest prompt kept, after the chat template.", unit="tokens", min=1)
-    max_response_length: int = knob(16, "Most tokens generated per response.", unit="tokens", min=1)
+    max_response_length: int = knob(8, "Most tokens generated per response.", unit="tokens", min=1)
     overlong_prompts: str = knob(
         "filter",
         "Prompts longer than max_prompt_length are dropped and counted ('filter') or are an error.",
@@ -128,14 +158,14 @@ class ActorConfig:
     """The policy update (PPO/GRPO loss) and the actor's forward-only pass for old log-probs."""
 
     ppo_mini_batch_size: int = knob(
-        32,
+        16,
         "Prompts per optimizer step (global; x rollout.n samples). A prompt's samples stay in one "
         "mini-batch, so group statistics are never split.",
         unit="prompts",
         min=1,
     )
     ppo_micro_batch_size_per_gpu: int = knob(
-        16, "Samples per forward/backward pass on one DP rank.", unit="samples per DP rank", min=1
+        64, "Samples per forward/backward pass on one DP rank.", unit="samples per DP rank", min=1
     )
     ppo_epochs: int = knob(1, "Passes over each step's samples.", unit="epochs", min=1)
     shuffle: bool = knob(
@@ -153,7 +183,7 @@ class ActorConfig:
         min=1,
     )
     log_prob_micro_batch_size_per_gpu: int = knob(
-        32,
+        64,
         "Samples per forward-only pass computing old log-probs (may exceed the training micro size).",
         unit="samples per DP rank",
         min=1,
@@ -180,7 +210,21 @@ class ActorConfig:
     use_kl_loss: bool = knob(False, "Add a KL(policy || reference) term to the loss (GRPO style).")
     kl_loss_coef: float = knob(0.001, "Weight of the KL loss term.", min=0.0)
     kl_loss_type: str = knob("low_var_kl", "KL estimator of the loss term.", choices=KL_ESTIMATORS)
-    optim: OptimConfig = section(OptimConfig)
+    entropy_from_logits_with_chunking: bool = knob(
+        False,
+        "Compute log-probs and entropy of the actor update and the old-log-prob pass from hidden states and "
+        "the LM head weight, entropy_from_logits_chunk_size tokens at a time, never as one [tokens, vocab] "
+        "fp32 logits tensor. Same numbers; refused for soft-capped or scaled heads (e.g. Gemma 2).",
+    )
+    entropy_from_logits_chunk_size: int = knob(
+        2048, "Tokens per chunk when entropy_from_logits_with_chunking is on.", unit="tokens", min=1
+    )
+    entropy_checkpointing: bool = knob(
+        False,
+        "With entropy_from_logits_with_chunking: recompute each chunk's logits in backward instead of keeping "
+        "them for autograd (the update's log-prob/entropy memory no longer grows with the token count).",
+    )
+    optim: OptimConfig = section(OptimConfig, lr=2e-4)
 
 
 @dataclass
@@ -188,7 +232,7 @@ class RefConfig:
     """The frozen reference policy (built only when a KL term is used)."""
 
     log_prob_micro_batch_size_per_gpu: int = knob(
-        32, "Samples per reference forward pass.", unit="samples per DP rank", min=1
+        64, "Samples per reference forward pass.", unit="samples per DP rank", min=1
     )
     log_prob_max_token_len_per_gpu: int = knob(
         32768,
@@ -197,6 +241,14 @@ class RefConfig:
         min=1,
     )
     ulysses_sequence_parallel_size: int = knob(1, "GPUs sharing each sequence.", unit="GPUs", min=1)
+    entropy_from_logits_with_chunking: bool = knob(
+        False,
+        "Compute the reference log-probs from hidden states and the LM head weight, "
+        "entropy_from_logits_chunk_size tokens at a time (no [tokens, vocab] logits tensor). Same numbers.",
+    )
+    entropy_from_logits_chunk_size: int = knob(
+        2048, "Tokens per chunk of the reference pass when chunking is on.", unit="tokens", min=1
+    )
 
 
 @dataclass
@@ -206,10 +258,10 @@ class CriticConfig:
     model_path: str = knob("", "Critic initialisation; empty: the actor's model.path.")
     ppo_mini_batch_size: int = knob(32, "Prompts per critic optimizer step (global).", unit="prompts", min=1)
     ppo_micro_batch_size_per_gpu: int = knob(
-        16, "Samples per critic forward/backward pass.", unit="samples per DP rank", min=1
+        64, "Samples per critic forward/backward pass.", unit="samples per DP rank", min=1
     )
     forward_micro_batch_size_per_gpu: int = knob(
-        32, "Samples per forward-only pass computing values.", unit="samples per DP rank", min=1
+        64, "Samples per forward-only pass computing values.", unit="samples per DP rank", min=1
     )
     ppo_epochs: int = knob(1, "Critic passes over each step's samples.", unit="epochs", min=1)
     use_dynamic_bsz: bool = knob(False, "Form critic micro-batches by token budget.")
@@ -225,7 +277,20 @@ class CriticConfig:
     warmup_steps: int = knob(
         0, "Training steps that update only the critic (verl's critic_warmup).", unit="steps", min=0
     )
-    optim: OptimConfig = section(OptimConfig)
+    use_remove_padding: bool = knob(
+        False,
+        "Pack the critic's micro-batches (update and values pass) without pads, rows of "
+        "model.remove_padding_max_row_tokens. Same numbers, less compute; needs a verified architecture.",
+    )
+    enable_gradient_checkpointing: bool = knob(
+        False, "Recompute the critic backbone's decoder-layer activations in backward instead of keeping them."
+    )
+    enable_activation_offload: bool = knob(
+        False,
+        "Move the tensors the critic's training forward saves for backward to pinned CPU memory. CUDA only: "
+        "no effect on CPU (a warning says so).",
+    )
+    optim: OptimConfig = section(OptimConfig, lr=1e-3)
 
 
 @dataclass

@@ -10,6 +10,7 @@ One function per loop, shared by every role (actor, critic, reference, reward mo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,7 +19,18 @@ from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.batching.token_budget import plan_token_micro_batches
 from posttrain.data.batch import RolloutBatch
 
-LossFn = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+@dataclass(frozen=True)
+class LossShare:
+    """A metric that is one micro-batch's share of a mini-batch total (a loss term built with the global
+    normalizer, like the loss itself): :func:`accumulate_and_step` adds the shares up, so the reported value
+    does not depend on how the mini-batch was cut. Other metrics are per-micro-batch means and are averaged
+    weighted by response tokens."""
+
+    value: torch.Tensor
+
+
+LossFn = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, torch.Tensor | LossShare]]]
 
 
 def micro_batch_rows(
@@ -69,10 +81,12 @@ def accumulate_and_step(
 
     `loss_fn` returns each micro-batch's exact share of the mini-batch loss (built with the global
     `normalizer`), so gradients are summed as they are: never divided by the number of micro-batches.
-    Metrics are token-weighted means over micro-batches; `loss` is the mini-batch loss.
+    Metrics are token-weighted means over micro-batches, except :class:`LossShare` metrics and `loss` (the
+    mini-batch loss), which are sums of the micro-batch shares.
     """
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
+    shares = {"loss"}
     total_tokens = 0.0
     device = next(module.parameters()).device
     for rows in micro_rows:
@@ -83,8 +97,12 @@ def accumulate_and_step(
         total_tokens += tokens
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
         for name, value in metrics.items():
-            sums[name] = sums.get(name, 0.0) + float(value) * tokens
-    out = {k: (v if k == "loss" else v / max(total_tokens, 1.0)) for k, v in sums.items()}
+            if isinstance(value, LossShare):
+                shares.add(name)
+                sums[name] = sums.get(name, 0.0) + float(value.value)
+            else:
+                sums[name] = sums.get(name, 0.0) + float(value) * tokens
+    out = {k: (v if k in shares else v / max(total_tokens, 1.0)) for k, v in sums.items()}
     params = [p for p in module.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     out["grad_norm"] = float(norm)

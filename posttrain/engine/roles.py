@@ -16,8 +16,14 @@ from posttrain.algorithms.value_loss import compute_value_loss
 from posttrain.config.plan import UpdatePlan
 from posttrain.config.schema import ActorConfig, CriticConfig, OptimConfig
 from posttrain.data.batch import RolloutBatch
-from posttrain.engine.micro_batches import LossFn, accumulate_and_step, iter_mini_batches, micro_batch_rows
-from posttrain.models.forward import critic_values, policy_logprobs
+from posttrain.engine.micro_batches import (
+    LossFn,
+    LossShare,
+    accumulate_and_step,
+    iter_mini_batches,
+    micro_batch_rows,
+)
+from posttrain.models.forward import DEFAULT_OPTIONS, ForwardOptions, critic_values, policy_logprobs
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -59,12 +65,19 @@ class Trainable:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def actor_loss_fn(model: nn.Module, cfg: ActorConfig, temperature: float) -> LossFn:
-    """Policy loss − entropy bonus + KL loss for one micro-batch (global normalizer)."""
+def actor_loss_fn(
+    model: nn.Module, cfg: ActorConfig, temperature: float, options: ForwardOptions = DEFAULT_OPTIONS
+) -> LossFn:
+    """Policy loss − entropy bonus + KL loss for one micro-batch (global normalizer).
+
+    ``options`` says how the forward runs (packing, chunked head, activation offload); never what it computes.
+    """
     policy_loss = get_policy_loss(cfg.policy_loss)
 
     def loss_fn(mb: RolloutBatch, normalizer: LossNormalizer):
-        logprobs, entropy = policy_logprobs(model, mb, temperature=temperature, with_entropy=True)
+        logprobs, entropy = policy_logprobs(
+            model, mb, temperature=temperature, with_entropy=True, options=options
+        )
         mask = mb.response_mask
         loss, metrics = policy_loss(
             old_log_prob=mb.old_log_probs, log_prob=logprobs, advantages=mb.advantages, response_mask=mask,
@@ -72,7 +85,7 @@ def actor_loss_fn(model: nn.Module, cfg: ActorConfig, temperature: float) -> Los
             normalizer=normalizer, loss_agg_mode=cfg.loss_agg_mode,
         )  # fmt: skip
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = loss.detach()
+        metrics["actor/pg_loss"] = LossShare(loss.detach())  # a share of the mini-batch loss: summed
         if cfg.entropy_coeff != 0:
             loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.loss_agg_mode, normalizer)
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
@@ -86,9 +99,11 @@ def actor_loss_fn(model: nn.Module, cfg: ActorConfig, temperature: float) -> Los
     return loss_fn
 
 
-def critic_loss_fn(critic: nn.Module, cfg: CriticConfig) -> LossFn:
+def critic_loss_fn(critic: nn.Module, cfg: CriticConfig, options: ForwardOptions = DEFAULT_OPTIONS) -> LossFn:
+    """Clipped value loss for one micro-batch (global normalizer); ``options`` as for the actor."""
+
     def loss_fn(mb: RolloutBatch, normalizer: LossNormalizer):
-        vpreds = critic_values(critic, mb)
+        vpreds = critic_values(critic, mb, options)
         loss, metrics = compute_value_loss(
             vpreds=vpreds, returns=mb.returns, values=mb.values, response_mask=mb.response_mask,
             cliprange_value=cfg.cliprange_value, normalizer=normalizer, loss_agg_mode=cfg.loss_agg_mode,

@@ -28,6 +28,14 @@ from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rollout.native import NativeEngine
 from posttrain.trainers.common import Splits, load_splits, select_device
+from posttrain.trainers.throughput import (
+    PassOptions,
+    attn_implementation,
+    check_rl_switches,
+    pass_options,
+    prepare_critic,
+    prepare_policy,
+)
 
 log = logging.getLogger("posttrain")
 
@@ -71,6 +79,7 @@ class Components:
     reward_runner: RewardRunner
     reward_model: RewardModelScorer | None
     kl_ctrl: KLController | None
+    forward: PassOptions  # how each pass runs (packing, chunked head, offload): posttrain.trainers.throughput
 
     def close(self) -> None:
         self.reward_runner.close()
@@ -93,6 +102,7 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
     """Validate, then load models, data and rewards. Config errors surface before any model loads."""
     plan = build_plan(cfg, world_size)
     device = select_device(cfg)
+    check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
     splits = load_splits(cfg)
     reward_fn = resolve_reward_function(splits.reward_spec)
     if cfg.rollout.val_greedy and cfg.rollout.val_n > 1:
@@ -101,17 +111,23 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
         validation_params(cfg, 0)  # raises the explanatory error
     model_path = resolve_model_path(cfg, quiet=quiet)
     tokenizer = load_tokenizer(model_path)
-    policy = load_causal_lm(model_path, cfg.model.dtype, device)
+    policy = load_causal_lm(
+        model_path, cfg.model.dtype, device, attn_implementation(cfg.model.use_remove_padding, device)
+    )
     a = plan.actor
     actor_steps = cfg.trainer.total_steps * a.optimizer_steps_per_step
-    actor = Trainable.create(policy, cfg.actor.optim, actor_steps)
     ref = None
     if plan.ref is not None:
-        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        ref = prepare_policy(copy.deepcopy(policy).eval().requires_grad_(False), cfg, trained=False)
+    actor = Trainable.create(prepare_policy(policy, cfg), cfg.actor.optim, actor_steps)
     critic = None
     if plan.critic is not None:
         critic_path = cfg.critic.model_path or model_path
-        critic_module = CriticModel.from_causal_lm_path(critic_path, cfg.model.dtype, device)
+        critic_module = CriticModel.from_causal_lm_path(
+            critic_path, cfg.model.dtype, device,
+            attn_implementation=attn_implementation(cfg.critic.use_remove_padding, device),
+        )  # fmt: skip
+        prepare_critic(critic_module, cfg)
         critic_steps = cfg.trainer.total_steps * plan.critic.optimizer_steps_per_step
         critic = Trainable.create(critic_module, cfg.critic.optim, critic_steps)
     train_prompts, val_prompts = _tokenize(cfg, splits, tokenizer)
@@ -136,6 +152,7 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
         rm = RewardModelScorer(
             m.path, micro_batch_size=m.micro_batch_size_per_gpu, device=device, dtype=cfg.model.dtype,
             max_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            max_tokens=m.forward_max_token_len_per_gpu if m.use_dynamic_bsz else None,
         )  # fmt: skip
     kl_ctrl = None
     if cfg.algorithm.use_kl_in_reward:
@@ -143,7 +160,7 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
         kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
     return Components(
         cfg, plan, device, model_path, tokenizer, actor, ref, critic, engine, train_prompts, val_prompts,
-        sampler, runner, rm, kl_ctrl,
+        sampler, runner, rm, kl_ctrl, pass_options(cfg, device),
     )  # fmt: skip
 
 

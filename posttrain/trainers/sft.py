@@ -22,7 +22,13 @@ from posttrain.data.datasets import encode_prompt, load_records
 from posttrain.data.records import PromptRecord
 from posttrain.engine.micro_batches import accumulate_and_step, micro_batch_rows
 from posttrain.engine.roles import Trainable
-from posttrain.models.forward import policy_logprobs
+from posttrain.models.forward import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
+from posttrain.trainers.throughput import (
+    check_policy_switches,
+    pass_options,
+    prepare_policy,
+    read_model_config,
+)
 from posttrain.utils.console import TrainingDisplay
 
 log = logging.getLogger("posttrain.sft")
@@ -51,9 +57,9 @@ def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int
     return examples
 
 
-def _sft_loss(model: nn.Module):
+def _sft_loss(model: nn.Module, options: ForwardOptions = DEFAULT_OPTIONS):
     def loss_fn(mb: RolloutBatch, normalizer: LossNormalizer):
-        logprobs, _ = policy_logprobs(model, mb)
+        logprobs, _ = policy_logprobs(model, mb, options=options)
         nll = aggregate_loss(-logprobs, mb.response_mask, "token-mean", normalizer)
         return nll, {"sft/token_nll": (-(logprobs * mb.response_mask).sum() / mb.response_mask.sum()).detach()}
 
@@ -70,14 +76,18 @@ def train_sft(
     pad_token_id: int,
     max_steps: int = 0,
     display: TrainingDisplay | None = None,
+    options: ForwardOptions = DEFAULT_OPTIONS,
 ) -> list[dict[str, float]]:
-    """Epochs over shuffled examples; one optimizer step per `plan.mini_batch_samples` examples."""
+    """Epochs over shuffled examples; one optimizer step per `plan.mini_batch_samples` examples.
+
+    ``options``: how the forward runs (packing, activation offload), from the model section of the config.
+    """
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     history: list[dict[str, float]] = []
     steps_per_epoch = len(examples) // plan.mini_batch_samples
     total = steps_per_epoch * plan.ppo_epochs if not max_steps else min(max_steps, steps_per_epoch * plan.ppo_epochs)
-    loss_fn = _sft_loss(model)
+    loss_fn = _sft_loss(model, options)
     model.train()
     for _epoch in range(plan.ppo_epochs):
         order = torch.randperm(len(examples), generator=gen).tolist()
@@ -109,7 +119,15 @@ def sft_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[Prom
 
 
 def run_sft(cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[PromptRecord], quiet: bool = False):
-    """SFT `model` in place on `records` with the `sft` section's settings; returns the metric history."""
+    """SFT `model` in place on `records` with the `sft` section's settings; returns the metric history.
+
+    The model section's switches apply as for the actor (model.use_remove_padding, enable_gradient_checkpointing,
+    enable_activation_offload, use_liger), checked before any step runs.
+    """
+    device = next(model.parameters()).device
+    check_policy_switches(cfg, device, model.config)
+    prepare_policy(model, cfg)
+    options = pass_options(cfg, device).sft
     examples = make_examples(records, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
     plan = build_sft_plan(cfg, world_size=1)
     if len(examples) < plan.mini_batch_samples:
@@ -125,7 +143,7 @@ def run_sft(cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[Pro
     try:
         return train_sft(
             model, examples, plan, trainable, seed=cfg.trainer.seed, pad_token_id=tokenizer.pad_token_id,
-            max_steps=cfg.sft.max_steps, display=display,
+            max_steps=cfg.sft.max_steps, display=display, options=options,
         )  # fmt: skip
     finally:
         display.stop()
@@ -138,6 +156,7 @@ def run_sft_command(cfg: PostTrainConfig) -> Path:
     from posttrain.trainers.common import load_splits, seed_everything, select_device
 
     device = select_device(cfg)
+    check_policy_switches(cfg, device, read_model_config(cfg.model.path))  # before any weights load
     seed_everything(cfg.trainer.seed)
     path = builtin_base_dir(cfg) if cfg.model.path == "builtin:tiny" else cfg.model.path
     tokenizer = load_tokenizer(path)

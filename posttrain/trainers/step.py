@@ -103,25 +103,25 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
         if cfg.algorithm.adv_estimator == "remax":
             batch.reward_baselines = remax_baselines(c, prompt_rows, batch.group_ids)
     metrics.update(rollout_metrics(result, scores))
-    policy = c.actor.module
+    policy, opts = c.actor.module, c.forward
     temperature = r.temperature if r.temperature > 0 else 1.0
     with timer.phase("old_log_prob"):
         policy.eval()
         batch.old_log_probs = forward_in_micro_batches(
-            lambda mb: policy_logprobs(policy, mb, temperature=temperature)[0], batch,
+            lambda mb: policy_logprobs(policy, mb, temperature=temperature, options=opts.old_log_prob)[0], batch,
             plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device,
         )  # fmt: skip
     if c.ref is not None:
         with timer.phase("ref"):
             batch.ref_log_probs = forward_in_micro_batches(
-                lambda mb: policy_logprobs(c.ref, mb, temperature=temperature)[0], batch,
+                lambda mb: policy_logprobs(c.ref, mb, temperature=temperature, options=opts.ref)[0], batch,
                 plan.ref.micro_batch_size_per_rank, _budget(plan.ref), c.device,
             )  # fmt: skip
     if c.critic is not None:
         with timer.phase("values"):
             c.critic.module.eval()
             batch.values = forward_in_micro_batches(
-                lambda mb: critic_values(c.critic.module, mb), batch,
+                lambda mb: critic_values(c.critic.module, mb, opts.critic), batch,
                 plan.values.micro_batch_size_per_rank, _budget(plan.values), c.device,
             )  # fmt: skip
     with timer.phase("advantage"):
@@ -146,7 +146,7 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
         with timer.phase("update_critic"):
             metrics.update(
                 run_update(
-                    c.critic, batch, plan.critic, critic_loss_fn(c.critic.module, cfg.critic),
+                    c.critic, batch, plan.critic, critic_loss_fn(c.critic.module, cfg.critic, opts.critic),
                     shuffle=cfg.actor.shuffle, norm_constant=norm_constant, generator=gen, prefix="critic",
                 )  # fmt: skip
             )
@@ -154,7 +154,7 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
         with timer.phase("update_actor"):
             metrics.update(
                 run_update(
-                    c.actor, batch, plan.actor, actor_loss_fn(policy, cfg.actor, temperature),
+                    c.actor, batch, plan.actor, actor_loss_fn(policy, cfg.actor, temperature, opts.actor),
                     shuffle=cfg.actor.shuffle, norm_constant=norm_constant, generator=gen, prefix="actor",
                 )  # fmt: skip
             )

@@ -6,7 +6,8 @@ Every key here must work end to end (nothing in the schema is silently ignored).
 from posttrain.config.load import all_keys
 
 EXPECTED_KEYS = """
-model.path model.dtype
+model.path model.dtype model.use_remove_padding model.remove_padding_max_row_tokens
+model.enable_gradient_checkpointing model.enable_activation_offload model.use_liger
 data.task data.train_files data.val_files data.prompt_key data.answer_key data.train_batch_size
 data.val_batch_size data.max_prompt_length data.max_response_length data.overlong_prompts
 data.num_train_examples data.num_val_examples data.max_operand
@@ -16,13 +17,16 @@ actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu actor.log_prob_micro_batch
 actor.log_prob_max_token_len_per_gpu actor.ulysses_sequence_parallel_size actor.policy_loss
 actor.clip_ratio_low actor.clip_ratio_high actor.clip_ratio_c actor.loss_agg_mode actor.entropy_coeff
 actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type
+actor.entropy_from_logits_with_chunking actor.entropy_from_logits_chunk_size actor.entropy_checkpointing
 actor.optim.lr actor.optim.weight_decay actor.optim.betas actor.optim.warmup_steps actor.optim.lr_schedule
 actor.optim.min_lr_ratio actor.optim.grad_clip
 ref.log_prob_micro_batch_size_per_gpu ref.log_prob_max_token_len_per_gpu ref.ulysses_sequence_parallel_size
+ref.entropy_from_logits_with_chunking ref.entropy_from_logits_chunk_size
 critic.model_path critic.ppo_mini_batch_size critic.ppo_micro_batch_size_per_gpu
 critic.forward_micro_batch_size_per_gpu critic.ppo_epochs critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu
 critic.forward_max_token_len_per_gpu critic.ulysses_sequence_parallel_size critic.cliprange_value
 critic.loss_agg_mode critic.warmup_steps
+critic.use_remove_padding critic.enable_gradient_checkpointing critic.enable_activation_offload
 critic.optim.lr critic.optim.weight_decay critic.optim.betas critic.optim.warmup_steps critic.optim.lr_schedule
 critic.optim.min_lr_ratio critic.optim.grad_clip
 reward.function reward.timeout_s reward.failure_reward reward.fail_fast
