@@ -224,7 +224,7 @@ class ActorConfig:
         "With entropy_from_logits_with_chunking: recompute each chunk's logits in backward instead of keeping "
         "them for autograd (the update's log-prob/entropy memory no longer grows with the token count).",
     )
-    optim: OptimConfig = section(OptimConfig, lr=2e-4)
+    optim: OptimConfig = section(OptimConfig, lr=2e-4, lr_schedule="cosine", min_lr_ratio=0.1)
 
 
 @dataclass
