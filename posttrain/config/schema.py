@@ -303,6 +303,11 @@ class RewardModelConfig:
         32, "Samples per reward-model forward pass.", unit="samples per DP rank", min=1
     )
     use_dynamic_bsz: bool = knob(False, "Form reward-model micro-batches by token budget.")
+    use_remove_padding: bool = knob(
+        False,
+        "Pack reward-model inputs into rows of model.remove_padding_max_row_tokens tokens (no pad tokens "
+        "computed); needs an architecture verified for packing (docs/throughput.md).",
+    )
     forward_max_token_len_per_gpu: int = knob(
         32768, "Token budget of one reward-model forward pass.", unit="tokens per DP rank", min=1
     )

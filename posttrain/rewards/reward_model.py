@@ -24,6 +24,8 @@ class RewardModelScorer:
         device: where the model runs.
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         max_tokens: token budget of one forward pass (dynamic batch size); None: fixed micro_batch_size.
+        remove_padding: pack each micro-batch's sequences into rows of at most max_row_tokens tokens
+            (architectures verified in posttrain.models.registry) instead of padding them.
         max_length: longest input in tokens; longer ones keep their LAST ``max_length`` tokens (the
             response end the score is read at). None: no truncation.
     """
@@ -36,6 +38,8 @@ class RewardModelScorer:
         dtype: str = "fp32",
         max_length: int | None = None,
         max_tokens: int | None = None,
+        remove_padding: bool = False,
+        max_row_tokens: int = 512,
     ) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -75,6 +79,17 @@ class RewardModelScorer:
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.max_tokens = max_tokens
+        self.remove_padding = remove_padding
+        self.max_row_tokens = max_row_tokens
+        if remove_padding:
+            from posttrain.models.registry import check_packing_supported
+
+            check_packing_supported(self.model.config)
+            if not isinstance(getattr(self.model, "score", None), torch.nn.Linear):
+                raise ValueError(
+                    f"reward model {path} ({type(self.model).__name__}) has no linear `score` head, so packed "
+                    "scoring cannot read it; set reward.model.use_remove_padding=false"
+                )
 
     def format(self, prompt: str | list[dict[str, str]], response: str) -> str:
         """The text the reward model reads for one sample."""
@@ -121,6 +136,8 @@ class RewardModelScorer:
         return [order[s : s + self.micro_batch_size] for s in range(0, len(order), self.micro_batch_size)]
 
     def _forward(self, batch: list[list[int]]) -> list[float]:
+        if self.remove_padding:
+            return self._forward_packed(batch)
         longest = max(len(ids) for ids in batch)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
@@ -132,3 +149,22 @@ class RewardModelScorer:
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
         ).logits
         return logits[:, 0].float().cpu().tolist()
+
+    def _forward_packed(self, batch: list[list[int]]) -> list[float]:
+        """Pack the sequences into rows (no pad tokens computed) and read the head at each sequence's
+        last token; the same scores as the padded forward (tested)."""
+        from posttrain.batching.packing import pack_sequences
+
+        longest = max(len(ids) for ids in batch)
+        packed = pack_sequences(
+            [torch.tensor(ids, dtype=torch.long) for ids in batch], max(self.max_row_tokens, longest),
+            pad_token_id=self.tokenizer.pad_token_id,
+        )  # fmt: skip
+        # No attention mask and no cache: transformers then reads sequence boundaries from position_ids.
+        hidden = self.model.base_model(
+            input_ids=packed.input_ids.to(self.device), position_ids=packed.position_ids.to(self.device),
+            attention_mask=None, use_cache=False,
+        ).last_hidden_state  # fmt: skip
+        rows = torch.tensor(packed.seq_rows)
+        last = torch.tensor(packed.seq_starts) + torch.tensor(packed.seq_lens) - 1
+        return self.model.score(hidden[rows, last])[:, 0].float().cpu().tolist()

@@ -153,6 +153,7 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
             m.path, micro_batch_size=m.micro_batch_size_per_gpu, device=device, dtype=cfg.model.dtype,
             max_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
             max_tokens=m.forward_max_token_len_per_gpu if m.use_dynamic_bsz else None,
+            remove_padding=m.use_remove_padding, max_row_tokens=cfg.model.remove_padding_max_row_tokens,
         )  # fmt: skip
     kl_ctrl = None
     if cfg.algorithm.use_kl_in_reward:

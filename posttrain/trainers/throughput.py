@@ -21,6 +21,7 @@ model/critic.enable_gradient_checkpointing  Hugging Face ``gradient_checkpointin
 model/critic.enable_activation_offload      ``ForwardOptions.offload_activations`` of the training passes
                                             (``save_on_cpu``, CUDA only; a warning on CPU)
 model.use_liger                             liger-kernel's instance patch on the policy and its reference copy
+reward.model.use_remove_padding             read by ``build_components``: ``RewardModelScorer(remove_padding=...)``
 ==========================================  ====================================================================
 """
 

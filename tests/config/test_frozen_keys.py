@@ -31,7 +31,7 @@ critic.optim.lr critic.optim.weight_decay critic.optim.betas critic.optim.warmup
 critic.optim.min_lr_ratio critic.optim.grad_clip
 reward.function reward.timeout_s reward.failure_reward reward.fail_fast
 reward.model.enable reward.model.path reward.model.micro_batch_size_per_gpu reward.model.use_dynamic_bsz
-reward.model.forward_max_token_len_per_gpu
+reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding
 algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
 algorithm.use_kl_in_reward algorithm.kl_penalty
 algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon

@@ -107,3 +107,10 @@ def test_token_budget_batches_give_the_same_scores(tmp_path):
     assert calls and max(calls) <= 16
     with pytest.raises(ValueError, match="max_tokens"):
         RewardModelScorer(path, max_tokens=8, max_length=16)
+
+
+def test_packed_scoring_equals_padded(tmp_path):
+    path = save_reward_model(tmp_path / "rm", chat_template=None)
+    padded = RewardModelScorer(path, micro_batch_size=3).score(PROMPTS, RESPONSES)
+    packed = RewardModelScorer(path, micro_batch_size=3, remove_padding=True, max_row_tokens=8)
+    assert packed.score(PROMPTS, RESPONSES) == pytest.approx(padded, abs=1e-5)
