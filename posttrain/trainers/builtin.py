@@ -1,9 +1,15 @@
 """The built-in model: a tiny Qwen2 built from the seed, then warm-started with SFT on the task.
 
 Both directories are cached (keyed by everything that shapes them), so only the first run pays
-for building and warm-starting. The warm start is part of the built-in model's definition (like its
-architecture): it is deliberately short, leaving the model at a low accuracy RL can visibly improve.
-Set POSTTRAIN_CACHE to move the cache (default ~/.cache/posttrain).
+for building and warm-starting. Set POSTTRAIN_CACHE to move the cache (default ~/.cache/posttrain).
+
+The warm start is part of the built-in model's definition, like its architecture. It imitates
+imperfect demonstrations: each time a training problem is drawn, its answer is off by one with
+probability DEMONSTRATION_ERROR_RATE, as human- or model-written data often carries a systematic
+mistake. The warm-started policy therefore knows the task and samples the right answer often, but
+prefers a wrong one. Imitation cannot remove that habit; RL with the exact-match reward can, which
+is what the main job shows. (Trained on clean answers for as long, the tiny model starts RL above
+40% and RL on 480 problems then improves the training problems more than held-out ones.)
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -19,18 +26,33 @@ from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 
 # Version the recipe: bump when the tiny model, its tokenizer or the warm start change.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 WARM_START = {
     "sft.batch_size": 64,
     "sft.micro_batch_size_per_gpu": 64,
     "sft.epochs": 1,
-    "sft.max_steps": 150,
-    "sft.optim.lr": 2e-3,
-    "sft.optim.warmup_steps": 10,
-    "sft.optim.lr_schedule": "cosine",
+    "sft.max_steps": 800,
+    "sft.optim.lr": 1e-3,
+    "sft.optim.warmup_steps": 20,
+    "sft.optim.lr_schedule": "constant",
     "sft.optim.weight_decay": 0.0,
     "sft.optim.grad_clip": 1.0,
 }
+DEMONSTRATION_ERROR_RATE = 0.7
+
+
+def imperfect_demonstrations(records: list, steps: int, batch_size: int, seed: int) -> list:
+    """`steps * batch_size` draws of the training records, each answer off by one with probability
+    DEMONSTRATION_ERROR_RATE (drawn independently per occurrence, so every problem has both)."""
+    rng = random.Random(seed)
+    copies = -(-steps * batch_size // len(records))
+    out = []
+    for rec in records * copies:
+        wrong = rng.random() < DEMONSTRATION_ERROR_RATE
+        if wrong and rec.ground_truth is not None and rec.ground_truth.lstrip("-").isdigit():
+            rec = dataclasses.replace(rec, ground_truth=str(int(rec.ground_truth) + 1))
+        out.append(rec)
+    return out
 
 
 def cache_root() -> Path:
@@ -80,6 +102,7 @@ def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:
         "data": dataclasses.asdict(cfg.data),
         "sft": dataclasses.asdict(ws.sft),
         "dtype": cfg.model.dtype,
+        "error_rate": DEMONSTRATION_ERROR_RATE,
     }
     target = cache_root() / f"tiny-{cfg.data.task}-sft-{_key(shape)}"
     if (target / "config.json").exists():
@@ -95,7 +118,10 @@ def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:
         seed_everything(cfg.trainer.seed)
         tokenizer = load_tokenizer(base)
         model = load_causal_lm(base, cfg.model.dtype, select_device(cfg))
-        run_sft(ws, model, tokenizer, load_splits(cfg).train, quiet=quiet)
+        demos = imperfect_demonstrations(
+            load_splits(cfg).train, ws.sft.max_steps, ws.sft.batch_size, cfg.trainer.seed
+        )
+        run_sft(ws, model, tokenizer, demos, quiet=quiet)
         save_hf(model, tokenizer, tmp)
         (tmp / "posttrain_builtin.json").write_text(json.dumps(shape, indent=2))
 
