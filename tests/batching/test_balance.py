@@ -1,9 +1,6 @@
 """DP balancing: equal counts per rank, near-perfect token balance, never worse than Karmarkar–Karp."""
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,16 +10,6 @@ from posttrain.batching.balance import (
     partition_stats,
     refine_partition,
 )
-
-_REF = Path(__file__).resolve().parents[2] / "benchmarks" / "verl_reference.py"
-
-
-def _verl_reference():
-    spec = importlib.util.spec_from_file_location("verl_reference", _REF)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rl_lengths(rng: random.Random, n: int) -> list[int]:
@@ -41,8 +28,8 @@ def test_equal_sizes_and_balance_on_rl_lengths(k):
         assert partition_stats(lens, parts)["max_over_mean"] <= 1.05
 
 
-def test_never_worse_than_verl_karmarkar_karp():
-    ref = _verl_reference()
+def test_never_worse_than_verl_karmarkar_karp(verl_reference):
+    ref = verl_reference
     rng = random.Random(0)
     better = 0
     for case in range(120):

@@ -1,10 +1,7 @@
 """Token-budget micro-batches: the cap is hard, the count minimal, ranks agree, order restores exactly."""
 
-import importlib.util
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +12,6 @@ from posttrain.batching.token_budget import (
     plan_token_micro_batches_for_ranks,
     restore_order,
 )
-
-_REF = Path(__file__).resolve().parents[2] / "benchmarks" / "verl_reference.py"
-
-
-def _verl_reference():
-    spec = importlib.util.spec_from_file_location("verl_reference", _REF)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rl_lengths(rng: random.Random, n: int, max_response: int = 1024) -> list[int]:
@@ -112,8 +99,8 @@ def test_typical_rl_batches_reach_volume_bound_and_balance():
         assert max(loads) / (sum(loads) / len(loads)) <= 1.05
 
 
-def test_verl_style_split_overflows_where_ours_does_not():
-    ref = _verl_reference()
+def test_verl_style_split_overflows_where_ours_does_not(verl_reference):
+    ref = verl_reference
     lens, cap = [33, 33, 33, 33], 64
     theirs = ref.verl_rearrange_micro_batches(lens, cap, use_workload=False)
     assert max(sum(lens[i] for i in mb) for mb in theirs) > cap  # 3 micro-batches, one holds 66 tokens
