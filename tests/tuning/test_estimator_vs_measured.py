@@ -26,6 +26,7 @@ MODEL = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, nu
 CHUNK = ["actor.entropy_from_logits_with_chunking=true", "actor.entropy_checkpointing=true",
          "actor.entropy_from_logits_chunk_size=512"]  # fmt: skip
 SETTINGS = [  # (role, samples per micro-batch, config overrides)
+    ("actor", 4, []),
     ("actor", 8, []),
     ("actor", 8, ["model.enable_gradient_checkpointing=true"]),
     ("actor", 8, CHUNK),
