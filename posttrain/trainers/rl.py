@@ -77,6 +77,13 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     timer = PhaseTimer()
     began = time.monotonic()
     start = maybe_resume(c, run_dir)
+    if start >= t.total_steps:
+        c.close()
+        raise ValueError(
+            f"{run_dir} already holds a finished run (checkpoint at step {start}, trainer.total_steps="
+            f"{t.total_steps}); to train again use a new trainer.run_dir, trainer.resume=disable, or raise "
+            "trainer.total_steps to continue it"
+        )
     display = TrainingDisplay(
         total_steps=t.total_steps, keys=HEADLINE, start_step=start, description="train",
         disable=quiet or "console" not in t.loggers,

@@ -167,3 +167,13 @@ def test_gsm8k_files_and_reward_model(tiny_model_dir, tmp_path):
     final = run_training(cfg, quiet=True)
     assert "reward/model_score_mean" in final and "val/accuracy" in final
     assert_finite(read_metrics(tmp_path / "run"))
+
+
+def test_rerunning_a_finished_run_says_so(tiny_model_dir, tmp_path):
+    cfg = small_config(tiny_model_dir, tmp_path / "run", "trainer.total_steps=1")
+    run_training(cfg, quiet=True)
+    with pytest.raises(ValueError, match="already holds a finished run"):
+        run_training(cfg, quiet=True)
+    more = small_config(tiny_model_dir, tmp_path / "run", "trainer.total_steps=2")
+    run_training(more, quiet=True)
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
