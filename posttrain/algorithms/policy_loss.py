@@ -12,7 +12,7 @@ Every loss is called as::
 ``loss`` is this micro-batch's contribution to the mini-batch loss (see :mod:`posttrain.algorithms.aggregation`):
 backpropagate it as is. ``metrics`` holds detached scalar tensors named as in verl (without the ``actor/``
 prefix); like verl they are masked means over *this* micro-batch's tokens, so a trainer should average them
-weighted by the micro-batch token count (``posttrain.batching.backward_micro_batches`` does).
+weighted by the micro-batch token count (``posttrain.engine.micro_batches.accumulate_and_step`` does).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Batch splitting: micro-batches with globally normalised losses (see :mod:`posttrain.batching.micro`)."""
+"""Batch layout: sequence packing, token-budget micro-batches (hard cap) and DP balancing.
 
-from posttrain.batching.micro import backward_micro_batches, split_micro_batches
-
-__all__ = ["backward_micro_batches", "split_micro_batches"]
+The micro-batch loop with global loss normalisation is posttrain.engine.micro_batches.
+"""

@@ -1,11 +1,17 @@
 """Gradient accumulation over micro-batches equals one step on the whole mini-batch.
 
+This checks the loss-normalisation contract of posttrain.algorithms.aggregation exactly (float64) on a toy model;
+tests/trainers/test_throughput_equivalence.py checks the trainer's own accumulation loop
+(posttrain.engine.micro_batches.accumulate_and_step) on a real model.
+
 A tiny prefix-mixing LM with a value head (float64) is trained on a mini-batch whose rows have different lengths
 (right/left padding, a single-token row, a fully masked row, a gap). For every aggregation mode and every loss
 (vanilla PPO, GSPO, value loss, and PPO + KL loss + entropy bonus together) the accumulated gradient with
 micro-batch sizes 1, 2, 3 and the full mini-batch must be identical. The per-micro-batch mean that peers use is
 shown to differ, so the test can fail.
 """
+
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 import torch
@@ -21,7 +27,81 @@ from posttrain.algorithms import (
     kl_penalty,
     logprobs_from_logits,
 )
-from posttrain.batching import backward_micro_batches, split_micro_batches
+
+MicroBatch = dict[str, torch.Tensor]
+LossFn = Callable[[MicroBatch, LossNormalizer], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
+
+
+def split_micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> list[MicroBatch]:
+    """Cut a batch of row-aligned tensors into consecutive row slices of ``micro_batch_size`` rows.
+
+    Args:
+        batch: tensors that all share the leading (row) dimension ``B``.
+        micro_batch_size: rows per micro-batch, >= 1; the last micro-batch holds the remainder.
+
+    Returns:
+        ``ceil(B / micro_batch_size)`` dicts with the same keys; the slices are views, not copies.
+    """
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
+    if not batch:
+        raise ValueError("batch is empty; nothing to split")
+    rows = {}
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            raise ValueError(
+                f"batch[{key!r}] must be a tensor with a row dimension, got {type(value).__name__}"
+            )
+        rows[key] = value.shape[0]
+    if len(set(rows.values())) != 1:
+        raise ValueError(f"all tensors in batch must have the same number of rows, got {rows}")
+    num_rows = next(iter(rows.values()))
+    return [
+        {key: value[start : start + micro_batch_size] for key, value in batch.items()}
+        for start in range(0, num_rows, micro_batch_size)
+    ]
+
+
+def backward_micro_batches(
+    micro_batches: Sequence[MicroBatch],
+    loss_fn: LossFn,
+    normalizer: LossNormalizer,
+    mask_key: str = "response_mask",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Run forward + backward on each micro-batch, accumulating gradients for one optimizer step.
+
+    Args:
+        micro_batches: the mini-batch split in any way (e.g. by :func:`split_micro_batches`).
+        loss_fn: ``(micro_batch, normalizer) -> (loss, metrics)``; ``loss`` must already be this micro-batch's
+            contribution (built with ``aggregate_loss(..., normalizer)``). Its gradient is accumulated as is.
+        normalizer: computed once over the whole mini-batch.
+        mask_key: key of the ``[b, T]`` response mask in each micro-batch, used to weight metrics.
+
+    Returns:
+        ``(loss, metrics)``: the detached sum of the contributions (the mini-batch loss) and each metric averaged
+        over micro-batches weighted by their valid-token counts, which turns per-micro-batch masked means (such
+        as ``pg_clipfrac``) into exact mini-batch means. The caller steps the optimizer and zeroes gradients.
+    """
+    if not micro_batches:
+        raise ValueError("micro_batches is empty; nothing to backpropagate")
+    total: torch.Tensor | None = None
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for micro in micro_batches:
+        if mask_key not in micro:
+            raise ValueError(f"micro-batch has no {mask_key!r}; keys: {sorted(micro)}")
+        loss, metrics = loss_fn(micro, normalizer)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        num_tokens = float(micro[mask_key].to(torch.float64).sum().item())
+        for name, value in metrics.items():
+            scalar = float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+            sums[name] = sums.get(name, 0.0) + scalar * num_tokens
+            weights[name] = weights.get(name, 0.0) + num_tokens
+    averaged = {name: sums[name] / weights[name] if weights[name] > 0 else 0.0 for name in sums}
+    assert total is not None
+    return total, averaged
+
 
 VOCAB, HIDDEN, PROMPT, RESP = 11, 8, 3, 6
 MASK = torch.tensor(
@@ -89,8 +169,15 @@ def loss_fn(model: TinyLM, mode: str, terms: str, policy: str = "vanilla"):
         if terms in ("policy", "all"):
             logp = logprobs_from_logits(resp_logits, mb["input_ids"][:, PROMPT:])
             pg, metrics = POLICY_LOSSES[policy](
-                old_log_prob=mb["old_log_prob"], log_prob=logp, advantages=mb["advantages"], response_mask=mask,
-                clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, normalizer=norm, loss_agg_mode=mode,
+                old_log_prob=mb["old_log_prob"],
+                log_prob=logp,
+                advantages=mb["advantages"],
+                response_mask=mask,
+                clip_ratio_low=0.2,
+                clip_ratio_high=0.28,
+                clip_ratio_c=3.0,
+                normalizer=norm,
+                loss_agg_mode=mode,
             )
             total = total + pg
         if terms == "all":
@@ -99,8 +186,13 @@ def loss_fn(model: TinyLM, mode: str, terms: str, policy: str = "vanilla"):
             total = total + 0.1 * kl - 0.01 * entropy
         if terms in ("value", "all"):
             vf, vf_metrics = compute_value_loss(
-                vpreds=values[:, PROMPT - 1 : -1], returns=mb["returns"], values=mb["values"], response_mask=mask,
-                cliprange_value=0.05, normalizer=norm, loss_agg_mode=mode,
+                vpreds=values[:, PROMPT - 1 : -1],
+                returns=mb["returns"],
+                values=mb["values"],
+                response_mask=mask,
+                cliprange_value=0.05,
+                normalizer=norm,
+                loss_agg_mode=mode,
             )
             total, metrics = total + 0.5 * vf, {**metrics, **vf_metrics}
         return total, metrics
@@ -113,7 +205,11 @@ def accumulated(mode: str, terms: str, policy: str, micro_batch_size: int):
     norm = LossNormalizer.from_mask(batch["response_mask"], norm_constant=RESP)
     micro = split_micro_batches(batch, micro_batch_size)
     loss, metrics = backward_micro_batches(micro, loss_fn(model, mode, terms, policy), norm)
-    return loss, metrics, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return (
+        loss,
+        metrics,
+        [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()],
+    )
 
 
 CASES = [("policy", "vanilla"), ("policy", "gspo"), ("value", "vanilla"), ("all", "vanilla"), ("all", "gspo")]
@@ -160,8 +256,10 @@ def test_data_parallel_average_equals_single_process():
     halves = [{k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}]
     local = [LossNormalizer.from_mask(h["response_mask"], RESP) for h in halves]
     norm = LossNormalizer(
-        num_tokens=sum(n.num_tokens for n in local), num_sequences=sum(n.num_sequences for n in local),
-        norm_constant=RESP, dp_size=2,
+        num_tokens=sum(n.num_tokens for n in local),
+        num_sequences=sum(n.num_sequences for n in local),
+        norm_constant=RESP,
+        dp_size=2,
     )
     rank_grads = []
     for half in halves:

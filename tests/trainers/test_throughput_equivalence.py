@@ -222,3 +222,17 @@ def test_packed_forward_really_packs():
     assert 1 < packed.num_rows < batch.num_rows
     assert packed.num_rows * packed.row_len < batch.input_ids.numel()
     assert copy.copy(PACKED) == PACKED  # options are frozen values
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_actor_gradient_identical_in_every_aggregation_mode(mode, policy_loss):
+    """The trainer's loop keeps the mini-batch's global denominators for every mode, however it is split."""
+    cfg = ActorConfig(
+        use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01, loss_agg_mode=mode, policy_loss=policy_loss
+    )
+    model = tiny_policy()
+    ref, _ = one_step(model, actor_loss_fn(model, cfg, TEMPERATURE, PADDED), "budget_all")
+    for split in ("micro1", "micro2", "budget_min"):
+        grads, _ = one_step(model, actor_loss_fn(model, cfg, TEMPERATURE, PADDED), split)
+        assert_grads_equal(grads, ref, f"{mode}/{policy_loss}/{split}")
