@@ -35,7 +35,6 @@ from posttrain.algorithms.kl import (
 )
 from posttrain.algorithms.logprobs import (
     entropy_from_logits,
-    entropy_from_logits_with_chunking,
     logprobs_from_logits,
 )
 from posttrain.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
@@ -72,7 +71,6 @@ __all__ = [
     "compute_rloo_advantages",
     "compute_value_loss",
     "entropy_from_logits",
-    "entropy_from_logits_with_chunking",
     "get_advantage_estimator",
     "get_policy_loss",
     "kl_penalty",

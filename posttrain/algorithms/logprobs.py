@@ -1,8 +1,8 @@
 """Token log-probabilities and entropies from logits.
 
 The math runs in at least float32 (bf16/fp16 logits are upcast; float64 stays float64), so results do not depend
-on the model's compute dtype. Unlike verl's ``entropy_from_logits`` (which computes in the input dtype), the
-unchunked entropy here is also upcast.
+on the model's compute dtype (verl's ``entropy_from_logits`` computes in the input dtype). The memory-bounded,
+chunked path the trainer uses for large vocabularies is posttrain.models.chunked_head.
 """
 
 from __future__ import annotations
@@ -45,22 +45,3 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.to(_compute_dtype(logits))
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
-
-
-def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
-    """:func:`entropy_from_logits` over row chunks, bounding the float32 temporaries to ``[chunk_size, V]``.
-
-    Args:
-        logits: ``[N, V]``.
-        chunk_size: rows per chunk, >= 1.
-
-    Returns:
-        ``[N]`` entropies; differentiable like the unchunked version.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
-    if logits.shape[0] == 0:
-        return logits.new_zeros(0, dtype=_compute_dtype(logits))
-    return torch.cat([entropy_from_logits(chunk) for chunk in torch.split(logits, chunk_size, dim=0)])

@@ -6,7 +6,6 @@ import torch
 
 from posttrain.algorithms.logprobs import (
     entropy_from_logits,
-    entropy_from_logits_with_chunking,
     logprobs_from_logits,
 )
 
@@ -59,23 +58,3 @@ def test_entropy_matches_numpy():
     np.testing.assert_allclose(entropy_from_logits(z).numpy(), expected, rtol=1e-12)
     uniform = torch.zeros(2, 8)
     np.testing.assert_allclose(entropy_from_logits(uniform).numpy(), np.log(8), rtol=1e-6)
-
-
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, 100])
-def test_chunked_entropy_equals_unchunked_incl_gradient(chunk_size):
-    z1 = logits(seed=3).requires_grad_(True)
-    z2 = z1.detach().clone().requires_grad_(True)
-    a, b = entropy_from_logits(z1), entropy_from_logits_with_chunking(z2, chunk_size=chunk_size)
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    w = torch.arange(7, dtype=torch.float64)
-    (a * w).sum().backward()
-    (b * w).sum().backward()
-    torch.testing.assert_close(z1.grad, z2.grad, rtol=0, atol=1e-12)
-
-
-def test_chunked_entropy_bf16_upcasts_and_validates():
-    out = entropy_from_logits_with_chunking(logits(dtype=torch.bfloat16), chunk_size=2)
-    assert out.dtype == torch.float32 and out.shape == (7,)
-    assert entropy_from_logits_with_chunking(torch.zeros(0, 5)).shape == (0,)
-    with pytest.raises(ValueError, match="chunk_size"):
-        entropy_from_logits_with_chunking(logits(), chunk_size=0)
