@@ -82,7 +82,6 @@ def train_sft(
 
     ``options``: how the forward runs (packing, activation offload), from the model section of the config.
     """
-    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     history: list[dict[str, float]] = []
     steps_per_epoch = len(examples) // plan.mini_batch_samples
@@ -107,7 +106,6 @@ def train_sft(
             history.append(metrics)
             if display is not None:
                 display.update(len(history), metrics)
-    del device
     return history
 
 
@@ -158,10 +156,11 @@ def run_sft_command(cfg: PostTrainConfig) -> Path:
     device = select_device(cfg)
     check_policy_switches(cfg, device, read_model_config(cfg.model.path))  # before any weights load
     seed_everything(cfg.trainer.seed)
+    # Data first: a bad file or row is reported before any model loads.
+    records = sft_records(cfg, load_splits(cfg).train if not cfg.sft.train_files else [])
     path = builtin_base_dir(cfg) if cfg.model.path == "builtin:tiny" else cfg.model.path
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, cfg.model.dtype, device)
-    records = sft_records(cfg, load_splits(cfg).train if not cfg.sft.train_files else [])
     history = run_sft(cfg, model, tokenizer, records)
     out = Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
     save_hf(model, tokenizer, out)
