@@ -101,3 +101,10 @@ def test_fail_fast_aborts(tiny_model_dir, tmp_path):
     cfg = small_config(tiny_model_dir, tmp_path / "run", f"reward.function={reward}:broken", "reward.fail_fast=true")
     with pytest.raises(RuntimeError, match="oops"):
         run_training(cfg, quiet=True)
+
+
+def test_sft_bad_rows_are_reported(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "What is 1 + 1?", "response": "2"}, {"prompt": 3}])
+    out = run_cli("sft", f"model.path={tiny_model_dir}", f"sft.train_files=[{data}]", f"trainer.run_dir={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "sft.jsonl" in out.stderr and "row 1" in out.stderr
