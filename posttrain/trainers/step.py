@@ -81,6 +81,52 @@ def rollout_metrics(result: RolloutResult, scores: torch.Tensor) -> dict[str, fl
     }
 
 
+def fill_forward_passes(c: Components, batch: RolloutBatch, timer: PhaseTimer, temperature: float) -> None:
+    """Old log-probs, reference log-probs and values, each in its planned forward-only micro-batches."""
+    plan, policy, opts = c.plan, c.actor.module, c.forward
+    with timer.phase("old_log_prob"):
+        policy.eval()
+        batch.old_log_probs = forward_in_micro_batches(
+            lambda mb: policy_logprobs(policy, mb, temperature=temperature, options=opts.old_log_prob)[0], batch,
+            plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device,
+        )  # fmt: skip
+    if c.ref is not None:
+        with timer.phase("ref"):
+            batch.ref_log_probs = forward_in_micro_batches(
+                lambda mb: policy_logprobs(c.ref, mb, temperature=temperature, options=opts.ref)[0], batch,
+                plan.ref.micro_batch_size_per_rank, _budget(plan.ref), c.device,
+            )  # fmt: skip
+    if c.critic is not None:
+        with timer.phase("values"):
+            c.critic.module.eval()
+            batch.values = forward_in_micro_batches(
+                lambda mb: critic_values(c.critic.module, mb, opts.critic), batch,
+                plan.values.micro_batch_size_per_rank, _budget(plan.values), c.device,
+            )  # fmt: skip
+
+
+def compute_advantages(c: Components, batch: RolloutBatch) -> dict[str, float]:
+    """Token rewards (minus the in-reward KL penalty when on), then the configured estimator's advantages."""
+    cfg = c.cfg
+    metrics: dict[str, float] = {}
+    if c.kl_ctrl is not None:
+        batch.token_level_rewards, kl_metrics = apply_kl_penalty(
+            batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+            c.kl_ctrl, cfg.algorithm.kl_penalty,
+        )  # fmt: skip
+        c.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=batch.num_rows)
+        metrics.update(kl_metrics)
+    else:
+        batch.token_level_rewards = batch.token_level_scores
+    alg = cfg.algorithm
+    batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(
+        token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+        group_ids=batch.group_ids, values=batch.values, reward_baselines=batch.reward_baselines,
+        gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+    )  # fmt: skip
+    return metrics
+
+
 def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     """Run one step (1-based `step`) and return its metrics."""
     cfg, plan = c.cfg, c.plan
@@ -105,41 +151,9 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     metrics.update(rollout_metrics(result, scores))
     policy, opts = c.actor.module, c.forward
     temperature = r.temperature if r.temperature > 0 else 1.0
-    with timer.phase("old_log_prob"):
-        policy.eval()
-        batch.old_log_probs = forward_in_micro_batches(
-            lambda mb: policy_logprobs(policy, mb, temperature=temperature, options=opts.old_log_prob)[0], batch,
-            plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device,
-        )  # fmt: skip
-    if c.ref is not None:
-        with timer.phase("ref"):
-            batch.ref_log_probs = forward_in_micro_batches(
-                lambda mb: policy_logprobs(c.ref, mb, temperature=temperature, options=opts.ref)[0], batch,
-                plan.ref.micro_batch_size_per_rank, _budget(plan.ref), c.device,
-            )  # fmt: skip
-    if c.critic is not None:
-        with timer.phase("values"):
-            c.critic.module.eval()
-            batch.values = forward_in_micro_batches(
-                lambda mb: critic_values(c.critic.module, mb, opts.critic), batch,
-                plan.values.micro_batch_size_per_rank, _budget(plan.values), c.device,
-            )  # fmt: skip
+    fill_forward_passes(c, batch, timer, temperature)
     with timer.phase("advantage"):
-        if c.kl_ctrl is not None:
-            batch.token_level_rewards, kl_metrics = apply_kl_penalty(
-                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
-                c.kl_ctrl, cfg.algorithm.kl_penalty,
-            )  # fmt: skip
-            c.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=batch.num_rows)
-            metrics.update(kl_metrics)
-        else:
-            batch.token_level_rewards = batch.token_level_scores
-        alg = cfg.algorithm
-        batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(
-            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
-            group_ids=batch.group_ids, values=batch.values, reward_baselines=batch.reward_baselines,
-            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-        )  # fmt: skip
+        metrics.update(compute_advantages(c, batch))
     norm_constant = float(cfg.data.max_response_length)
     gen = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, salt=1))
     if c.critic is not None:

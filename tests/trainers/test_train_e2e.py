@@ -63,8 +63,20 @@ def assert_finite(metrics):
             assert value is not None and value == value, f"{key} is not finite at step {row['step']}"
 
 
-@pytest.mark.parametrize("extra", [[], ["actor.use_kl_loss=true", "actor.entropy_coeff=0.01"]], ids=["grpo", "grpo_kl"])
-def test_grpo_updates_every_parameter(tiny_model_dir, tmp_path, extra):
+RUNS = {  # name -> (overrides, metric keys the run must report)
+    "grpo": ([], []),
+    "grpo_kl_loss": (["actor.use_kl_loss=true", "actor.entropy_coeff=0.01"], ["actor/kl_loss"]),
+    "kl_in_reward": (
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.adv_estimator=rloo"],
+        ["actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"],
+    ),
+    "remax": (["algorithm.adv_estimator=remax"], []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_policy_gradient_runs_update_every_parameter(tiny_model_dir, tmp_path, name):
+    extra, expected = RUNS[name]
     cfg = small_config(tiny_model_dir, tmp_path / "run", *extra)
     start = load_causal_lm(tiny_model_dir)
     run_training(cfg, quiet=True)
@@ -78,8 +90,8 @@ def test_grpo_updates_every_parameter(tiny_model_dir, tmp_path, extra):
     for key in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/rollout",
                 "perf/tokens_per_s", "response_length/max", "finish/eos"):
         assert key in metrics[-1], key
-    if extra:
-        assert "actor/kl_loss" in metrics[-1]
+    for key in expected:
+        assert key in metrics[-1], key
     for name in ("config.yaml", "plan.json", "curves.png"):
         assert (tmp_path / "run" / name).exists()
 
