@@ -118,6 +118,45 @@ class DataConfig:
 
 
 @dataclass
+class ShardingConfig:
+    """How a role's model is sharded over the ranks with FSDP2 (used when launched with torchrun)."""
+
+    fsdp_size: int = knob(
+        -1,
+        "Ranks each model is sharded over: -1 shards over all ranks; k shards within groups of k ranks and "
+        "replicates across groups (HSDP; k must divide the world size).",
+        unit="ranks",
+        min=-1,
+    )
+    param_offload: bool = knob(
+        False,
+        "Keep the sharded parameters (and gradients) in CPU memory, copying each layer to the GPU for its "
+        "forward/backward (FSDP2 CPUOffloadPolicy). CUDA only: no effect on CPU (a warning says so).",
+    )
+    forward_prefetch: bool = knob(
+        False,
+        "Start gathering the next decoder layer's parameters while the current layer computes (FSDP2 "
+        "explicit prefetching), in forward and backward.",
+    )
+    reshard_after_forward: bool = knob(
+        True,
+        "Free each layer's gathered parameters after its forward (gathered again in backward): ZeRO-3 "
+        "memory. False keeps them until backward (ZeRO-2-like: more memory, fewer all-gathers).",
+    )
+
+
+@dataclass
+class FSDPConfig(ShardingConfig):
+    """Sharding of a trained role (actor, critic): adds the optimizer state's placement."""
+
+    optimizer_offload: bool = knob(
+        False,
+        "Keep the optimizer state (Adam moments) in CPU memory between optimizer steps; it is moved to the "
+        "GPU for each step. CUDA only: no effect on CPU.",
+    )
+
+
+@dataclass
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
@@ -225,6 +264,7 @@ class ActorConfig:
         "them for autograd (the update's log-prob/entropy memory no longer grows with the token count).",
     )
     optim: OptimConfig = section(OptimConfig, lr=2e-4, lr_schedule="cosine", min_lr_ratio=0.1)
+    fsdp_config: FSDPConfig = section(FSDPConfig)
 
 
 @dataclass
@@ -249,6 +289,7 @@ class RefConfig:
     entropy_from_logits_chunk_size: int = knob(
         2048, "Tokens per chunk of the reference pass when chunking is on.", unit="tokens", min=1
     )
+    fsdp_config: ShardingConfig = section(ShardingConfig)
 
 
 @dataclass
@@ -291,6 +332,7 @@ class CriticConfig:
         "no effect on CPU (a warning says so).",
     )
     optim: OptimConfig = section(OptimConfig, lr=1e-3)
+    fsdp_config: FSDPConfig = section(FSDPConfig)
 
 
 @dataclass
@@ -367,6 +409,13 @@ class TrainerConfig:
         default_factory=lambda: ["console", "jsonl"], help="Metric sinks: console, jsonl, tensorboard, wandb."
     )
     export_hf: bool = knob(True, "Export the final policy as a Hugging Face model directory.")
+    dist_timeout_s: float = knob(
+        600.0,
+        "With several ranks: seconds a collective may wait for the other ranks before the job fails with "
+        "an error (a dead or hung rank ends the run instead of hanging it).",
+        unit="seconds",
+        min=1.0,
+    )
 
 
 @dataclass

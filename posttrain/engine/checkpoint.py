@@ -1,12 +1,12 @@
-"""Atomic, resumable single-process checkpoints.
+"""Atomic, resumable checkpoints, from one process or many (torch.distributed.checkpoint).
 
 Layout (one directory per step, published by a single rename)::
 
     run_dir/checkpoints/
         latest                          # text: name of the newest complete checkpoint
         step_000012/
-            model/<key>.safetensors     # one file per module; tied weights stored once
-            optimizer/<key>.pt          # torch.save(optimizer.state_dict())
+            state/                      # DCP: every module's weights and optimizer state, each rank's
+                                        # shards in its own file, keyed by parameter name
             scheduler/<key>.pt          # torch.save(scheduler.state_dict())
             rng.pt                      # python, numpy, torch CPU (+ CUDA) generator states
             trainer_state.json          # step, sampler state, KL controller value, ...
@@ -20,8 +20,10 @@ Why this shape:
   temporary name and then published with one ``os.replace``. A crash at any point leaves at most a
   hidden directory behind, which loaders ignore and the next save deletes.
 - ``latest`` is replaced atomically after the publish, so it only ever names a complete checkpoint.
-- ``manifest.json`` records a ``layout``; a sharded writer (torch.distributed.checkpoint) adds its own
-  layout next to ``single_process`` without breaking checkpoints written by this one.
+- Weights and optimizer state go through torch.distributed.checkpoint (:mod:`posttrain.engine.sharded_state`):
+  with several ranks each writes its own shards in parallel, and a checkpoint written by N ranks loads on
+  M ranks (one included), resharded on the fly. Every rank must call save/load; rank 0 alone writes the
+  small files, publishes and prunes. With several nodes, ``run_dir`` must be a shared filesystem.
 - One writer per run directory: a save deletes hidden leftovers of any earlier save.
 """
 
@@ -40,11 +42,18 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_model
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+
+from posttrain.engine.sharded_state import (
+    load_module_state,
+    load_state,
+    module_shapes,
+    save_state,
+    saved_shapes,
+)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 LATEST_FILENAME = "latest"
@@ -52,8 +61,9 @@ COMPLETE_FILENAME = "COMPLETE"
 MANIFEST_FILENAME = "manifest.json"
 TRAINER_STATE_FILENAME = "trainer_state.json"
 RNG_FILENAME = "rng.pt"
-LAYOUT = "single_process"
-FORMAT_VERSION = 1
+LAYOUT = "dcp"
+FORMAT_VERSION = 2
+STATE_DIRNAME = "state"
 RESUME_MODES = ("auto", "disable")
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -224,31 +234,60 @@ def save_checkpoint(
     _check_save_args(step, modules, optimizers, schedulers, keep_last)
     state_json = _encode_trainer_state(trainer_state)
     root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    _cleanup_stale(root)
     final = root / step_dirname(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    try:
+    tmp = None
+    if _is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        _cleanup_stale(root)
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
         tmp.mkdir()
-        files = _write_module_weights(tmp, modules)
-        files += _write_torch_states(tmp, "optimizer", {k: o.state_dict() for k, o in optimizers.items()})
-        files += _write_torch_states(tmp, "scheduler", {k: s.state_dict() for k, s in schedulers.items()})
-        files.append(_write_rng_state(tmp))
-        files.append(_write_text(tmp / TRAINER_STATE_FILENAME, state_json))
-        keys = {
-            "modules": sorted(modules),
-            "optimizers": sorted(optimizers),
-            "schedulers": sorted(schedulers),
-        }
-        _write_manifest(tmp, step, keys, files)
+    tmp = _from_main(tmp)
+    try:
+        _write_model_state(tmp, modules, optimizers)  # every rank writes its shards
+        error = None
+        if _is_main():
+            try:
+                files = _write_torch_states(
+                    tmp, "scheduler", {k: s.state_dict() for k, s in schedulers.items()}
+                )
+                files.append(_write_rng_state(tmp))
+                files.append(_write_text(tmp / TRAINER_STATE_FILENAME, state_json))
+                files += sorted(p for p in (tmp / STATE_DIRNAME).rglob("*") if p.is_file())
+                keys = {
+                    "modules": sorted(modules),
+                    "optimizers": sorted(optimizers),
+                    "schedulers": sorted(schedulers),
+                }
+                _write_manifest(tmp, step, keys, files)
+                _publish(tmp, final)
+                _write_latest(root, final.name)
+                if keep_last is not None:
+                    _prune(root, keep_last, step)
+            except BaseException as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                _from_main(error)  # other ranks learn whether the checkpoint was published
+        elif (error := _from_main(None)) is not None:
+            raise RuntimeError(f"rank 0 failed to write checkpoint {final}: {error}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish(tmp, final)
-    _write_latest(root, final.name)
-    if keep_last is not None:
-        _prune(root, keep_last, step)
     return final
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _from_main(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (itself without torch.distributed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _check_save_args(
@@ -323,17 +362,13 @@ def _torch_save(obj: Any, path: Path) -> Path:
     return _write_durably(path, lambda f: torch.save(obj, f))
 
 
-def _write_module_weights(ckpt_dir: Path, modules: Mapping[str, nn.Module]) -> list[Path]:
-    """safetensors per module; ``save_model`` stores tensors shared by tied weights only once."""
-    (ckpt_dir / "model").mkdir()
-    paths = []
-    for key, module in modules.items():
-        path = ckpt_dir / "model" / f"{key}.safetensors"
-        save_model(module, str(path))
-        _fsync_path(path)
-        paths.append(path)
-    _fsync_path(ckpt_dir / "model")
-    return paths
+def _write_model_state(
+    ckpt_dir: Path, modules: Mapping[str, nn.Module], optimizers: Mapping[str, Optimizer]
+) -> None:
+    """Weights and optimizer state via DCP (each file fsynced by DCP's writer), then the directory."""
+    save_state(ckpt_dir / STATE_DIRNAME, modules, optimizers)
+    if _is_main():
+        _fsync_path(ckpt_dir / STATE_DIRNAME)
 
 
 def _write_torch_states(ckpt_dir: Path, kind: str, states: Mapping[str, Any]) -> list[Path]:
@@ -466,15 +501,11 @@ def load_checkpoint(
     for kind, given in (("modules", modules), ("optimizers", optimizers), ("schedulers", schedulers)):
         _check_keys(path, kind, manifest[kind], given)
     _check_file_sizes(path, manifest["files"])
+    stored = saved_shapes(path / STATE_DIRNAME)
     for key, module in modules.items():
-        _check_module_weights(path / "model" / f"{key}.safetensors", key, module)
+        _check_module_weights(path, stored, key, module)
 
-    for key, module in modules.items():
-        weights = load_file(path / "model" / f"{key}.safetensors", device=str(map_location))
-        # strict=False: names dropped as tied duplicates are "missing" by design; checked above.
-        module.load_state_dict(weights, strict=False)
-    for key, optimizer in optimizers.items():
-        optimizer.load_state_dict(_torch_load(path / "optimizer" / f"{key}.pt", map_location))
+    load_state(path / STATE_DIRNAME, modules, optimizers)
     for key, scheduler in schedulers.items():
         scheduler.load_state_dict(_torch_load(path / "scheduler" / f"{key}.pt", map_location))
     if restore_rng:
@@ -510,25 +541,23 @@ def _check_file_sizes(path: Path, files: Mapping[str, int]) -> None:
             )
 
 
-def _check_module_weights(file: Path, key: str, module: nn.Module) -> None:
-    """Compare names and shapes in the safetensors header with the module's state_dict."""
-    with safe_open(str(file), framework="pt") as f:
-        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    expected = module.state_dict()
-    saved_ptrs = {expected[n].data_ptr() for n in saved if n in expected}
-    # A name absent from the file is fine when it shares storage with a saved name (tied weights).
-    missing = [n for n, t in expected.items() if n not in saved and t.data_ptr() not in saved_ptrs]
+def _check_module_weights(path: Path, stored: Mapping[str, tuple], key: str, module: nn.Module) -> None:
+    """Compare the names and shapes recorded in the checkpoint with the module's (before loading anything)."""
+    prefix = f"{key}.model."
+    saved = {n[len(prefix) :]: shape for n, shape in stored.items() if n.startswith(prefix)}
+    expected = module_shapes(module)
+    missing = [n for n in expected if n not in saved]
     unexpected = [n for n in saved if n not in expected]
     mismatched = [
-        f"{n} {list(saved[n])} in checkpoint vs {list(expected[n].shape)} in module"
+        f"{n} {list(saved[n])} in checkpoint vs {list(expected[n])} in module"
         for n in saved
-        if n in expected and saved[n] != tuple(expected[n].shape)
+        if n in expected and saved[n] != expected[n]
     ]
     found = {"missing": missing, "unexpected": unexpected, "shape mismatch": mismatched}
     problems = "; ".join(f"{label}: {items[:5]}" for label, items in found.items() if items)
     if problems:
         raise ValueError(
-            f"modules[{key!r}]: weights in {file} do not match the module ({problems}); "
+            f"modules[{key!r}]: weights in {path} do not match the module ({problems}); "
             "was the checkpoint written for a different model or config?"
         )
 
@@ -539,6 +568,5 @@ def load_module_weights(path: str | os.PathLike, key: str, module: nn.Module, ma
     manifest = read_manifest(path)
     if key not in manifest["modules"]:
         raise ValueError(f"checkpoint {path} has no module {key!r}; it holds modules {manifest['modules']}")
-    file = path / "model" / f"{key}.safetensors"
-    _check_module_weights(file, key, module)
-    module.load_state_dict(load_file(file, device=str(map_location)), strict=False)
+    _check_module_weights(path, saved_shapes(path / STATE_DIRNAME), key, module)
+    load_module_state(path / STATE_DIRNAME, key, module)

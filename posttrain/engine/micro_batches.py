@@ -5,18 +5,24 @@ One function per loop, shared by every role (actor, critic, reference, reward mo
 - `micro_batch_rows`: a mini-batch → micro-batches, by sample count or by token budget (hard cap).
 - `accumulate_and_step`: one optimizer step over a mini-batch with global loss normalisation.
 - `forward_in_micro_batches`: a forward-only pass, outputs restored to the original row order.
+
+With several data-parallel ranks (:class:`DataParallel`), every rank holds the whole batch; each
+mini-batch (or forward pass) is split over the ranks by token load (`rank_rows`), each rank runs its share
+in the same number of micro-batches (collectives line up), and losses use the whole mini-batch's counts, so
+results do not depend on the number of ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer
-from posttrain.batching.token_budget import plan_token_micro_batches
+from posttrain.batching.balance import balance_batch
+from posttrain.batching.token_budget import plan_token_micro_batches, plan_token_micro_batches_for_ranks
 from posttrain.data.batch import RolloutBatch
 
 
@@ -28,6 +34,64 @@ class LossShare:
     weighted by response tokens."""
 
     value: torch.Tensor
+
+
+def _no_reduce(values: list[float]) -> list[float]:
+    return list(values)
+
+
+def _gather_one(obj: object) -> list[object]:
+    return [obj]
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How a role's work is spread over ranks (the default: one rank does everything).
+
+    Attributes:
+        dp_rank, dp_size: this rank's data-parallel index and the number of DP ranks.
+        grad_ranks: ranks the sharded model averages gradients over (all ranks: DP x SP); each rank's loss
+            is scaled by it so the average becomes the sum it should be.
+        replicas: ranks that process the same data (the SP group size): their metrics count once.
+        all_reduce_sum: element-wise sum of a list of floats over all ranks.
+        all_gather: every rank's (picklable) object, in rank order.
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    grad_ranks: int = 1
+    replicas: int = 1
+    all_reduce_sum: Callable[[list[float]], list[float]] = field(default=_no_reduce, compare=False)
+    all_gather: Callable[[object], list[object]] = field(default=_gather_one, compare=False)
+
+
+SINGLE_RANK = DataParallel()
+
+
+def rank_rows(batch: RolloutBatch, dp: DataParallel) -> list[list[int]]:
+    """Rows of `batch` each DP rank processes: equal counts, token loads balanced (same on every rank)."""
+    if dp.dp_size == 1:
+        return [list(range(batch.num_rows))]
+    return balance_batch(batch.seq_lens(), dp.dp_size, equal_size=True)
+
+
+def rank_micro_batches(
+    batch: RolloutBatch, dp: DataParallel, micro_batch_size: int | None, max_tokens: int | None
+) -> tuple[list[int], list[list[int]]]:
+    """This rank's rows of `batch` and its micro-batches (indices into `batch`).
+
+    With a token budget every rank gets the same number of micro-batches (the largest minimal count), so
+    the collectives of a sharded model line up.
+    """
+    shares = rank_rows(batch, dp)
+    mine = shares[dp.dp_rank]
+    if max_tokens is not None and dp.dp_size > 1:
+        lens = batch.seq_lens()
+        plans = plan_token_micro_batches_for_ranks([[lens[i] for i in s] for s in shares], max_tokens)
+        local = plans[dp.dp_rank]
+    else:
+        local = micro_batch_rows(batch.select(mine), micro_batch_size, max_tokens)
+    return mine, [[mine[i] for i in micro] for micro in local]
 
 
 LossFn = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, torch.Tensor | LossShare]]]
@@ -76,13 +140,15 @@ def accumulate_and_step(
     loss_fn: LossFn,
     normalizer: LossNormalizer,
     grad_clip: float,
+    dp: DataParallel = SINGLE_RANK,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then clip and take one optimizer step.
 
     `loss_fn` returns each micro-batch's exact share of the mini-batch loss (built with the global
     `normalizer`), so gradients are summed as they are: never divided by the number of micro-batches.
     Metrics are token-weighted means over micro-batches, except :class:`LossShare` metrics and `loss` (the
-    mini-batch loss), which are sums of the micro-batch shares.
+    mini-batch loss), which are sums of the micro-batch shares. With several ranks, `micro_rows` are this
+    rank's and the metrics are reduced over all ranks.
     """
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -102,9 +168,11 @@ def accumulate_and_step(
                 sums[name] = sums.get(name, 0.0) + float(value.value)
             else:
                 sums[name] = sums.get(name, 0.0) + float(value) * tokens
-    out = {k: (v if k in shares else v / max(total_tokens, 1.0)) for k, v in sums.items()}
+    out = _reduce_metrics(sums, shares, total_tokens, normalizer, dp)
     params = [p for p in module.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # sharded parameters: the norm is a DTensor (already global)
+        norm = norm.full_tensor()
     out["grad_norm"] = float(norm)
     if torch.isfinite(norm):
         optimizer.step()
@@ -118,6 +186,22 @@ def accumulate_and_step(
     return out
 
 
+def _reduce_metrics(
+    sums: dict[str, float], shares: set[str], tokens: float, normalizer: LossNormalizer, dp: DataParallel
+) -> dict[str, float]:
+    """Per-rank metric sums → mini-batch metrics. Loss shares carry the gradient-averaging scale
+    (normalizer.dp_size), removed here; SP replicas computed the same shares, counted once."""
+    if dp.dp_size * dp.replicas == 1:
+        return {k: (v if k in shares else v / max(tokens, 1.0)) for k, v in sums.items()}
+    names = sorted(dp.all_gather(sorted(sums))[0])  # rank 0's names: every rank computes the same metrics
+    reduced = dp.all_reduce_sum([sums.get(k, 0.0) for k in names] + [tokens])
+    total_tokens = max(reduced[-1], 1.0)
+    out = {}
+    for k, v in zip(names, reduced[:-1]):
+        out[k] = v / (normalizer.dp_size * dp.replicas) if k in shares else v / total_tokens
+    return out
+
+
 @torch.no_grad()
 def forward_in_micro_batches(
     fn: Callable[[RolloutBatch], torch.Tensor],
@@ -125,15 +209,22 @@ def forward_in_micro_batches(
     micro_batch_size: int | None,
     max_tokens: int | None,
     device: torch.device,
+    dp: DataParallel = SINGLE_RANK,
 ) -> torch.Tensor:
-    """Apply `fn` (micro-batch → [b, R] tensor) over the batch; rows come back in the original order."""
+    """Apply `fn` (micro-batch → [b, R] tensor) over the batch; rows come back in the original order.
+
+    With several DP ranks each computes its share and every rank receives the whole result.
+    """
     width = batch.response_width
-    out: torch.Tensor | None = None
-    for rows in micro_batch_rows(batch, micro_batch_size, max_tokens):
+    mine, micro_rows = rank_micro_batches(batch, dp, micro_batch_size, max_tokens)
+    out = torch.zeros((batch.num_rows, width), dtype=torch.float32)
+    for rows in micro_rows:
         micro = batch.select(rows).trimmed().to(device)
         part = fn(micro).float().cpu()
-        if out is None:
-            out = torch.zeros((batch.num_rows, width), dtype=part.dtype)
         out[torch.as_tensor(rows), : part.shape[1]] = part
-    assert out is not None
+    if dp.dp_size > 1:
+        # Every SP replica holds the same rows; take one copy per DP rank.
+        gathered = dp.all_gather((mine, out[torch.as_tensor(mine)]))
+        for rows, values in gathered[:: dp.replicas]:
+            out[torch.as_tensor(rows)] = values
     return out

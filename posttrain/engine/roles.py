@@ -17,11 +17,13 @@ from posttrain.config.plan import UpdatePlan
 from posttrain.config.schema import ActorConfig, CriticConfig, OptimConfig
 from posttrain.data.batch import RolloutBatch
 from posttrain.engine.micro_batches import (
+    SINGLE_RANK,
+    DataParallel,
     LossFn,
     LossShare,
     accumulate_and_step,
     iter_mini_batches,
-    micro_batch_rows,
+    rank_micro_batches,
 )
 from posttrain.models.forward import DEFAULT_OPTIONS, ForwardOptions, critic_values, policy_logprobs
 
@@ -125,18 +127,22 @@ def run_update(
     norm_constant: float,
     generator: torch.Generator,
     prefix: str,
+    dp: DataParallel = SINGLE_RANK,
 ) -> dict[str, float]:
-    """ppo_epochs × mini-batches × micro-batches for one role; returns metrics averaged over steps."""
+    """ppo_epochs × mini-batches × micro-batches for one role; returns metrics averaged over steps.
+
+    Every rank sees the same mini-batches (same generator); each runs its share of every mini-batch.
+    """
     trainable.module.train()
     per_step: list[dict[str, float]] = []
     budget = plan.max_token_len_per_rank if plan.use_dynamic_bsz else None
     for _epoch, mini in iter_mini_batches(batch, plan.mini_batch_prompts, plan.ppo_epochs, shuffle, generator):
-        normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant)
-        rows = micro_batch_rows(mini, plan.micro_batch_size_per_rank, budget)
+        normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant, dp_size=dp.grad_ranks)
+        _, rows = rank_micro_batches(mini, dp, plan.micro_batch_size_per_rank, budget)
         per_step.append(
             accumulate_and_step(
                 trainable.module, trainable.optimizer, trainable.scheduler, mini, rows, loss_fn, normalizer,
-                trainable.grad_clip,
+                trainable.grad_clip, dp,
             )  # fmt: skip
         )
     keys = {k for m in per_step for k in m}

@@ -13,6 +13,7 @@ import torch
 
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import TokenizedPrompts
+from posttrain.distributed.runtime import DistContext, shard_bounds
 from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rollout.base import RolloutEngine, SamplingParams
 
@@ -39,16 +40,22 @@ def validate(
     runner: RewardRunner,
     cfg: PostTrainConfig,
     seed: int = 0,
+    dist: DistContext | None = None,
 ) -> dict[str, float]:
-    """Generate for every validation prompt (in batches of data.val_batch_size) and score it."""
+    """Generate for every validation prompt (in batches of data.val_batch_size) and score it.
+
+    With several ranks each validates a contiguous share of the prompts and the results are gathered.
+    """
     params = validation_params(cfg, seed)
     rewards: list[float] = []
     lengths: list[int] = []
     bs = cfg.data.val_batch_size
-    for start in range(0, len(prompts.prompt_ids), bs):
-        ids = prompts.prompt_ids[start : start + bs]
-        recs = prompts.records[start : start + bs]
-        result = engine.generate(ids, params)
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    lo, hi = shard_bounds(len(prompts.prompt_ids), rank, world)
+    for start in range(lo, hi, bs):
+        ids = prompts.prompt_ids[start : min(start + bs, hi)]
+        recs = prompts.records[start : min(start + bs, hi)]
+        result = engine.generate(ids, params, **({"prompt_offset": start} if world > 1 else {}))
         texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
         inputs = [
             RewardInput(recs[p].prompt, text, recs[p].ground_truth, recs[p].extra)
@@ -57,6 +64,10 @@ def validate(
         scores, _ = runner.score(inputs)
         rewards.extend(scores)
         lengths.extend(len(r) for r in result.response_ids)
+    if world > 1:
+        shares = dist.all_gather_object((rewards, lengths))
+        rewards = [r for share, _ in shares for r in share]
+        lengths = [n for _, share in shares for n in share]
     k = params.n
     correct = torch.tensor(rewards) >= CORRECT_THRESHOLD
     out = {

@@ -10,11 +10,18 @@ import logging
 import time
 from pathlib import Path
 
+from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.distributed.runtime import (
+    DistContext,
+    init_distributed,
+    launched_world_size,
+    shutdown_distributed,
+)
 from posttrain.engine.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from posttrain.trainers.common import seed_everything
+from posttrain.trainers.common import seed_everything, select_device
 from posttrain.trainers.evaluate import validate
-from posttrain.trainers.setup import Components, build_components, write_run_metadata
+from posttrain.trainers.setup import Components, build_components, resolve_model_path, write_run_metadata
 from posttrain.trainers.step import step_seed, train_step
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import MetricsLogger, PhaseTimer
@@ -55,25 +62,51 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     c.sampler.load_state_dict(state["sampler"])
     if c.kl_ctrl is not None and "kl_coef" in state:
         c.kl_ctrl.value = state["kl_coef"]
-    print(f"Resumed from {ckpt} (step {state['step']})")
+    if c.engine.model is not c.actor.module:  # the engine's own copy must see the restored weights
+        from posttrain.distributed.fsdp import full_state_dict
+
+        c.engine.sync_weights(full_state_dict(c.actor.module).items())
+    if c.dist.is_main:
+        print(f"Resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
 
 def run_validation(c: Components, step: int) -> dict[str, float]:
     if c.val_prompts is None:
         return {}
-    return validate(c.engine, c.tokenizer, c.val_prompts, c.reward_runner, c.cfg, seed=step_seed(c.cfg.trainer.seed, step, 2))
+    return validate(
+        c.engine, c.tokenizer, c.val_prompts, c.reward_runner, c.cfg, seed=step_seed(c.cfg.trainer.seed, step, 2),
+        dist=c.dist,
+    )  # fmt: skip
 
 
 def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
-    """Train as configured; returns the final step's metrics (with the last validation)."""
+    """Train as configured; returns the final step's metrics (with the last validation).
+
+    Launched by torchrun (WORLD_SIZE > 1), every rank runs this; rank 0 alone prints, logs and exports.
+    """
+    build_plan(cfg, launched_world_size())  # a config error surfaces before any process group or model
     seed_everything(cfg.trainer.seed)
-    c = build_components(cfg, quiet=quiet)
+    ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)
+    try:
+        if ctx.distributed and cfg.model.path == "builtin:tiny":
+            # One rank builds (and caches) the built-in warm start; the others then read the cache.
+            if ctx.is_main:
+                resolve_model_path(cfg, quiet=quiet)
+            ctx.barrier()
+        return _train(cfg, ctx, quiet=quiet or not ctx.is_main)
+    finally:
+        shutdown_distributed()
+
+
+def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, float]:
+    c = build_components(cfg, quiet=quiet, dist=ctx)
     run_dir = Path(cfg.trainer.run_dir)
-    write_run_metadata(run_dir, cfg, c.plan)
+    if ctx.is_main:
+        write_run_metadata(run_dir, cfg, c.plan)
     t = cfg.trainer
     backends = [b for b in t.loggers if b != "console"]
-    logger = MetricsLogger(run_dir, backends=backends, config=None)
+    logger = MetricsLogger(run_dir, backends=backends, config=None) if ctx.is_main else None
     timer = PhaseTimer()
     began = time.monotonic()
     start = maybe_resume(c, run_dir)
@@ -94,20 +127,23 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     try:
         if start == 0 and t.test_freq > 0:
             last = first_val = run_validation(c, 0)
-            logger.log(last, step=0)
+            if logger is not None:
+                logger.log(last, step=0)
             display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
             metrics = train_step(c, step, timer)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
                 metrics.update(run_validation(c, step))
-            logger.log(metrics, step=step)
+            if logger is not None:
+                logger.log(metrics, step=step)
             display.update(step, metrics)
             last = metrics
             if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
                 save(c, run_dir, step)
     finally:
         display.stop()
-        logger.close()
+        if logger is not None:
+            logger.close()
         c.close()
     _finish(c, run_dir, quiet)
     if not quiet and "val/accuracy" in last:
@@ -128,9 +164,20 @@ def _finish(c: Components, run_dir: Path, quiet: bool) -> None:
     from posttrain.utils.plots import plot_training_curves
 
     if c.cfg.trainer.export_hf:
-        out = save_hf(c.actor.module, c.tokenizer, run_dir / "final_model")
-        if not quiet:
-            print(f"Final policy exported to {out} (loads with AutoModelForCausalLM)")
+        model = c.actor.module
+        if c.dist.distributed:
+            # Gather the full weights (every rank takes part) into the engine's unsharded copy; rank 0 saves it.
+            from posttrain.distributed.fsdp import full_state_dict
+
+            c.engine.sync_weights(full_state_dict(model).items())
+            model = c.engine.model
+        if c.dist.is_main:
+            out = save_hf(model, c.tokenizer, run_dir / "final_model")
+            if not quiet:
+                print(f"Final policy exported to {out} (loads with AutoModelForCausalLM)")
+        c.dist.barrier()
+    if not c.dist.is_main:
+        return
     png = run_dir / "curves.png"
     if plot_training_curves(run_dir / "metrics.jsonl", png) and not quiet:
         print(f"Training curves: {png}")

@@ -20,9 +20,12 @@ from posttrain.config.plan import BatchPlan, build_plan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import TokenizedPrompts, tokenize_prompts
 from posttrain.data.sampler import PromptSampler
+from posttrain.distributed.fsdp import offload_optimizer_state, shard_model
+from posttrain.distributed.runtime import DistContext, data_parallel
+from posttrain.engine.micro_batches import DataParallel
 from posttrain.engine.roles import Trainable
 from posttrain.models.critic import CriticModel
-from posttrain.models.hf import load_causal_lm, load_tokenizer
+from posttrain.models.hf import load_causal_lm, load_tokenizer, resolve_dtype
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -80,6 +83,12 @@ class Components:
     reward_model: RewardModelScorer | None
     kl_ctrl: KLController | None
     forward: PassOptions  # how each pass runs (packing, chunked head, offload): posttrain.trainers.throughput
+    dist: DistContext = DistContext()
+    parallel: dict[str, DataParallel] | None = None  # per pass: how its samples spread over ranks
+
+    def dp(self, role: str) -> DataParallel:
+        """The data-parallel view of a pass ("actor", "old_log_prob", "ref", "critic", "values")."""
+        return self.parallel[role] if self.parallel else DataParallel()
 
     def close(self) -> None:
         self.reward_runner.close()
@@ -98,10 +107,17 @@ def _tokenize(cfg: PostTrainConfig, splits: Splits, tokenizer) -> tuple[Tokenize
     return train, val
 
 
-def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = False) -> Components:
-    """Validate, then load models, data and rewards. Config errors surface before any model loads."""
-    plan = build_plan(cfg, world_size)
-    device = select_device(cfg)
+def build_components(
+    cfg: PostTrainConfig, quiet: bool = False, dist: DistContext | None = None
+) -> Components:
+    """Validate, then load models, data and rewards. Config errors surface before any model loads.
+
+    With several ranks (``dist``), the trained and reference models are sharded with FSDP2 and the rollout
+    engine holds its own full copy of the policy, refreshed after every update.
+    """
+    dist = dist or DistContext(device=select_device(cfg))
+    plan = build_plan(cfg, dist.world_size)
+    device = dist.device
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
     splits = load_splits(cfg)
     reward_fn = resolve_reward_function(splits.reward_spec)
@@ -111,15 +127,26 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
         validation_params(cfg, 0)  # raises the explanatory error
     model_path = resolve_model_path(cfg, quiet=quiet)
     tokenizer = load_tokenizer(model_path)
+    # Sharded models on CUDA keep fp32 master weights and compute in model.dtype (FSDP2 mixed precision).
+    master_dtype = "fp32" if dist.distributed and device.type == "cuda" else cfg.model.dtype
     policy = load_causal_lm(
-        model_path, cfg.model.dtype, device, attn_implementation(cfg.model.use_remove_padding, device)
+        model_path, master_dtype, device, attn_implementation(cfg.model.use_remove_padding, device)
     )
     a = plan.actor
     actor_steps = cfg.trainer.total_steps * a.optimizer_steps_per_step
     ref = None
     if plan.ref is not None:
         ref = prepare_policy(copy.deepcopy(policy).eval().requires_grad_(False), cfg, trained=False)
-    actor = Trainable.create(prepare_policy(policy, cfg), cfg.actor.optim, actor_steps)
+    rollout_model = policy
+    if dist.distributed:
+        rollout_model = copy.deepcopy(policy).to(resolve_dtype(cfg.model.dtype)).eval().requires_grad_(False)
+    policy = prepare_policy(policy, cfg)
+    if dist.distributed:
+        shard_model(policy, dist, cfg.actor.fsdp_config, resolve_dtype(cfg.model.dtype))
+        if ref is not None:
+            shard_model(ref, dist, cfg.ref.fsdp_config, resolve_dtype(cfg.model.dtype))
+    actor = Trainable.create(policy, cfg.actor.optim, actor_steps)
+    offload_optimizer_state(actor.optimizer, device, cfg.actor.fsdp_config.optimizer_offload)
     critic = None
     if plan.critic is not None:
         critic_path = cfg.critic.model_path or model_path
@@ -128,8 +155,11 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
             attn_implementation=attn_implementation(cfg.critic.use_remove_padding, device),
         )  # fmt: skip
         prepare_critic(critic_module, cfg)
+        if dist.distributed:
+            shard_model(critic_module, dist, cfg.critic.fsdp_config, resolve_dtype(cfg.model.dtype))
         critic_steps = cfg.trainer.total_steps * plan.critic.optimizer_steps_per_step
         critic = Trainable.create(critic_module, cfg.critic.optim, critic_steps)
+        offload_optimizer_state(critic.optimizer, device, cfg.critic.fsdp_config.optimizer_offload)
     train_prompts, val_prompts = _tokenize(cfg, splits, tokenizer)
     if len(train_prompts.prompt_ids) < cfg.data.train_batch_size:
         raise ValueError(
@@ -138,8 +168,10 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
         )
     sampler = PromptSampler(len(train_prompts.prompt_ids), cfg.data.train_batch_size, cfg.trainer.seed)
     eos = [tokenizer.eos_token_id]
-    # The engine shares the actor's module: weights are current after every update without a copy.
-    engine = NativeEngine(policy, eos, tokenizer.pad_token_id, chunk_size=cfg.rollout.chunk_size, device=device)
+    # On one rank the engine shares the actor's module: weights are current after every update without a copy.
+    engine = NativeEngine(
+        rollout_model, eos, tokenizer.pad_token_id, chunk_size=cfg.rollout.chunk_size, device=device
+    )
     runner = RewardRunner(
         reward_fn, timeout_s=cfg.reward.timeout_s or None, failure_reward=cfg.reward.failure_reward,
         fail_fast=cfg.reward.fail_fast,
@@ -159,9 +191,16 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
     if cfg.algorithm.use_kl_in_reward:
         k = cfg.algorithm.kl_ctrl
         kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+    parallel = {
+        "actor": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size),
+        "old_log_prob": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size),
+        "ref": data_parallel(dist, cfg.ref.ulysses_sequence_parallel_size),
+        "critic": data_parallel(dist, cfg.critic.ulysses_sequence_parallel_size),
+        "values": data_parallel(dist, cfg.critic.ulysses_sequence_parallel_size),
+    }
     return Components(
         cfg, plan, device, model_path, tokenizer, actor, ref, critic, engine, train_prompts, val_prompts,
-        sampler, runner, rm, kl_ctrl, pass_options(cfg, device),
+        sampler, runner, rm, kl_ctrl, pass_options(cfg, device), dist, parallel,
     )  # fmt: skip
 
 

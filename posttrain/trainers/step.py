@@ -12,6 +12,8 @@ from posttrain.algorithms.advantages import get_advantage_estimator
 from posttrain.algorithms.kl import apply_kl_penalty
 from posttrain.config.plan import ForwardPlan
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
+from posttrain.distributed.fsdp import full_state_dict
+from posttrain.distributed.runtime import shard_bounds
 from posttrain.engine.micro_batches import forward_in_micro_batches
 from posttrain.engine.roles import actor_loss_fn, critic_loss_fn, run_update
 from posttrain.models.forward import critic_values, policy_logprobs
@@ -57,14 +59,53 @@ def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
     return out * batch.response_mask
 
 
+def generate_share(
+    c: Components, prompt_rows: list[int], params: SamplingParams
+) -> tuple[int, RolloutResult]:
+    """This rank's contiguous share of the prompts, generated; returns (offset of the share, result).
+
+    Sample randomness depends on the global sample index (``prompt_offset``), so the samples are the same
+    whatever the number of ranks.
+    """
+    lo, hi = shard_bounds(len(prompt_rows), c.dist.rank, c.dist.world_size)
+    ids = [c.train_prompts.prompt_ids[i] for i in prompt_rows[lo:hi]]
+    if not ids:
+        return lo, RolloutResult()
+    extra = {"prompt_offset": lo} if c.dist.distributed else {}
+    return lo, c.engine.generate(ids, params, **extra)
+
+
+def gather_scored(
+    c: Components, lo: int, result: RolloutResult, scores: torch.Tensor, metrics: dict[str, float]
+) -> tuple[RolloutResult, torch.Tensor, dict[str, float]]:
+    """Every rank's scored share joined in prompt order (prompt_index global); metrics weighted by samples."""
+    if not c.dist.distributed:
+        return result, scores, metrics
+    merged, all_scores, weighted, total = RolloutResult(), [], {}, 0
+    for r_lo, r_result, r_scores, r_metrics in c.dist.all_gather_object((lo, result, scores, metrics)):
+        r_result.prompt_index = [p + r_lo for p in r_result.prompt_index]
+        merged.extend(r_result)
+        all_scores.append(r_scores)
+        total += len(r_result)
+        for k, v in r_metrics.items():
+            weighted[k] = weighted.get(k, 0.0) + float(v) * len(r_result)
+    return merged, torch.cat(all_scores), {k: v / max(total, 1) for k, v in weighted.items()}
+
+
+def score_share(
+    c: Components, prompt_rows: list[int], lo: int, result: RolloutResult
+) -> tuple[torch.Tensor, dict]:
+    if len(result) == 0:
+        return torch.zeros(0), {}
+    return score_samples(c, prompt_rows[lo:], result)
+
+
 def remax_baselines(c: Components, prompt_rows: list[int], group_ids: torch.Tensor) -> torch.Tensor:
     """ReMax's baseline: the reward of a greedy response to the same prompt."""
-    cfg = c.cfg
-    greedy = c.engine.generate(
-        [c.train_prompts.prompt_ids[i] for i in prompt_rows],
-        SamplingParams(max_tokens=cfg.data.max_response_length, n=1, greedy=True),
-    )
-    scores, _ = score_samples(c, prompt_rows, greedy)
+    params = SamplingParams(max_tokens=c.cfg.data.max_response_length, n=1, greedy=True)
+    lo, greedy = generate_share(c, prompt_rows, params)
+    scores, _ = score_share(c, prompt_rows, lo, greedy)
+    _, scores, _ = gather_scored(c, lo, greedy, scores, {})
     return scores[group_ids]
 
 
@@ -88,20 +129,20 @@ def fill_forward_passes(c: Components, batch: RolloutBatch, timer: PhaseTimer, t
         policy.eval()
         batch.old_log_probs = forward_in_micro_batches(
             lambda mb: policy_logprobs(policy, mb, temperature=temperature, options=opts.old_log_prob)[0], batch,
-            plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device,
+            plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device, c.dp("old_log_prob"),
         )  # fmt: skip
     if c.ref is not None:
         with timer.phase("ref"):
             batch.ref_log_probs = forward_in_micro_batches(
                 lambda mb: policy_logprobs(c.ref, mb, temperature=temperature, options=opts.ref)[0], batch,
-                plan.ref.micro_batch_size_per_rank, _budget(plan.ref), c.device,
+                plan.ref.micro_batch_size_per_rank, _budget(plan.ref), c.device, c.dp("ref"),
             )  # fmt: skip
     if c.critic is not None:
         with timer.phase("values"):
             c.critic.module.eval()
             batch.values = forward_in_micro_batches(
                 lambda mb: critic_values(c.critic.module, mb, opts.critic), batch,
-                plan.values.micro_batch_size_per_rank, _budget(plan.values), c.device,
+                plan.values.micro_batch_size_per_rank, _budget(plan.values), c.device, c.dp("values"),
             )  # fmt: skip
 
 
@@ -138,13 +179,15 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
             max_tokens=cfg.data.max_response_length, n=r.n, temperature=r.temperature if r.temperature > 0 else 1.0,
             top_p=r.top_p, top_k=r.top_k, greedy=r.temperature == 0, seed=step_seed(cfg.trainer.seed, step),
         )  # fmt: skip
-        result = c.engine.generate(prompt_ids, params)
-    batch = build_rollout_batch(
-        [prompt_ids[p] for p in result.prompt_index], result.response_ids, result.prompt_index,
-        c.tokenizer.pad_token_id,
-    )  # fmt: skip
+        lo, local = generate_share(c, prompt_rows, params)
     with timer.phase("reward"):
-        scores, metrics = score_samples(c, prompt_rows, result)
+        # Each rank scores its own share; then every rank holds the whole step (groups intact).
+        local_scores, local_metrics = score_share(c, prompt_rows, lo, local)
+        result, scores, metrics = gather_scored(c, lo, local, local_scores, local_metrics)
+        batch = build_rollout_batch(
+            [prompt_ids[p] for p in result.prompt_index], result.response_ids, result.prompt_index,
+            c.tokenizer.pad_token_id,
+        )  # fmt: skip
         batch.token_level_scores = place_scores(batch, scores)
         if cfg.algorithm.adv_estimator == "remax":
             batch.reward_baselines = remax_baselines(c, prompt_rows, batch.group_ids)
@@ -162,6 +205,7 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
                 run_update(
                     c.critic, batch, plan.critic, critic_loss_fn(c.critic.module, cfg.critic, opts.critic),
                     shuffle=cfg.actor.shuffle, norm_constant=norm_constant, generator=gen, prefix="critic",
+                    dp=c.dp("critic"),
                 )  # fmt: skip
             )
     if step > cfg.critic.warmup_steps or c.critic is None:
@@ -170,12 +214,14 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
                 run_update(
                     c.actor, batch, plan.actor, actor_loss_fn(policy, cfg.actor, temperature, opts.actor),
                     shuffle=cfg.actor.shuffle, norm_constant=norm_constant, generator=gen, prefix="actor",
+                    dp=c.dp("actor"),
                 )  # fmt: skip
             )
-    # The native engine shares the actor's module, so this refresh is free; other engines copy here.
+    # On one rank the native engine shares the actor's module, so this refresh is free; a sharded actor is
+    # gathered (a collective: every rank calls it) into the engine's own copy.
     with timer.phase("sync_weights"):
         if c.engine.model is not policy:
-            c.engine.sync_weights(policy.state_dict().items())
+            c.engine.sync_weights(full_state_dict(policy).items())
     tokens = float(batch.attention_mask.sum())
     metrics.update(timer.pop())
     step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))

@@ -102,13 +102,16 @@ def test_round_trip_restores_weights_optimizer_scheduler_and_rng(tmp_path: Path)
     assert other_sched.get_last_lr() == sched.get_last_lr()
 
 
-def test_tied_weight_is_stored_once(tmp_path: Path) -> None:
-    from safetensors import safe_open
+def test_state_is_keyed_by_parameter_name(tmp_path: Path) -> None:
+    """Weights and optimizer moments are stored under parameter names with their global shapes, never
+    parameter ids: what lets a checkpoint load at another world size or wrapping."""
+    from posttrain.engine.sharded_state import saved_shapes
 
     path = _save(tmp_path, 1, *_train_state())
-    with safe_open(str(path / "model" / "policy.safetensors"), framework="pt") as f:
-        names = set(f.keys())  # noqa: SIM118
-    assert len(names & {"embed.weight", "head.weight"}) == 1
+    shapes = saved_shapes(path / "state")
+    assert shapes["policy.model.embed.weight"] == (11, 6)
+    assert shapes["policy.optim.state.proj.weight.exp_avg"] == (6, 6)
+    assert not any(".state.0." in name for name in shapes)
 
 
 def test_restore_rng_false_leaves_generators_alone(tmp_path: Path) -> None:
@@ -209,7 +212,7 @@ def test_saving_the_same_step_twice_replaces_it(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "failing", ["_write_module_weights", "_write_rng_state", "_write_manifest", "_publish"]
+    "failing", ["_write_model_state", "_write_rng_state", "_write_manifest", "_publish"]
 )
 def test_exception_mid_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch, failing: str) -> None:
     model, opt, sched = _train_state()
@@ -272,7 +275,7 @@ needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="crash tests for
 
 
 @needs_fork
-@pytest.mark.parametrize("crash_at", ["_write_module_weights", "_write_manifest", "_write_latest"])
+@pytest.mark.parametrize("crash_at", ["_write_model_state", "_write_manifest", "_write_latest"])
 def test_hard_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path, crash_at: str) -> None:
     torch.manual_seed(1)
     previous = save_checkpoint(tmp_path, 1, modules={"m": nn.Linear(3, 2)}, trainer_state={"step": 1})
