@@ -95,8 +95,26 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
                 resolve_model_path(cfg, quiet=quiet)
             ctx.barrier()
         return _train(cfg, ctx, quiet=quiet or not ctx.is_main)
+    except Exception as exc:
+        if ctx.distributed and _is_collective_failure(exc):
+            log.error(
+                "rank %d of %d: a collective failed or waited longer than trainer.dist_timeout_s=%g s; another "
+                "rank has probably died or hung (see its own error above). Stopping this rank.",
+                ctx.rank, ctx.world_size, cfg.trainer.dist_timeout_s,
+            )  # fmt: skip
+        raise
     finally:
         shutdown_distributed()
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """Errors torch.distributed raises when a peer is gone (connection closed) or silent (timeout)."""
+    import torch.distributed as dist
+
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistBackendError) or any(
+        word in text for word in ("timed out", "timeout", "connection closed", "connection reset", "gloo")
+    )
 
 
 def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, float]:
