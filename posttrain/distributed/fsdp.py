@@ -21,6 +21,7 @@ between steps.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -74,6 +75,9 @@ def shard_model(
     ``compute_dtype``: the dtype forward/backward run in. On CUDA the parameters stay fp32 (master weights)
     and FSDP2 casts each gathered layer to ``compute_dtype``; on CPU everything runs in the parameters' dtype.
     """
+    # FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip a hook); heads and
+    # the critic return views ([..., 0], reshapes) that posttrain only ever reads.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = sharding_mesh(ctx, cfg.fsdp_size)
     kwargs: dict = {"mesh": mesh}
     if ctx.device.type == "cuda" and compute_dtype != torch.float32:
