@@ -181,10 +181,37 @@ class RolloutConfig:
     top_k: int = knob(-1, "Sample among the k most likely tokens; -1 disables.", min=-1)
     chunk_size: int = knob(
         64,
-        "Prompts handed to the engine at once (trlx's chunk_size): bounds rollout memory however "
-        "large train_batch_size is.",
+        "Most prompts in flight in the engine at once (admitted, not all samples finished; trlx's "
+        "chunk_size): bounds rollout state however large train_batch_size is. The fallback path for "
+        "unsupported architectures hands the model this many prompts at once.",
         unit="prompts",
         min=1,
+    )
+    max_num_seqs: int = knob(
+        256,
+        "KV-cache slots of the rollout engine: sequences decoding (or prompts being prefilled) at once. "
+        "Finished samples leave and waiting ones join (continuous batching); the cache holds this many "
+        "sequences of the longest prompt + max_response_length tokens (docs/rollout.md).",
+        unit="sequences",
+        min=1,
+    )
+    max_num_batched_tokens: int = knob(
+        4096,
+        "Tokens in one rollout forward: one per decoding sequence plus prefill-chunk tokens of new "
+        "prompts. Must be >= max_num_seqs.",
+        unit="tokens",
+        min=1,
+    )
+    enable_chunked_prefill: bool = knob(
+        True,
+        "Prefill a prompt longer than the step's remaining token budget in pieces over several forwards "
+        "(alongside decoding); off, a prompt is prefilled in one forward and must fit max_num_batched_tokens.",
+    )
+    enforce_eager: bool = knob(
+        True,
+        "Run every rollout step eagerly. false compiles the decode-only steps with torch.compile at "
+        "bucketed fixed shapes and, on CUDA, replays them as CUDA graphs (worth it on GPUs; on CPU the "
+        "compile time does not pay back for the built-in job).",
     )
     val_n: int = knob(
         1, "Responses per validation prompt; > 1 reports pass@k.", unit="samples per prompt", min=1

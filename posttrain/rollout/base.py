@@ -26,8 +26,9 @@ class SamplingParams:
     top_k: keep the k most likely tokens; -1 disables it.
     max_tokens: maximum number of generated tokens per sample (>= 1), eos included.
     greedy: take the argmax (temperature/top_p/top_k are then ignored for choosing tokens).
-    seed: seed of the sampling generator; same seed + same inputs -> same outputs, independently of the global
-        torch RNG. None draws the seed from the global torch RNG (reproducible under ``torch.manual_seed``).
+    seed: seed of the sampling noise; same seed + same inputs -> same outputs, independently of the global torch
+        RNG and of how the prompts are batched. None draws the seed from the global torch RNG (reproducible under
+        ``torch.manual_seed``).
     """
 
     max_tokens: int
@@ -119,8 +120,17 @@ class RolloutEngine(Protocol):
     copy each as it arrives; any subset is valid (e.g. only LoRA adapters or only the layers that changed).
     """
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutResult:
-        """Sample ``params.n`` responses for each prompt (token ids, no padding); see :class:`RolloutResult`."""
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, prompt_offset: int = 0
+    ) -> RolloutResult:
+        """Sample ``params.n`` responses for each prompt (token ids, no padding); see :class:`RolloutResult`.
+
+        prompt_offset: prompt i of this call is global prompt ``prompt_offset + i`` and its sample j has the global
+        sample id ``(prompt_offset + i) * n + j``. An engine makes each sample's randomness a function of
+        (``params.seed``, global sample id, token index) only, so that a data-parallel rank generating prompts
+        [a, b) with ``prompt_offset=a`` gets the samples one process generating all prompts would. Result indices
+        (``RolloutResult.prompt_index``) stay local to the call.
+        """
         ...
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

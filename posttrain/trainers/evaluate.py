@@ -105,7 +105,12 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     if not splits.val:
         raise ValueError("no validation prompts: set data.val_files (or use a built-in task)")
     prompts = tokenize_prompts(splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts)
-    engine = NativeEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, cfg.rollout.chunk_size)
+    r = cfg.rollout
+    engine = NativeEngine(
+        model, [tokenizer.eos_token_id], tokenizer.pad_token_id, r.chunk_size, max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens, enable_chunked_prefill=r.enable_chunked_prefill,
+        enforce_eager=r.enforce_eager,
+    )  # fmt: skip
     with RewardRunner(resolve_reward_function(splits.reward_spec), timeout_s=cfg.reward.timeout_s) as runner:
         metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed)
     for key, value in metrics.items():

@@ -169,9 +169,12 @@ def build_components(
     sampler = PromptSampler(len(train_prompts.prompt_ids), cfg.data.train_batch_size, cfg.trainer.seed)
     eos = [tokenizer.eos_token_id]
     # On one rank the engine shares the actor's module: weights are current after every update without a copy.
+    r = cfg.rollout
     engine = NativeEngine(
-        rollout_model, eos, tokenizer.pad_token_id, chunk_size=cfg.rollout.chunk_size, device=device
-    )
+        rollout_model, eos, tokenizer.pad_token_id, chunk_size=r.chunk_size, device=device,
+        max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+        enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager,
+    )  # fmt: skip
     runner = RewardRunner(
         reward_fn, timeout_s=cfg.reward.timeout_s or None, failure_reward=cfg.reward.failure_reward,
         fail_fast=cfg.reward.fail_fast,

@@ -12,6 +12,7 @@ data.task data.train_files data.val_files data.prompt_key data.answer_key data.t
 data.val_batch_size data.max_prompt_length data.max_response_length data.overlong_prompts
 data.num_train_examples data.num_val_examples data.max_operand
 rollout.n rollout.temperature rollout.top_p rollout.top_k rollout.chunk_size rollout.val_n rollout.val_greedy
+rollout.max_num_seqs rollout.max_num_batched_tokens rollout.enable_chunked_prefill rollout.enforce_eager
 actor.ppo_mini_batch_size actor.ppo_micro_batch_size_per_gpu actor.ppo_epochs actor.shuffle
 actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu actor.log_prob_micro_batch_size_per_gpu
 actor.log_prob_max_token_len_per_gpu actor.ulysses_sequence_parallel_size actor.policy_loss

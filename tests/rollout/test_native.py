@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.rollout import native
 from posttrain.rollout.base import RolloutEngine, SamplingParams
-from posttrain.rollout.native import NativeEngine, filter_top_k_top_p, left_pad
+from posttrain.rollout.native import NativeEngine, left_pad
 
 EOS, PAD = 2, 0
 # Untied embeddings: a random tied model greedily repeats its last input token, which would make tests weak.
@@ -119,20 +120,17 @@ def test_seeded_reproducibility(model, prompts):
     assert a.response_ids != c.response_ids
 
 
-def test_chunk_size_bounds_rows_per_forward(model, prompts):
-    rows_seen = []
+def test_chunk_size_bounds_prompts_in_flight(model, prompts, monkeypatch):
+    running = []
+    real_forward = native.forward_step
 
-    def record(module, args, kwargs):
-        rows_seen.append(kwargs["input_ids"].shape[0])
+    def record(parts, k, v, inputs):
+        running.append(inputs.num_decode)
+        return real_forward(parts, k, v, inputs)
 
-    handle = model.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        chunked = _engine(model, chunk_size=2).generate(
-            prompts, SamplingParams(max_tokens=4, n=3, greedy=True)
-        )
-    finally:
-        handle.remove()
-    assert max(rows_seen) == 2 * 3
+    monkeypatch.setattr(native, "forward_step", record)
+    chunked = _engine(model, chunk_size=1).generate(prompts, SamplingParams(max_tokens=4, n=3, greedy=True))
+    assert max(running) == 3  # one prompt at a time: its 3 samples
     whole = _engine(model, chunk_size=64).generate(prompts, SamplingParams(max_tokens=4, n=3, greedy=True))
     assert chunked.response_ids == whole.response_ids
     assert chunked.prompt_index == whole.prompt_index
@@ -185,19 +183,6 @@ def test_sync_weights_own_copy_and_shared(tokenizer, prompts):
         engine.sync_weights([("lm_head.weight", torch.zeros(3, 3))])
 
 
-def test_filter_top_k_top_p():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-
-    def kept(top_k, top_p):
-        return torch.isfinite(filter_top_k_top_p(logits, top_k=top_k, top_p=top_p))[0].tolist()
-
-    assert kept(2, 1.0) == [True, True, False, False]
-    assert kept(-1, 0.8) == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
-    assert kept(-1, 0.81) == [True, True, True, False]
-    assert kept(-1, 0.1) == [True, False, False, False]  # the most likely token always survives
-    assert kept(3, 0.6) == [True, True, False, False]
-
-
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -221,6 +206,12 @@ def test_invalid_engine_arguments(model):
         NativeEngine(model, eos_token_ids=[], pad_token_id=PAD)
     with pytest.raises(ValueError, match="chunk_size"):
         NativeEngine(model, eos_token_ids=[EOS], pad_token_id=PAD, chunk_size=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        NativeEngine(model, eos_token_ids=[EOS], pad_token_id=PAD, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 must be >= max_num_seqs=16"):
+        NativeEngine(model, eos_token_ids=[EOS], pad_token_id=PAD, max_num_seqs=16, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="prompt_offset"):
+        _engine(model).generate([[5]], SamplingParams(max_tokens=2), prompt_offset=-1)
     with pytest.raises(ValueError, match="prompt_ids"):
         _engine(model).generate([], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=r"prompt_ids\[1\]"):
