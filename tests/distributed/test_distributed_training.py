@@ -94,7 +94,7 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_dead_or_hung_rank_ends_the_job(tmp_path, tiny_model_dir, how):
     run_dir = tmp_path / "run"
-    options = _options(tiny_model_dir, run_dir, **{"trainer.total_steps": 50, "trainer.dist_timeout_s": 15})
+    options = _options(tiny_model_dir, run_dir, **{"trainer.total_steps": 50, "trainer.dist_timeout_s": 8})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         f"--master_port={free_port()}", str(WORKERS), "train", str(tmp_path / "out"),
@@ -118,25 +118,28 @@ def test_a_dead_or_hung_rank_ends_the_job(tmp_path, tiny_model_dir, how):
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode != 0
-    assert took < 15 + 60, f"the job took {took:.0f} s to stop"
+    assert took < 8 + 60, f"the job took {took:.0f} s to stop"
     if how == "killed":
         assert "rank      : 1" in output and "SIGKILL" in output, output[-3000:]
     else:
         assert "another rank has probably died or hung" in output, output[-3000:]
-        assert "trainer.dist_timeout_s=15" in output
+        assert "trainer.dist_timeout_s=8" in output
 
 
 def test_sharded_checkpoint_loads_in_one_process(tmp_path, tiny_model_dir):
-    """A checkpoint written by 2 ranks is an ordinary checkpoint for `posttrain eval` (one process)."""
-    from posttrain.config.load import build_config
+    """A checkpoint written by 2 ranks is an ordinary checkpoint for `posttrain eval` (one process): its actor
+    weights equal the final export gathered at the end of the 2-rank run."""
     from posttrain.engine.checkpoint import find_checkpoint, load_module_weights
     from posttrain.models.hf import load_causal_lm
 
     run = tmp_path / "run"
-    _run(2, tmp_path / "o", _options(tiny_model_dir, run, **{"trainer.total_steps": 1}))
-    ckpt = find_checkpoint(run, "auto")
+    # The entropy bonus moves the weights even when every reward is 0 (a random tiny model).
+    extra = {"trainer.total_steps": 1, "trainer.export_hf": "true", "actor.entropy_coeff": 0.1}
+    _run(2, tmp_path / "o", _options(tiny_model_dir, run, **extra))
     model = load_causal_lm(tiny_model_dir, "fp32", "cpu")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    load_module_weights(ckpt, "actor", model)
+    load_module_weights(find_checkpoint(run, "auto"), "actor", model)
+    exported = load_causal_lm(run / "final_model", "fp32", "cpu").state_dict()
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert build_config([], []).trainer.dist_timeout_s > 0
+    for name, value in model.state_dict().items():
+        assert torch.equal(exported[name], value), name
