@@ -9,6 +9,7 @@ with each rank's loss scaled by the number of ranks). Rank 0 writes the errors; 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -56,7 +57,9 @@ SCENARIOS: dict[str, dict] = {
     "critic_packed": {"kv_heads": 1, "remove_padding": True, "critic": True},
     "no_grad_packed": {"kv_heads": 2, "remove_padding": True, "no_grad": True},
 }
-DEFAULT_LENGTHS = ([5, 9, 2, 7], [6, 1, 4, 3])  # prompt width 9 + response width 6 = 15 columns
+# Padded: prompt width 9 + response width 6 = 15 columns. Packed (rows of <= 16 tokens): sequences of 7, 10,
+# 6 and 13 tokens in rows [7 + 6], [13], [10], 13 columns; several sequences in a row, and odd lengths.
+DEFAULT_LENGTHS = ([5, 9, 2, 7], [2, 1, 4, 6])
 
 
 VOCAB, PAD_ID = 96, 0
@@ -117,7 +120,7 @@ def _scenario(spec: dict, group) -> dict[str, float]:
         remove_padding=spec["remove_padding"], max_row_tokens=16, logprob_chunk_size=spec.get("chunk"),
         chunk_checkpoint=spec.get("chunk") is not None,
     )  # fmt: skip
-    sp_options = ForwardOptions(**{**base.__dict__, "sp_group": group})
+    sp_options = dataclasses.replace(base, sp_group=group)
     model = _build(spec)
     params = dict(model.named_parameters())
     errors: dict[str, float] = {}
