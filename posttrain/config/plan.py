@@ -11,7 +11,7 @@ Rules checked here (each failure is a ValueError naming keys, values, the rule a
 3. mini-batch per rank % <role>.ppo_micro_batch_size_per_gpu == 0 and micro <= mini per rank
    (fixed micro-batches; gradient accumulation steps = mini per rank / micro).
 4. world size % <role>.ulysses_sequence_parallel_size == 0.
-5. with dynamic batch size on, every token budget >= max_prompt_length + max_response_length (a
+5. with dynamic batch size on, every token budget x SP >= max_prompt_length + max_response_length (a
    single sample must fit one micro-batch).
 6. group-based estimators (grpo, drgrpo, rloo, reinforce_plus_plus_baseline) need rollout.n >= 2.
 """
@@ -133,8 +133,7 @@ def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan
     micro = accum = None
     budget = None
     if rc.use_dynamic_bsz:
-        budget = rc.ppo_max_token_len_per_gpu
-        _check_budget(cfg, f"{role}.ppo_max_token_len_per_gpu", budget)
+        budget = _check_budget(cfg, f"{role}.ppo_max_token_len_per_gpu", rc.ppo_max_token_len_per_gpu, sp)
     else:
         micro = rc.ppo_micro_batch_size_per_gpu
         if micro > per_rank or per_rank % micro != 0:
@@ -163,14 +162,19 @@ def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan
     )
 
 
-def _check_budget(cfg: PostTrainConfig, key: str, budget: int) -> None:
+def _check_budget(cfg: PostTrainConfig, key: str, budget: int, sp: int) -> int:
+    """The budget of one DP rank's micro-batch: a per-GPU budget x the SP size (as in verl: with Ulysses SP
+    each GPU holds 1/sp of every micro-batch's tokens). The longest sample must fit."""
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if budget < need:
+    if budget * sp < need:
+        per_gpu = -(-need // sp)
         raise ValueError(
-            f"{key} ({budget}) must be at least data.max_prompt_length + data.max_response_length "
-            f"({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = {need}) so that the longest "
-            f"sample fits one micro-batch. Set {key}={need} or more (verl's advice: 2-3x, i.e. {2 * need})"
+            f"{key} ({budget}) x ulysses_sequence_parallel_size ({sp}) must be at least data.max_prompt_length "
+            f"+ data.max_response_length ({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = "
+            f"{need}) so that the longest sample fits one micro-batch. Set {key}={per_gpu} or more (verl's "
+            f"advice: 2-3x, i.e. {2 * per_gpu})"
         )
+    return budget * sp
 
 
 def _forward_plan(
@@ -186,8 +190,8 @@ def _forward_plan(
         )
     per_rank = samples // dp
     if dynamic:
-        _check_budget(cfg, budget_key, budget)
-        return ForwardPlan(role, dp, sp, per_rank, True, None, budget, None)
+        per_rank_budget = _check_budget(cfg, budget_key, budget, sp)
+        return ForwardPlan(role, dp, sp, per_rank, True, None, per_rank_budget, None)
     return ForwardPlan(role, dp, sp, per_rank, False, micro, None, -(-per_rank // micro))
 
 

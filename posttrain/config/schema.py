@@ -4,7 +4,8 @@ Units are fixed here once (see docs/config.md for the full table):
 - "prompts" counts unique prompts; "samples" counts prompt x response pairs (prompts x rollout.n).
 - "global" sizes are for the whole job; "per_gpu" sizes are per data-parallel (DP) rank: with
   Ulysses sequence parallelism several GPUs share one DP rank, as in verl.
-- token budgets count prompt + response tokens of the samples in one micro-batch on one DP rank.
+- token budgets (*_max_token_len_per_gpu) count the prompt + response tokens one GPU holds: a DP rank's
+  micro-batch holds budget x ulysses_sequence_parallel_size tokens, split over its SP group (verl's convention).
 
 YAML files and command-line overrides only override these defaults; an unknown key is an error.
 """
@@ -245,7 +246,7 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = knob(
         16384,
         "Token budget of one training micro-batch when use_dynamic_bsz is on.",
-        unit="tokens per DP rank",
+        unit="tokens per GPU",
         min=1,
     )
     log_prob_micro_batch_size_per_gpu: int = knob(
@@ -257,7 +258,7 @@ class ActorConfig:
     log_prob_max_token_len_per_gpu: int = knob(
         32768,
         "Token budget of one old-log-prob forward pass when use_dynamic_bsz is on.",
-        unit="tokens per DP rank",
+        unit="tokens per GPU",
         min=1,
     )
     ulysses_sequence_parallel_size: int = knob(
@@ -304,7 +305,7 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = knob(
         32768,
         "Token budget of one reference forward pass when actor.use_dynamic_bsz is on.",
-        unit="tokens per DP rank",
+        unit="tokens per GPU",
         min=1,
     )
     ulysses_sequence_parallel_size: int = knob(1, "GPUs sharing each sequence.", unit="GPUs", min=1)
@@ -334,10 +335,10 @@ class CriticConfig:
     ppo_epochs: int = knob(1, "Critic passes over each step's samples.", unit="epochs", min=1)
     use_dynamic_bsz: bool = knob(False, "Form critic micro-batches by token budget.")
     ppo_max_token_len_per_gpu: int = knob(
-        32768, "Token budget of one critic training micro-batch.", unit="tokens per DP rank", min=1
+        32768, "Token budget of one critic training micro-batch.", unit="tokens per GPU", min=1
     )
     forward_max_token_len_per_gpu: int = knob(
-        32768, "Token budget of one value forward pass.", unit="tokens per DP rank", min=1
+        32768, "Token budget of one value forward pass.", unit="tokens per GPU", min=1
     )
     ulysses_sequence_parallel_size: int = knob(1, "GPUs sharing each sequence.", unit="GPUs", min=1)
     cliprange_value: float = knob(0.5, "Value clipping range around the old values.", min=0.0)
@@ -378,7 +379,7 @@ class RewardModelConfig:
         "computed); needs an architecture verified for packing (docs/throughput.md).",
     )
     forward_max_token_len_per_gpu: int = knob(
-        32768, "Token budget of one reward-model forward pass.", unit="tokens per DP rank", min=1
+        32768, "Token budget of one reward-model forward pass.", unit="tokens per GPU", min=1
     )
 
 

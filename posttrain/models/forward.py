@@ -14,22 +14,29 @@ How a pass is computed is set by one frozen :class:`ForwardOptions` per pass (bu
   ``[b * R, V]`` fp32 logits tensor; with ``chunk_checkpoint`` backward recomputes each chunk's logits.
 * ``offload_activations``: tensors saved for backward by the transformer body go to (pinned) CPU memory
   during the forward, on CUDA only (:func:`activation_offload_context`).
+* ``sp_group``: Ulysses sequence parallelism (:mod:`posttrain.distributed.ulysses`). Every rank of the group
+  passes the same micro-batch; each runs the body on its slice of the (padded or packed) sequence, computes
+  log-probs/values at the response positions it holds, and the per-token results are gathered, so every rank
+  returns the full ``[B, R]`` tensors (:func:`_sp_response_outputs`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
-from posttrain.batching.packing import pack_sequences
+from posttrain.batching.packing import PackedBatch, pack_sequences
 from posttrain.data.batch import RolloutBatch
+from posttrain.distributed import ulysses
 from posttrain.models.chunked_head import chunked_logprobs_entropy
 from posttrain.models.packed_forward import _uses_flash_attention, packed_causal_lm_forward
-from posttrain.models.registry import PACKING_VERIFIED
+from posttrain.models.registry import PACKING_VERIFIED, check_packing_supported
 
 # Logit transforms after the output projection that the chunked head cannot reproduce from hidden states.
 _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -48,6 +55,8 @@ class ForwardOptions:
         chunk_checkpoint: with chunking, recompute each chunk's logits in backward (fused) instead of keeping
             every chunk's ``[chunk, V]`` tensors for autograd.
         offload_activations: move tensors saved for backward to CPU during the forward (CUDA only).
+        sp_group: the Ulysses sequence-parallel group this rank belongs to; None (or a group of one): no SP.
+            The ranks' parameter gradients sum to the gradient of the (shared) loss.
     """
 
     remove_padding: bool = False
@@ -55,12 +64,15 @@ class ForwardOptions:
     logprob_chunk_size: int | None = None
     chunk_checkpoint: bool = False
     offload_activations: bool = False
+    sp_group: dist.ProcessGroup | None = field(default=None, compare=False, hash=False)
 
 
 DEFAULT_OPTIONS = ForwardOptions()
 
 
-def activation_offload_context(enabled: bool, device: torch.device | str) -> contextlib.AbstractContextManager:
+def activation_offload_context(
+    enabled: bool, device: torch.device | str
+) -> contextlib.AbstractContextManager:
     """``torch.autograd.graph.save_on_cpu(pin_memory=True)`` when ``enabled`` on a CUDA device, else a no-op.
 
     Tensors autograd saves inside the context are copied to pinned CPU memory and brought back in backward
@@ -115,6 +127,41 @@ def packed_response_hidden_states(
 
     ``model``: a causal LM or a bare backbone (``get_decoder()`` returns the transformer body either way).
     """
+    layout = _packed_layout(model, batch, options)
+    with _offload(options, batch):
+        hidden = packed_causal_lm_forward(model, layout.packed, output="hidden")  # [rows, L, H]
+    return _at_responses(hidden, layout)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A micro-batch as model inputs, and where the prediction of each response token sits in them.
+
+    ``rows``/``cols`` ``[B, R]``: the row and column of the position predicting response token t of sample i
+    (entries beyond a row's response are meaningless where ``valid`` is False); ``valid`` None: all entries.
+    """
+
+    input_ids: torch.Tensor  # [rows, L]
+    position_ids: torch.Tensor  # [rows, L]
+    attention_mask: torch.Tensor | None  # [rows, L] for padded rows; None for packed rows
+    rows: torch.Tensor  # [B, R] long
+    cols: torch.Tensor  # [B, R] long
+    valid: torch.Tensor | None  # [B, R] bool
+    packed: PackedBatch | None = None
+
+
+def _padded_layout(batch: RolloutBatch) -> _Layout:
+    b, p, r = batch.num_rows, batch.prompt_width, batch.response_width
+    device = batch.input_ids.device
+    rows = torch.arange(b, device=device)[:, None].expand(b, r)
+    cols = (p - 1 + torch.arange(r, device=device))[None, :].expand(b, r)
+    return _Layout(batch.input_ids, batch.position_ids, batch.attention_mask, rows, cols, None)
+
+
+def _packed_layout(model: nn.Module, batch: RolloutBatch, options: ForwardOptions) -> _Layout:
+    """Each row's real tokens (prompt + response) as one sequence, packed into rows (see
+    :func:`packed_response_hidden_states`); response token t of sample i is predicted at position
+    ``prompt_len_i - 1 + t`` of its sequence."""
     real = batch.attention_mask.bool()
     p, r = batch.prompt_width, batch.response_width
     prompt_lens = real[:, :p].sum(-1)  # [B]
@@ -125,19 +172,24 @@ def packed_response_hidden_states(
     longest = max(len(s) for s in seqs)
     cap = None if _uses_flash_attention(model) else max(options.max_row_tokens, longest)
     packed = pack_sequences(seqs, cap, pad_token_id=0)  # row tails are their own segment: any id works
-    with _offload(options, batch):
-        hidden = packed_causal_lm_forward(model, packed, output="hidden")  # [rows, L, H]
-    device = hidden.device
+    device = batch.input_ids.device
+    t = torch.arange(r, device=device)
     seq_rows = torch.tensor(packed.seq_rows, device=device)
     seq_starts = torch.tensor(packed.seq_starts, device=device)
-    t = torch.arange(r, device=device)
-    src = (seq_rows * packed.row_len + seq_starts + prompt_lens.to(device) - 1)[:, None] + t[None, :]  # [B, R]
-    valid = t[None, :] < resp_lens.to(device)[:, None]  # [B, R]
-    dst = torch.arange(batch.num_rows * r, device=device).view(batch.num_rows, r)
-    h = hidden.shape[-1]
-    gathered = hidden.reshape(-1, h).index_select(0, src[valid])
-    out = hidden.new_zeros(batch.num_rows * r, h).index_copy(0, dst[valid], gathered)
-    return out.view(batch.num_rows, r, h)
+    rows = seq_rows[:, None].expand(batch.num_rows, r)
+    cols = (seq_starts + prompt_lens.to(device) - 1)[:, None] + t[None, :]
+    valid = t[None, :] < resp_lens.to(device)[:, None]
+    return _Layout(packed.input_ids, packed.position_ids, None, rows, cols, valid, packed)
+
+
+def _at_responses(per_position: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """``[B, R, ...]`` from ``[rows, L, ...]`` at the layout's response predictions; 0 where not valid."""
+    if layout.valid is None:
+        return per_position[layout.rows, layout.cols]
+    valid = layout.valid
+    picked = per_position[layout.rows[valid], layout.cols[valid]]
+    out = per_position.new_zeros((*valid.shape, *per_position.shape[2:]))
+    return out.index_put((valid,), picked)
 
 
 def lm_head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -198,6 +250,10 @@ def policy_logprobs(
     distribution the rollout actually sampled from (verl does the same). With ``options.remove_padding``
     only real response positions go through the head and the other entries are 0 (masked everywhere).
     """
+    if _sp_size(options) > 1:
+        head = lambda h, y: _logprobs_from_hidden(model, h, y, temperature, with_entropy, options)  # noqa: E731
+        logprobs, entropy = _sp_response_outputs(model.get_decoder(), batch, options, head)
+        return logprobs, entropy
     hidden = response_hidden_states(model, batch, options)
     b, r, h = hidden.shape
     flat_hidden, labels = hidden.reshape(b * r, h), batch.responses.reshape(-1)
@@ -206,22 +262,33 @@ def policy_logprobs(
         # Pad positions carry no token: skip them in the head too (the body never computed them).
         index = batch.attention_mask[:, batch.prompt_width :].reshape(-1).nonzero().squeeze(-1)
         flat_hidden, labels = flat_hidden.index_select(0, index), labels.index_select(0, index)
-    if options.logprob_chunk_size is not None:
-        weight, bias = chunked_head_parameters(model)
-        logprobs, entropy = chunked_logprobs_entropy(
-            flat_hidden, weight, labels, bias=bias, chunk_size=options.logprob_chunk_size,
-            temperature=temperature, compute_entropy=with_entropy, checkpoint=options.chunk_checkpoint,
-        )  # fmt: skip
-    else:
-        logits = lm_head_logits(model, flat_hidden).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs = logprobs_from_logits(logits, labels)
-        entropy = entropy_from_logits(logits) if with_entropy else None
+    logprobs, entropy = _logprobs_from_hidden(model, flat_hidden, labels, temperature, with_entropy, options)
     if index is not None:
         logprobs = _scatter_rows(logprobs, index, b * r)
         entropy = _scatter_rows(entropy, index, b * r) if entropy is not None else None
     return logprobs.view(b, r), (entropy.view(b, r) if entropy is not None else None)
+
+
+def _logprobs_from_hidden(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    options: ForwardOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[N]`` of ``labels`` (and entropy ``[N]``) from final hidden states ``[N, H]``."""
+    if options.logprob_chunk_size is not None:
+        weight, bias = chunked_head_parameters(model)
+        return chunked_logprobs_entropy(
+            hidden, weight, labels, bias=bias, chunk_size=options.logprob_chunk_size,
+            temperature=temperature, compute_entropy=with_entropy, checkpoint=options.chunk_checkpoint,
+        )  # fmt: skip
+    logits = lm_head_logits(model, hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = logprobs_from_logits(logits, labels)
+    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
 
 def _scatter_rows(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
@@ -237,6 +304,10 @@ def critic_values(
     ``critic`` is a :class:`posttrain.models.critic.CriticModel`; with ``options.remove_padding`` its backbone
     runs packed and the value head reads the scattered-back states (0-state entries are masked).
     """
+    if _sp_size(options) > 1:
+        head = lambda h, _labels: (critic.value_head(h.float()).squeeze(-1),)  # noqa: E731
+        (values,) = _sp_response_outputs(critic.backbone, batch, options, head)
+        return values
     if options.remove_padding:
         hidden = packed_response_hidden_states(critic.backbone, batch, options)
         return critic.value_head(hidden.float()).squeeze(-1)
@@ -246,3 +317,60 @@ def critic_values(
         )
     p, r = batch.prompt_width, batch.response_width
     return values[:, p - 1 : p - 1 + r].float()
+
+
+def _sp_size(options: ForwardOptions) -> int:
+    return 1 if options.sp_group is None else dist.get_world_size(options.sp_group)
+
+
+# [N, H] hidden states, [N] labels -> per-token outputs ([N] each, or None)
+_Head = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, ...]]
+
+
+def _sp_response_outputs(
+    body: nn.Module, batch: RolloutBatch, options: ForwardOptions, head: _Head
+) -> list[torch.Tensor | None]:
+    """Ulysses SP forward: each ``[B, R]`` output of ``head`` at the response predictions, on every rank.
+
+    The padded or packed layout of the micro-batch is padded to a multiple of the SP size and sliced; this
+    rank runs the body on its slice (attention sees the full sequence through the all-to-alls) and the head on
+    the response predictions it holds; the per-token results are gathered along the sequence. Outside valid
+    response positions the entries are 0.
+    """
+    group = options.sp_group
+    if options.remove_padding:
+        check_packing_supported(body.config)
+        layout = _packed_layout(body, batch, options)
+    else:
+        layout = _padded_layout(batch)
+    dtype = body.get_input_embeddings().weight.dtype
+    inputs = ulysses.shard_inputs(
+        body.config, layout.input_ids, layout.position_ids, layout.attention_mask, group, dtype=dtype
+    )
+    with _offload(options, batch):
+        out = body(**inputs.model_kwargs())
+    inputs.check_attention_ran()
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [rows, L'/sp, H]
+    lo, n = inputs.start, inputs.local_len
+    mine = (layout.cols >= lo) & (layout.cols < lo + n)
+    if layout.valid is not None:
+        mine &= layout.valid
+    rows, cols, labels = layout.rows[mine], layout.cols[mine] - lo, batch.responses[mine]
+    placeholder = rows.numel() == 0
+    if placeholder:
+        # No response prediction on this rank: run the head on one position anyway, with a zero weight, so
+        # that this rank's backward still runs through the body and the head; the other ranks' backward
+        # all-to-alls wait for it, and a parameter without a gradient here would desynchronise the
+        # data-parallel gradient reduction.
+        rows, cols, labels = (torch.zeros(1, dtype=torch.long, device=hidden.device) for _ in range(3))
+    results: list[torch.Tensor | None] = []
+    for values in head(hidden[rows, cols], labels):
+        if values is None:
+            results.append(None)
+            continue
+        if placeholder:
+            values = values * 0
+        local = values.new_zeros(hidden.shape[0], n).index_put((rows, cols), values)
+        full = ulysses.gather_sequence(local, group, dim=1)  # [rows, L']
+        results.append(_at_responses(full, layout))
+    return results

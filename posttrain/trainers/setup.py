@@ -7,6 +7,7 @@ advantage estimator needs values, the reward model when reward.model.enable is s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ def build_components(
     if cfg.algorithm.use_kl_in_reward:
         k = cfg.algorithm.kl_ctrl
         kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+    forward = with_sequence_parallel(pass_options(cfg, device), cfg, policy.config)
     parallel = {
         "actor": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size),
         "old_log_prob": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size),
@@ -203,8 +205,31 @@ def build_components(
     }
     return Components(
         cfg, plan, device, model_path, tokenizer, actor, ref, critic, engine, train_prompts, val_prompts,
-        sampler, runner, rm, kl_ctrl, pass_options(cfg, device), dist, parallel,
+        sampler, runner, rm, kl_ctrl, forward, dist, parallel,
     )  # fmt: skip
+
+
+def with_sequence_parallel(options: PassOptions, cfg: PostTrainConfig, model_config) -> PassOptions:
+    """Each pass's Ulysses SP group (ranks ``[d * sp, (d + 1) * sp)``), created once per distinct SP size.
+
+    A collective (every rank creates every group); a no-op when every SP size is 1.
+    """
+    sizes = {
+        "actor": cfg.actor.ulysses_sequence_parallel_size, "old_log_prob": cfg.actor.ulysses_sequence_parallel_size,
+        "ref": cfg.ref.ulysses_sequence_parallel_size, "critic": cfg.critic.ulysses_sequence_parallel_size,
+    }  # fmt: skip
+    if all(sp == 1 for sp in sizes.values()):
+        return options
+    from posttrain.distributed import ulysses
+
+    groups = {}
+    for sp in sorted(set(sizes.values())):
+        ulysses.check_sequence_parallel_supported(model_config, sp)
+        groups[sp] = ulysses.new_sequence_parallel_group(sp)
+    ulysses.install_ulysses_attention()
+    return dataclasses.replace(
+        options, **{p: dataclasses.replace(getattr(options, p), sp_group=groups[sp]) for p, sp in sizes.items()}
+    )
 
 
 def write_run_metadata(run_dir: Path, cfg: PostTrainConfig, plan: BatchPlan) -> None:

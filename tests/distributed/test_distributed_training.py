@@ -48,21 +48,35 @@ def _same_training(a: list[dict], b: list[dict]) -> None:
                 assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), (ma["step"], key)
 
 
+PACKED_DYNAMIC = {
+    "model.use_remove_padding": "true", "actor.use_dynamic_bsz": "true", "actor.ppo_max_token_len_per_gpu": 80,
+    "actor.log_prob_max_token_len_per_gpu": 80,
+}  # fmt: skip
+CRITIC = {
+    "algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 2, "critic.ppo_micro_batch_size_per_gpu": 2,
+    "critic.forward_micro_batch_size_per_gpu": 4, "critic.use_remove_padding": "true",
+}  # fmt: skip
+SP2 = {
+    "actor.ulysses_sequence_parallel_size": 2, "ref.ulysses_sequence_parallel_size": 2,
+    "actor.ppo_max_token_len_per_gpu": 40, "actor.log_prob_max_token_len_per_gpu": 40,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "extra",
+    ("extra", "two_ranks_only"),
     [
-        {"model.use_remove_padding": "true", "actor.use_dynamic_bsz": "true", "actor.ppo_max_token_len_per_gpu": 80,
-         "actor.log_prob_max_token_len_per_gpu": 80},
-        {"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 2, "critic.ppo_micro_batch_size_per_gpu": 2,
-         "critic.forward_micro_batch_size_per_gpu": 4, "critic.use_remove_padding": "true"},
+        (PACKED_DYNAMIC, {}),
+        (CRITIC, {}),
+        # 2 ranks = one DP rank of two SP ranks; per-GPU token budgets halve so each micro-batch is the same.
+        ({**PACKED_DYNAMIC, "actor.use_kl_loss": "true"}, SP2),
     ],
-    ids=["grpo-packed-dynamic", "ppo-critic"],
-)  # fmt: skip
-def test_two_ranks_train_like_one(tmp_path, tiny_model_dir, extra):
+    ids=["grpo-packed-dynamic", "ppo-critic", "ulysses-sp2-packed-kl"],
+)
+def test_two_ranks_train_like_one(tmp_path, tiny_model_dir, extra, two_ranks_only):
     one = tmp_path / "one"
     _run(1, tmp_path / "o1", _options(tiny_model_dir, one, **extra))
     two = tmp_path / "two"
-    _run(2, tmp_path / "o2", _options(tiny_model_dir, two, **extra))
+    _run(2, tmp_path / "o2", _options(tiny_model_dir, two, **{**extra, **two_ranks_only}))
     _same_training(_metrics(one), _metrics(two))
 
 

@@ -1,0 +1,1 @@
+"""Multi-process training: data parallelism and Ulysses sequence parallelism."""
