@@ -12,6 +12,7 @@ from pathlib import Path
 
 from posttrain.config.schema import PostTrainConfig
 from posttrain.engine.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.models.lora import checkpoint_module, export_policy
 from posttrain.trainers.common import seed_everything
 from posttrain.trainers.evaluate import validate
 from posttrain.trainers.setup import Components, build_components, write_run_metadata
@@ -28,7 +29,9 @@ HEADLINE = (
 
 
 def _modules(c: Components) -> tuple[dict, dict, dict]:
-    modules, optims, scheds = {"actor": c.actor.module}, {"actor": c.actor.optimizer}, {"actor": c.actor.scheduler}
+    # A LoRA actor's checkpoint holds its adapters only (the frozen base is reloaded from model.path).
+    actor = checkpoint_module(c.actor.module)
+    modules, optims, scheds = {"actor": actor}, {"actor": c.actor.optimizer}, {"actor": c.actor.scheduler}
     if c.critic is not None:
         modules["critic"], optims["critic"], scheds["critic"] = c.critic.module, c.critic.optimizer, c.critic.scheduler
     return modules, optims, scheds
@@ -124,13 +127,12 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 
 def _finish(c: Components, run_dir: Path, quiet: bool) -> None:
-    from posttrain.models.hf import save_hf
     from posttrain.utils.plots import plot_training_curves
 
     if c.cfg.trainer.export_hf:
-        out = save_hf(c.actor.module, c.tokenizer, run_dir / "final_model")
+        out, how = export_policy(c.actor.module, c.tokenizer, run_dir / "final_model", c.cfg.trainer.export_merged)
         if not quiet:
-            print(f"Final policy exported to {out} (loads with AutoModelForCausalLM)")
+            print(f"Final policy exported to {out} ({how})")
     png = run_dir / "curves.png"
     if plot_training_curves(run_dir / "metrics.jsonl", png) and not quiet:
         print(f"Training curves: {png}")

@@ -23,6 +23,7 @@ from posttrain.data.sampler import PromptSampler
 from posttrain.engine.roles import Trainable
 from posttrain.models.critic import CriticModel
 from posttrain.models.hf import load_causal_lm, load_tokenizer
+from posttrain.models.lora import apply_lora, is_lora_model, lora_memory_summary, reference_policy
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -114,11 +115,16 @@ def build_components(cfg: PostTrainConfig, world_size: int = 1, quiet: bool = Fa
     policy = load_causal_lm(
         model_path, cfg.model.dtype, device, attn_implementation(cfg.model.use_remove_padding, device)
     )
+    policy = apply_lora(policy, cfg)  # a PeftModel with model.lora_rank > 0; unchanged otherwise
     a = plan.actor
     actor_steps = cfg.trainer.total_steps * a.optimizer_steps_per_step
     ref = None
-    if plan.ref is not None:
+    if plan.ref is not None and is_lora_model(policy):
+        ref = reference_policy(policy)  # the actor with adapters disabled: no copy of the base weights
+    elif plan.ref is not None:
         ref = prepare_policy(copy.deepcopy(policy).eval().requires_grad_(False), cfg, trained=False)
+    if is_lora_model(policy) and not quiet:
+        print(lora_memory_summary(policy, uses_reference=ref is not None))
     actor = Trainable.create(prepare_policy(policy, cfg), cfg.actor.optim, actor_steps)
     critic = None
     if plan.critic is not None:
