@@ -359,9 +359,8 @@ def adapter_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     the live weights (no copy); an engine in another process copies them as they arrive."""
     from peft.utils import get_peft_model_state_dict
 
-    yield from (
-        (k, v.detach()) for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items()
-    )
+    for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items():
+        yield name, _gathered(tensor.detach())
 
 
 def merged_state(model: nn.Module, only_adapted: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -369,9 +368,10 @@ def merged_state(model: nn.Module, only_adapted: bool = False) -> Iterator[tuple
 
     An adapted weight is computed as ``W + get_delta_weight()`` (PEFT's ``scale * B @ A``, in fp32, cast back to
     W's dtype) into a new tensor: the training model is not modified. Other tensors are the live ones (no copy).
-    One tensor at a time, so an engine can load layer by layer. ``only_adapted``: only the adapted weights (the
-    rest never change in a LoRA run, so an engine that already holds the base needs only these).
-    Tied weights appear under both names, as in the plain model's state_dict.
+    One tensor at a time, so an engine can load layer by layer; under FSDP2 each tensor is gathered as it is
+    yielded (every rank must walk the stream). ``only_adapted``: only the adapted weights (the rest never change
+    in a LoRA run, so an engine that already holds the base needs only these). Tied weights appear under both
+    names, as in the plain model's state_dict.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -384,14 +384,21 @@ def merged_state(model: nn.Module, only_adapted: bool = False) -> Iterator[tuple
             layer, sep, leaf = name.partition(".base_layer.")
             if not sep:
                 if not only_adapted:
-                    yield name, tensor
+                    yield name, _gathered(tensor)
                 continue
             plain = f"{layer}.{leaf}"
             if leaf == "weight" and layer in adapted and ADAPTER_NAME in adapted[layer].lora_A:
                 delta = adapted[layer].get_delta_weight(ADAPTER_NAME)
-                yield plain, (tensor.float() + delta.float()).to(tensor.dtype)
+                yield plain, _gathered((tensor.float() + delta.float()).to(tensor.dtype))
             elif not only_adapted:
-                yield plain, tensor
+                yield plain, _gathered(tensor)
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (an FSDP2-sharded parameter) becomes the full tensor, one tensor at a time (a collective: every
+    rank must walk the same stream); a plain tensor is returned as it is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
 
 
 def policy_weights(model: nn.Module, mode: str = "merged") -> Iterator[tuple[str, torch.Tensor]]:
