@@ -36,7 +36,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 @dataclass
 class ModelConfig:
-    """The policy model (actor, and the reference policy, which starts as a copy of it)."""
+    """The policy model (actor, and the reference policy, which starts as a copy of it; with LoRA the reference
+    is the actor with its adapters disabled)."""
 
     path: str = knob(
         "builtin:tiny",
@@ -72,6 +73,34 @@ class ModelConfig:
         False,
         "Liger-kernel Triton kernels (RoPE, RMSNorm, SwiGLU) in the policy for the actor and SFT. Needs a "
         "CUDA device and `pip install liger-kernel`; an error otherwise.",
+    )
+    lora_rank: int = knob(
+        0,
+        "LoRA rank of the policy's adapters (Hugging Face PEFT); 0 trains every weight. With LoRA only the "
+        "adapters are trained and the reference policy is the same module with its adapters disabled (no "
+        "second copy of the weights). Ranks below 32 may converge more slowly (docs/lora.md); LoRA usually "
+        "wants about 10x the full fine-tuning learning rate.",
+        min=0,
+    )
+    lora_alpha: float = knob(
+        16.0, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank.", min=0.0
+    )
+    target_modules: list[str] = knob(
+        default_factory=lambda: ["all-linear"],
+        help="Modules that get adapters: 'all-linear' (every linear layer of the decoder, not the LM head) or "
+        "a list of module names such as [q_proj,k_proj,v_proj,o_proj].",
+    )
+    lora_dropout: float = knob(
+        0.0,
+        "Dropout on the adapters' input during training (0 keeps the PPO ratio exactly 1 before the first "
+        "update).",
+        min=0.0,
+        max=1.0,
+    )
+    lora_adapter_path: str = knob(
+        "",
+        "A saved PEFT LoRA adapter directory (adapter_config.json) to start from, e.g. the final_model of an "
+        "earlier stage; turns LoRA on with the adapter's own rank, alpha and target modules.",
     )
 
 
@@ -443,6 +472,12 @@ class TrainerConfig:
         "an error (a dead or hung rank ends the run instead of hanging it).",
         unit="seconds",
         min=1.0,
+    )
+    export_merged: bool = knob(
+        False,
+        "With LoRA: export the policy with its adapters merged into the base weights, a plain Hugging Face "
+        "model (AutoModelForCausalLM), instead of the PEFT adapter directory (PeftModel.from_pretrained). "
+        "Applies to `posttrain train` and `posttrain sft`.",
     )
 
 

@@ -6,7 +6,7 @@ reads exactly the pieces its own layout needs. Keys are parameter names (FQNs), 
 checkpoint does not depend on the world size or on how the model was wrapped.
 
 Stored names: ``<key>.model.<parameter name>`` and ``<key>.optim.state.<parameter name>.<exp_avg|...>``
-(plus ``<key>.optim.param_groups...``).
+(plus ``<key>.optim.param_groups...``). Frozen parameters are not stored (see ``_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+# Only trainable parameters are stored: frozen ones never change during a run and come back from model.path
+# (a LoRA actor's checkpoint thus holds its adapters alone). Buffers are stored.
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # Parameters that never received a gradient have no optimizer state: loading must not invent one.
-_LENIENT = StateDictOptions(strict=False)
+_LENIENT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @contextlib.contextmanager
@@ -46,10 +49,10 @@ def _targets(modules: Mapping[str, nn.Module], optimizers: Mapping[str, Optimize
     state: dict = {}
     for key, module in modules.items():
         if key in optimizers:
-            model_sd, optim_sd = get_state_dict(module, optimizers[key])
+            model_sd, optim_sd = get_state_dict(module, optimizers[key], options=_OPTIONS)
             state[key] = {"model": model_sd, "optim": optim_sd}
         else:
-            state[key] = {"model": get_model_state_dict(module)}
+            state[key] = {"model": get_model_state_dict(module, options=_OPTIONS)}
     return state
 
 
@@ -71,7 +74,7 @@ def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 
 def module_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """The module's state names and global shapes, as DCP stores them (sharded tensors: the full shape)."""
-    return {name: tuple(t.shape) for name, t in get_model_state_dict(module).items()}
+    return {name: tuple(t.shape) for name, t in get_model_state_dict(module, options=_OPTIONS).items()}
 
 
 def load_state(
@@ -95,7 +98,7 @@ def load_state(
                 options=_LENIENT,
             )  # fmt: skip
         else:
-            set_model_state_dict(module, entry["model"])
+            set_model_state_dict(module, entry["model"], options=_LENIENT)  # names checked by the caller
 
 
 def load_module_state(directory: Path, key: str, module: nn.Module) -> None:

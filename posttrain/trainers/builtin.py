@@ -88,8 +88,10 @@ def builtin_base_dir(cfg: PostTrainConfig) -> Path:
 
 
 def warm_start_config(cfg: PostTrainConfig) -> PostTrainConfig:
-    """cfg with the warm-start recipe in its sft section (data settings stay the user's)."""
-    return apply_values(cfg, WARM_START)
+    """cfg with the warm-start recipe in its sft section (data settings stay the user's). The warm start
+    trains every weight: it defines the built-in model, whatever the RL run does (e.g. LoRA)."""
+    full = {"model.lora_rank": 0, "model.lora_adapter_path": "", "trainer.export_merged": False}
+    return apply_values(cfg, {**WARM_START, **full})
 
 
 def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:

@@ -82,8 +82,10 @@ def validate(
 
 def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dict[str, float]:
     """`posttrain eval`: validation accuracy of a model directory or a training checkpoint."""
+    from posttrain.config.load import apply_values
     from posttrain.data.datasets import tokenize_prompts
     from posttrain.models.hf import load_causal_lm, load_tokenizer
+    from posttrain.models.lora import apply_lora
     from posttrain.rewards.functions import resolve_reward_function
     from posttrain.rollout.native import NativeEngine
     from posttrain.trainers.common import load_splits, seed_everything, select_device
@@ -99,7 +101,10 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     else:
         base = resolve_model_path(cfg)
         tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)
-        if path is not None:
+        if path is not None and (path / "adapter_config.json").exists():  # an exported LoRA adapter
+            model = apply_lora(model, apply_values(cfg, {"model.lora_rank": 0, "model.lora_adapter_path": str(path)}))
+        elif path is not None:  # a training checkpoint: a LoRA run's holds the adapters of model.lora_*
+            model = apply_lora(model, cfg)
             load_checkpoint_policy(path, model)
     splits = load_splits(cfg)
     if not splits.val:

@@ -19,6 +19,7 @@ from posttrain.distributed.runtime import (
     shutdown_distributed,
 )
 from posttrain.engine.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.models.lora import export_policy, is_lora_model, policy_weights
 from posttrain.trainers.common import seed_everything, select_device
 from posttrain.trainers.evaluate import validate
 from posttrain.trainers.setup import Components, build_components, resolve_model_path, write_run_metadata
@@ -35,7 +36,9 @@ HEADLINE = (
 
 
 def _modules(c: Components) -> tuple[dict, dict, dict]:
-    modules, optims, scheds = {"actor": c.actor.module}, {"actor": c.actor.optimizer}, {"actor": c.actor.scheduler}
+    # A LoRA actor's checkpoint holds its adapters only (the frozen base is reloaded from model.path).
+    actor = c.actor.module  # frozen weights (a LoRA base) are not stored: see engine/sharded_state.py
+    modules, optims, scheds = {"actor": actor}, {"actor": c.actor.optimizer}, {"actor": c.actor.scheduler}
     if c.critic is not None:
         modules["critic"], optims["critic"], scheds["critic"] = c.critic.module, c.critic.optimizer, c.critic.scheduler
     return modules, optims, scheds
@@ -63,9 +66,7 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     if c.kl_ctrl is not None and "kl_coef" in state:
         c.kl_ctrl.value = state["kl_coef"]
     if c.engine.model is not c.actor.module:  # the engine's own copy must see the restored weights
-        from posttrain.distributed.fsdp import full_state_dict
-
-        c.engine.sync_weights(full_state_dict(c.actor.module).items())
+        c.engine.sync_weights(policy_weights(c.actor.module))
     if c.dist.is_main:
         print(f"Resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
@@ -177,22 +178,41 @@ def _fmt(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
 
 
-def _finish(c: Components, run_dir: Path, quiet: bool) -> None:
+def _export_gathered(c: Components, path: Path) -> tuple[Path, str]:
+    """The final export of a sharded actor: the full (merged) weights are gathered into the rollout engine's
+    plain copy, or, for a LoRA adapter export, the adapter tensors alone; rank 0 writes them."""
     from posttrain.models.hf import save_hf
+    from posttrain.models.lora import adapter_state
+
+    policy = c.actor.module
+    if is_lora_model(policy) and not c.cfg.trainer.export_merged:
+        adapters = {name: t.detach().cpu().contiguous() for name, t in adapter_state(policy)}
+        if c.dist.is_main:
+            from safetensors.torch import save_file
+
+            path.mkdir(parents=True, exist_ok=True)
+            policy.peft_config["default"].save_pretrained(path)
+            save_file(adapters, str(path / "adapter_model.safetensors"))
+            c.tokenizer.save_pretrained(path)
+        return path, "a PEFT LoRA adapter; loads with peft.PeftModel.from_pretrained(base_model, path)"
+    c.engine.sync_weights(policy_weights(policy))
+    if c.dist.is_main:
+        save_hf(c.engine.model, c.tokenizer, path)
+    how = "LoRA merged into the base weights; " if is_lora_model(policy) else ""
+    return path, how + "loads with AutoModelForCausalLM"
+
+
+def _finish(c: Components, run_dir: Path, quiet: bool) -> None:
     from posttrain.utils.plots import plot_training_curves
 
     if c.cfg.trainer.export_hf:
-        model = c.actor.module
         if c.dist.distributed:
-            # Gather the full weights (every rank takes part) into the engine's unsharded copy; rank 0 saves it.
-            from posttrain.distributed.fsdp import full_state_dict
-
-            c.engine.sync_weights(full_state_dict(model).items())
-            model = c.engine.model
-        if c.dist.is_main:
-            out = save_hf(model, c.tokenizer, run_dir / "final_model")
-            if not quiet:
-                print(f"Final policy exported to {out} (loads with AutoModelForCausalLM)")
+            # Every rank takes part in gathering the sharded weights; rank 0 writes them.
+            out, how = _export_gathered(c, run_dir / "final_model")
+        else:
+            out, how = export_policy(c.actor.module, c.tokenizer, run_dir / "final_model", c.cfg.trainer.export_merged)
+        if c.dist.is_main and not quiet:
+            print(f"Final policy exported to {out} ({how})")
         c.dist.barrier()
     if not c.dist.is_main:
         return

@@ -27,6 +27,13 @@ from posttrain.engine.micro_batches import DataParallel
 from posttrain.engine.roles import Trainable
 from posttrain.models.critic import CriticModel
 from posttrain.models.hf import load_causal_lm, load_tokenizer, resolve_dtype
+from posttrain.models.lora import (
+    apply_lora,
+    is_lora_model,
+    lora_memory_summary,
+    policy_weights,
+    reference_policy,
+)
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -133,18 +140,25 @@ def build_components(
     policy = load_causal_lm(
         model_path, master_dtype, device, attn_implementation(cfg.model.use_remove_padding, device)
     )
+    rollout_model = None
+    if dist.distributed:
+        # Each rank's rollout engine holds a plain, unsharded copy, refreshed from the sharded actor after every
+        # update (with LoRA: the merged weights). On one rank the engine shares the actor's module instead.
+        rollout_model = copy.deepcopy(policy).to(resolve_dtype(cfg.model.dtype)).eval().requires_grad_(False)
+    policy = apply_lora(policy, cfg)  # a PeftModel with model.lora_rank > 0; unchanged otherwise
     a = plan.actor
     actor_steps = cfg.trainer.total_steps * a.optimizer_steps_per_step
     ref = None
-    if plan.ref is not None:
+    if plan.ref is not None and is_lora_model(policy):
+        ref = reference_policy(policy)  # the actor with adapters disabled: no copy of the base weights
+    elif plan.ref is not None:
         ref = prepare_policy(copy.deepcopy(policy).eval().requires_grad_(False), cfg, trained=False)
-    rollout_model = policy
-    if dist.distributed:
-        rollout_model = copy.deepcopy(policy).to(resolve_dtype(cfg.model.dtype)).eval().requires_grad_(False)
+    if is_lora_model(policy) and not quiet:
+        print(lora_memory_summary(policy, uses_reference=ref is not None))
     policy = prepare_policy(policy, cfg)
     if dist.distributed:
         shard_model(policy, dist, cfg.actor.fsdp_config, resolve_dtype(cfg.model.dtype))
-        if ref is not None:
+        if ref is not None and not is_lora_model(policy):
             shard_model(ref, dist, cfg.ref.fsdp_config, resolve_dtype(cfg.model.dtype))
     actor = Trainable.create(policy, cfg.actor.optim, actor_steps)
     offload_optimizer_state(actor.optimizer, device, cfg.actor.fsdp_config.optimizer_offload)
@@ -169,10 +183,9 @@ def build_components(
         )
     sampler = PromptSampler(len(train_prompts.prompt_ids), cfg.data.train_batch_size, cfg.trainer.seed)
     eos = [tokenizer.eos_token_id]
-    # On one rank the engine shares the actor's module: weights are current after every update without a copy.
     r = cfg.rollout
     engine = NativeEngine(
-        rollout_model, eos, tokenizer.pad_token_id, chunk_size=r.chunk_size, device=device,
+        rollout_model if rollout_model is not None else policy, eos, tokenizer.pad_token_id, chunk_size=r.chunk_size, device=device,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
         enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager,
     )  # fmt: skip
@@ -195,6 +208,8 @@ def build_components(
     if cfg.algorithm.use_kl_in_reward:
         k = cfg.algorithm.kl_ctrl
         kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+    if rollout_model is not None:  # e.g. a saved LoRA adapter (model.lora_adapter_path) is already on the actor
+        engine.sync_weights(policy_weights(policy))
     forward = with_sequence_parallel(pass_options(cfg, device), cfg, policy.config)
     parallel = {
         "actor": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size),

@@ -149,7 +149,8 @@ def run_sft(cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[Pro
 
 def run_sft_command(cfg: PostTrainConfig) -> Path:
     """`posttrain sft`: fine-tune model.path (or the built-in tiny model) and save it."""
-    from posttrain.models.hf import load_causal_lm, load_tokenizer, save_hf
+    from posttrain.models.hf import load_causal_lm, load_tokenizer
+    from posttrain.models.lora import apply_lora, export_policy, is_lora_model, lora_memory_summary
     from posttrain.trainers.builtin import builtin_base_dir
     from posttrain.trainers.common import load_splits, seed_everything, select_device
 
@@ -160,10 +161,12 @@ def run_sft_command(cfg: PostTrainConfig) -> Path:
     records = sft_records(cfg, load_splits(cfg).train if not cfg.sft.train_files else [])
     path = builtin_base_dir(cfg) if cfg.model.path == "builtin:tiny" else cfg.model.path
     tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path, cfg.model.dtype, device)
+    model = apply_lora(load_causal_lm(path, cfg.model.dtype, device), cfg)  # LoRA: only adapters train
+    if is_lora_model(model):
+        print(lora_memory_summary(model, uses_reference=False))
     history = run_sft(cfg, model, tokenizer, records)
     out = Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
-    save_hf(model, tokenizer, out)
+    out, how = export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)
     last = history[-1] if history else {}
-    print(f"SFT done: {len(history)} optimizer steps, final loss {last.get('sft/loss', float('nan')):.4f}; saved {out}")
+    print(f"SFT done: {len(history)} optimizer steps, final loss {last.get('sft/loss', float('nan')):.4f}; saved {out} ({how})")
     return out

@@ -12,11 +12,11 @@ from posttrain.algorithms.advantages import get_advantage_estimator
 from posttrain.algorithms.kl import apply_kl_penalty
 from posttrain.config.plan import ForwardPlan
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
-from posttrain.distributed.fsdp import full_state_dict
 from posttrain.distributed.runtime import shard_bounds
 from posttrain.engine.micro_batches import forward_in_micro_batches
 from posttrain.engine.roles import actor_loss_fn, critic_loss_fn, run_update
 from posttrain.models.forward import critic_values, policy_logprobs
+from posttrain.models.lora import policy_weights
 from posttrain.rewards.runner import RewardInput
 from posttrain.rollout.base import RolloutResult, SamplingParams
 from posttrain.trainers.evaluate import CORRECT_THRESHOLD
@@ -221,7 +221,7 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     # gathered (a collective: every rank calls it) into the engine's own copy.
     with timer.phase("sync_weights"):
         if c.engine.model is not policy:
-            c.engine.sync_weights(full_state_dict(policy).items())
+            c.engine.sync_weights(policy_weights(policy))  # Hugging Face names; LoRA adapters merged
     tokens = float(batch.attention_mask.sum())
     metrics.update(timer.pop())
     step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))

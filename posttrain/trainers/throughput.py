@@ -21,6 +21,9 @@ model/critic.enable_gradient_checkpointing  Hugging Face ``gradient_checkpointin
 model/critic.enable_activation_offload      ``ForwardOptions.offload_activations`` of the training passes
                                             (``save_on_cpu``, CUDA only; a warning on CPU)
 model.use_liger                             liger-kernel's instance patch on the policy and its reference copy
+model.lora_rank, model.lora_alpha,          checked here with the other policy switches
+model.target_modules, model.lora_dropout,   (``posttrain.models.lora.check_lora_config``); applied by
+model.lora_adapter_path                     ``posttrain.models.lora.apply_lora`` in the RL and SFT setup
 reward.model.use_remove_padding             read by ``build_components``: ``RewardModelScorer(remove_padding=...)``
 ==========================================  ====================================================================
 """
@@ -139,7 +142,10 @@ def check_liger(device: torch.device, model_config) -> None:
 
 
 def check_policy_switches(cfg: PostTrainConfig, device: torch.device, model_config) -> None:
-    """The policy model's switches (RL and SFT): packing support, liger, activation offload."""
+    """The policy model's switches (RL and SFT): packing support, liger, activation offload, LoRA."""
+    from posttrain.models.lora import check_lora_config
+
+    check_lora_config(cfg, model_config)
     if cfg.model.use_remove_padding and model_config is not None:
         check_packing("model.use_remove_padding", model_config)
     if cfg.model.use_liger:
@@ -200,7 +206,10 @@ def apply_liger(module: nn.Module) -> None:
     """
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
-    _apply_liger_kernel_to_instance(model=module, fused_linear_cross_entropy=False, cross_entropy=False)
+    from posttrain.models.lora import hf_model
+
+    # Liger finds the decoder through Hugging Face attribute paths, which a PEFT wrapper resolves differently.
+    _apply_liger_kernel_to_instance(model=hf_model(module), fused_linear_cross_entropy=False, cross_entropy=False)
 
 
 def prepare_policy(module: nn.Module, cfg: PostTrainConfig, *, trained: bool = True) -> nn.Module:

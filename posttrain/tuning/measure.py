@@ -4,8 +4,8 @@ What runs is what trains: a synthetic :class:`RolloutBatch` of max-length sample
 into micro-batches by ``micro_batch_rows`` and pushed through ``accumulate_and_step`` with the trainer's own
 ``actor_loss_fn`` / ``critic_loss_fn`` (update roles), or through ``forward_in_micro_batches`` with
 ``policy_logprobs`` / ``critic_values`` (forward-only roles), with the forward options and module preparation that
-``posttrain.trainers.throughput`` builds from the config. Weights are random: memory and speed do not depend on
-their values, and nothing is loaded from disk.
+``posttrain.trainers.throughput`` builds from the config (and LoRA adapters when ``model.lora_rank > 0``). Weights
+are random: memory and speed do not depend on their values, and nothing is loaded from disk.
 
 Memory (bytes):
 
@@ -142,6 +142,7 @@ def _build(spec: TrialSpec, cfg, device):
     from posttrain.models.critic import CriticModel
     from posttrain.models.forward import critic_values, policy_logprobs
     from posttrain.models.hf import resolve_dtype
+    from posttrain.models.lora import apply_lora
     from posttrain.trainers.throughput import (
         attn_implementation,
         pass_options,
@@ -164,6 +165,7 @@ def _build(spec: TrialSpec, cfg, device):
             prepare_critic(module, cfg)
     else:
         module = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn).to(device)
+        module = apply_lora(module, cfg)  # model.lora_rank > 0: a PeftModel, only the adapters train
         if spec.role == "actor":
             prepare_policy(module, cfg)
     if spec.role in UPDATE_ROLES:

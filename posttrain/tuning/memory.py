@@ -8,8 +8,11 @@ What this trainer does today, and what the estimator can also answer as a "what 
 * The trainer is one process on one device: every role's weights and optimizer states live on it for the whole
   step (the rollout engine shares the actor's module). ``WhatIf.fsdp_size`` shows what FSDP full sharding (or
   HSDP with groups of that size) of parameters, gradients and optimizer states *would* give; so do
-  ``param_offload``, ``optimizer_offload``, ``lora_rank`` and a vLLM-style rollout engine
-  (``gpu_memory_utilization``, ``max_num_seqs``, ``rollout_tp``). None of these exists as a config key yet.
+  ``param_offload``, ``optimizer_offload`` and a vLLM-style rollout engine (``gpu_memory_utilization``,
+  ``max_num_seqs``, ``rollout_tp``). None of these exists as a config key yet.
+* LoRA (``model.lora_rank``, or ``WhatIf.lora_rank`` as a what-if for the actor and the critic): only the adapters
+  get gradients and AdamW states, all in fp32 (PEFT keeps adapters fp32 on a bf16/fp16 base, so no master copy),
+  and a LoRA actor's reference policy is the actor itself with adapters disabled: no reference weights.
 * Parameters, gradients and AdamW's two moments are in ``model.dtype`` (no fp32 master copy), as the trainer
   keeps them; ``WhatIf.master_weights_fp32`` models FSDP mixed precision (fp32 master weights, gradients and
   moments; a ``model.dtype`` copy of the layer being computed).
@@ -54,7 +57,7 @@ class WhatIf:
     fsdp_size: int = 1  # GPUs sharing one copy of params/grads/optimizer states (FSDP/HSDP group); 1: none
     param_offload: bool = False  # parameters live in CPU memory; one layer at a time is brought to the GPU
     optimizer_offload: bool = False  # AdamW moments (and master weights) live in CPU memory
-    lora_rank: int = 0  # > 0: only LoRA adapters (all-linear) are trained
+    lora_rank: int = 0  # > 0: only LoRA adapters (all-linear) of the actor and critic are trained
     master_weights_fp32: bool = False  # FSDP mixed precision: fp32 master weights, grads and moments
     rollout_engine: str = "native"  # "native" (this project's) or "vllm"
     gpu_memory_utilization: float = 0.5  # vLLM: fraction of GPU memory it reserves for weights + KV cache
@@ -148,9 +151,33 @@ def parameter_bytes(shape: ModelShape, dtype_bytes: int, shard: int, offload: bo
     return shape.num_params() * dtype_bytes // shard + gathered
 
 
-def trainable_params(shape: ModelShape, lora_rank: int) -> int:
+@dataclass(frozen=True)
+class Training:
+    """What a trained role updates: every weight (``lora_rank == 0``) or LoRA adapters of these targets."""
+
+    lora_rank: int = 0
+    target_modules: tuple[str, ...] = ("all-linear",)
+
+
+FULL = Training()
+
+
+def trainable_params(shape: ModelShape, lora_rank: int, target_modules: tuple[str, ...] = ("all-linear",)) -> int:
     """Parameters that get gradients and optimizer states: all, or only the LoRA adapters."""
-    return shape.lora_params(lora_rank) if lora_rank > 0 else shape.num_params()
+    return shape.lora_params(lora_rank, target_modules) if lora_rank > 0 else shape.num_params()
+
+
+def role_training(cfg: PostTrainConfig, w: WhatIf, role: str) -> Training:
+    """The actor trains LoRA adapters with ``model.lora_rank`` (or a saved adapter's rank); ``WhatIf.lora_rank``
+    asks "what if" for the actor and the critic alike (all-linear) and wins when set."""
+    if w.lora_rank > 0:
+        return Training(w.lora_rank)
+    if role != "actor":
+        return FULL
+    from posttrain.models.lora import lora_settings
+
+    settings = lora_settings(cfg)
+    return Training(settings.rank, settings.target_modules) if settings is not None else FULL
 
 
 def gradient_bytes(trainable: int, grad_bytes: int, shard: int) -> int:
@@ -172,7 +199,7 @@ def optimizer_bytes(trainable: int, state_bytes: int, shard: int, offload: bool,
 # --- activations ------------------------------------------------------------------------------------------
 
 
-def layer_saved_elements_per_token(shape: ModelShape) -> int:
+def layer_saved_elements_per_token(shape: ModelShape, training: Training | None = None) -> int:
     """Elements one decoder layer saves for backward per token (Llama/Qwen2 with sdpa/flash attention).
 
     Counted with saved-tensor hooks on a Qwen2 layer: two RMSNorms (input + output each: 4 x hidden), q and its
@@ -180,12 +207,27 @@ def layer_saved_elements_per_token(shape: ModelShape) -> int:
     attention output and its o_proj input (2 x hidden), the gated MLP (gate, up, SiLU, product: 4 x
     intermediate), and one log-sum-exp per head. Ignores attention-probability matrices: an eager (non-fused)
     attention would add heads x sequence length per token.
+
+    With LoRA (``training.lora_rank > 0``) the RMSNorm weights are frozen, so each norm no longer keeps its
+    normalised input for a weight gradient (2 x hidden fewer); each adapted matrix keeps its adapter's rank-wide
+    intermediate ``A x`` (rank more per adapted matrix). The adapters' input is the same tensor the base layer
+    reads, saved once. Measured the same way: about 10% fewer elements than full fine-tuning at rank 32.
     """
-    return 11 * shape.hidden_size + 4 * shape.kv_dim + 4 * shape.intermediate_size + shape.num_heads
+    training = training or FULL
+    full = 11 * shape.hidden_size + 4 * shape.kv_dim + 4 * shape.intermediate_size + shape.num_heads
+    if training.lora_rank == 0:
+        return full
+    matrices = shape.lora_matrices_per_layer(training.target_modules)
+    return full - 2 * shape.hidden_size + training.lora_rank * matrices
 
 
 def update_activation_bytes(
-    shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool, offload: bool
+    shape: ModelShape,
+    tokens: int,
+    dtype_bytes: int,
+    checkpointing: bool,
+    offload: bool,
+    training: Training | None = None,
 ) -> int:
     """Activations a training micro-batch of ``tokens`` tokens keeps on the GPU at the start of backward.
 
@@ -193,7 +235,7 @@ def update_activation_bytes(
     layer recomputed in backward. Activation offload (CUDA): saved tensors live in CPU memory, so the GPU holds
     about one layer's worth (the one being computed). Ignores the embedding output and rotary tables.
     """
-    one_layer = tokens * layer_saved_elements_per_token(shape) * dtype_bytes
+    one_layer = tokens * layer_saved_elements_per_token(shape, training or FULL) * dtype_bytes
     if offload:
         return one_layer
     if checkpointing:
@@ -324,17 +366,28 @@ def _resident(cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, w: WhatI
     b = DTYPE_BYTES[cfg.model.dtype]
     keep = FP32 if w.master_weights_fp32 else b
     out: list[Component] = []
+    actor_lora = role_training(cfg, w, "actor").lora_rank > 0
     roles = [("actor", shape, True)]
-    if plan.ref is not None:
+    if plan.ref is not None and not actor_lora:  # a LoRA actor is its own reference (adapters disabled)
         roles.append(("reference", shape, False))
     if plan.critic is not None:
         roles.append(("critic", _critic_params(shape), True))
     for name, s, trained in roles:
-        out.append(Component(f"{name} weights", parameter_bytes(s, keep, w.fsdp_size, w.param_offload)))
-        if trained:
-            trainable = trainable_params(s, w.lora_rank)
-            opt = optimizer_bytes(trainable, keep, w.fsdp_size, w.optimizer_offload, w.master_weights_fp32)
-            out.append(Component(f"{name} optimizer", opt, "AdamW exp_avg + exp_avg_sq"))
+        t = role_training(cfg, w, name) if trained else FULL
+        weights = parameter_bytes(s, keep if t.lora_rank == 0 else b, w.fsdp_size, w.param_offload)
+        if t.lora_rank == 0:
+            out.append(Component(f"{name} weights", weights))
+            if trained:
+                opt = optimizer_bytes(s.num_params(), keep, w.fsdp_size, w.optimizer_offload, w.master_weights_fp32)
+                out.append(Component(f"{name} optimizer", opt, "AdamW exp_avg + exp_avg_sq"))
+            continue
+        adapters = trainable_params(s, t.lora_rank, t.target_modules)
+        note = f"frozen base + {adapters:,} fp32 LoRA adapter parameters"
+        if name == "actor" and plan.ref is not None:
+            note += "; also the reference policy (adapters disabled)"
+        out.append(Component(f"{name} weights", weights + adapters * FP32 // w.fsdp_size, note))
+        opt = optimizer_bytes(adapters, FP32, w.fsdp_size, w.optimizer_offload, master_fp32=False)
+        out.append(Component(f"{name} optimizer", opt, "AdamW exp_avg + exp_avg_sq of the adapters"))
     return out
 
 
@@ -351,9 +404,11 @@ def _update_phase(
         d.max_response_length, p.sp_size,
     )  # fmt: skip
     s = shape if actor else _critic_params(shape)
-    grads = gradient_bytes(trainable_params(s, w.lora_rank), FP32 if w.master_weights_fp32 else b, w.fsdp_size)
+    t = role_training(cfg, w, p.role)
+    grad_bytes = FP32 if (w.master_weights_fp32 or t.lora_rank > 0) else b  # LoRA adapters are fp32
+    grads = gradient_bytes(trainable_params(s, t.lora_rank, t.target_modules), grad_bytes, w.fsdp_size)
     gc = _flag(ckpt_section, "enable_gradient_checkpointing")
-    acts = update_activation_bytes(shape, tokens, b, gc, _flag(ckpt_section, "enable_activation_offload"))
+    acts = update_activation_bytes(shape, tokens, b, gc, _flag(ckpt_section, "enable_activation_offload"), t)
     comps = [
         *resident,
         Component(

@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
+_LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _adapted(target_modules, known) -> list[str]:
+    """The layer matrices (of ``known``) that LoRA ``target_modules`` adapt; 'all-linear' adapts them all."""
+    names = set(known) if "all-linear" in target_modules else {t.rsplit(".", 1)[-1] for t in target_modules}
+    return [n for n in known if n in names]
 
 
 @dataclass(frozen=True)
@@ -57,12 +64,18 @@ class ModelShape:
         """All parameters (exact for Llama/Qwen2-style models; tested against the built model)."""
         return self.num_layers * self.layer_params() + self.embedding_params()
 
-    def lora_params(self, rank: int) -> int:
-        """LoRA adapter parameters for ``target_modules=all-linear`` (q, k, v, o, gate, up, down per layer):
-        ``rank x (d_in + d_out)`` per matrix. The LM head and embeddings get no adapter."""
-        h, i = self.hidden_size, self.intermediate_size
-        per_layer = (h + self.q_dim) + 2 * (h + self.kv_dim) + (self.q_dim + h) + 2 * (h + i) + (i + h)
-        return rank * per_layer * self.num_layers
+    def lora_params(self, rank: int, target_modules: tuple[str, ...] | list[str] = ("all-linear",)) -> int:
+        """LoRA adapter parameters: ``rank x (d_in + d_out)`` per adapted matrix. ``all-linear`` adapts q, k, v, o,
+        gate, up and down in every layer; a list adapts the named ones (other names count 0: this shape knows only
+        the Llama/Qwen2 layout). The LM head and embeddings get no adapter."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+                 "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}  # fmt: skip
+        return rank * sum(sizes[n] for n in _adapted(target_modules, sizes)) * self.num_layers
+
+    def lora_matrices_per_layer(self, target_modules: tuple[str, ...] | list[str] = ("all-linear",)) -> int:
+        """How many of a layer's q, k, v, o, gate, up, down matrices carry an adapter."""
+        return len(_adapted(target_modules, _LAYER_MATRICES))
 
     @classmethod
     def from_hf_config(cls, config: Any, name: str = "") -> ModelShape:

@@ -8,6 +8,7 @@ from posttrain.config.load import all_keys
 EXPECTED_KEYS = """
 model.path model.dtype model.use_remove_padding model.remove_padding_max_row_tokens
 model.enable_gradient_checkpointing model.enable_activation_offload model.use_liger
+model.lora_rank model.lora_alpha model.target_modules model.lora_dropout model.lora_adapter_path
 data.task data.train_files data.val_files data.prompt_key data.answer_key data.train_batch_size
 data.val_batch_size data.max_prompt_length data.max_response_length data.overlong_prompts
 data.num_train_examples data.num_val_examples data.max_operand
@@ -37,7 +38,7 @@ algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_
 algorithm.use_kl_in_reward algorithm.kl_penalty
 algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon
 trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
-trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf
+trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf trainer.export_merged
 sft.train_files sft.response_key sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir
 actor.fsdp_config.fsdp_size actor.fsdp_config.param_offload actor.fsdp_config.optimizer_offload actor.fsdp_config.forward_prefetch actor.fsdp_config.reshard_after_forward ref.fsdp_config.fsdp_size ref.fsdp_config.param_offload ref.fsdp_config.forward_prefetch ref.fsdp_config.reshard_after_forward critic.fsdp_config.fsdp_size critic.fsdp_config.param_offload critic.fsdp_config.optimizer_offload critic.fsdp_config.forward_prefetch critic.fsdp_config.reshard_after_forward
 trainer.dist_timeout_s

@@ -30,6 +30,7 @@ SETTINGS = [  # (role, samples per micro-batch, config overrides)
     ("actor", 8, []),
     ("actor", 8, ["model.enable_gradient_checkpointing=true"]),
     ("actor", 8, CHUNK),
+    ("actor", 8, ["model.lora_rank=32"]),  # LoRA on: only adapters train, frozen norms save less (vs row 2)
     ("old_log_prob", 8, []),
 ]
 

@@ -57,8 +57,29 @@ def test_sharding_offload_and_lora_shrink_the_model_states():
     lora = estimate_memory(cfg, plan, shape, Cluster(1, 8, 80), WhatIf(lora_rank=32)).phase("actor_update")
     assert plain.part("actor optimizer") == 2 * plain.part("actor weights")  # bf16 AdamW moments, no master copy
     assert sharded.part("actor optimizer") == plain.part("actor optimizer") // 8
-    assert lora.part("actor optimizer") < plain.part("actor optimizer") / 50  # r=32: ~1% of 7.6B
+    # r=32 adapters are ~1% of 7.6B parameters; their AdamW moments are fp32 (PEFT keeps adapters fp32 on a bf16
+    # base), the full model's bf16: ~2% of the bytes.
+    assert lora.part("actor optimizer") < plain.part("actor optimizer") / 40
     assert sharded.total < plain.total and lora.total < plain.total
+
+
+def test_lora_in_the_config_drops_the_reference_copy_and_full_optimizer():
+    """model.lora_rank: adapter-only gradients and fp32 AdamW states, no reference weights (the actor with its
+    adapters disabled is the reference); the critic still trains every weight."""
+    shape = ModelShape.from_path(QWEN_7B)
+    base = [*GRPO_7B, "actor.use_kl_loss=true", "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"]
+    full = build_config(overrides=base)
+    lora = build_config(overrides=[*base, "model.lora_rank=64", "model.target_modules=[q_proj,v_proj]"])
+    est_full = estimate_memory(full, build_plan(full, 8), shape, Cluster(1, 8, 80)).phase("actor_update")
+    est_lora = estimate_memory(lora, build_plan(lora, 8), shape, Cluster(1, 8, 80)).phase("actor_update")
+    adapters = 64 * shape.num_layers * ((shape.hidden_size + shape.q_dim) + (shape.hidden_size + shape.kv_dim))
+    assert shape.lora_params(64, ("q_proj", "v_proj")) == adapters
+    assert est_full.part("reference weights") == est_full.part("actor weights") > 0
+    assert est_lora.part("reference weights") == 0
+    assert est_lora.part("actor weights") == est_full.part("actor weights") + 4 * adapters
+    assert est_lora.part("actor optimizer") == 2 * 4 * adapters
+    assert est_lora.part("critic optimizer") == est_full.part("critic optimizer") > 0
+    assert est_lora.detail["gradients_gib"] == round(4 * adapters / GIB, 3)
 
 
 def test_chunking_and_checkpointing_lower_the_update_estimate():
