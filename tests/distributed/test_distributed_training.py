@@ -69,8 +69,11 @@ SP2 = {
         (CRITIC, {}),
         # 2 ranks = one DP rank of two SP ranks; per-GPU token budgets halve so each micro-batch is the same.
         ({**PACKED_DYNAMIC, "actor.use_kl_loss": "true"}, SP2),
+        # LoRA under FSDP2: only adapters train; the reference is the actor with adapters disabled.
+        ({"model.lora_rank": 8, "model.lora_alpha": 16, "actor.use_kl_loss": "true", "actor.entropy_coeff": 0.1,
+          "actor.optim.lr": 1e-2}, {}),
     ],
-    ids=["grpo-packed-dynamic", "ppo-critic", "ulysses-sp2-packed-kl"],
+    ids=["grpo-packed-dynamic", "ppo-critic", "ulysses-sp2-packed-kl", "lora-kl"],
 )
 def test_two_ranks_train_like_one(tmp_path, tiny_model_dir, extra, two_ranks_only):
     one = tmp_path / "one"
