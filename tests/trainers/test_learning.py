@@ -39,3 +39,11 @@ def test_grpo_default_learns(tmp_path, two_threads):
 def test_ppo_with_critic_learns(tmp_path, two_threads):
     before, after = learn(tmp_path, "trainer.total_steps=20", "algorithm.adv_estimator=gae")
     assert after >= before + 0.15, (before, after)
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_learns(tmp_path, two_threads):
+    """LoRA rank 32 with the ~10x learning rate the seeds advise (docs/lora.md has the 40-step run)."""
+    overrides = ["trainer.total_steps=10", "model.lora_rank=32", "model.lora_alpha=32", "actor.optim.lr=2e-3"]
+    before, after = learn(tmp_path, *overrides)
+    assert after >= before + 0.2, (before, after)
