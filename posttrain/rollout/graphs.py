@@ -32,8 +32,8 @@ def bucket(value: int, cap: int) -> int:
 
 def decode_fixed(
     parts: DecoderParts,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
     tokens: torch.Tensor,
     positions: torch.Tensor,
     length: int,

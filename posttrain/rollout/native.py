@@ -230,7 +230,7 @@ class NativeEngine(RolloutEngine):
         ``finishing`` (prompts whose prefill ended), whose samples all start from it.
         """
         n = sched.n
-        decode = [(s.slot, len(prompts[s.prompt]) + len(s.tokens) - 1, s.tokens[-1]) for s in plan.decode]
+        decode = [(s.slot, s.position, s.tokens[-1]) for s in plan.decode]
         sample_ids = [s.sample_id for s in plan.decode]
         steps = [len(s.tokens) for s in plan.decode]
         if not plan.chunks and not self.enforce_eager:

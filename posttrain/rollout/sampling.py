@@ -113,8 +113,10 @@ def sample_tokens(
         tokens = logits.argmax(dim=-1)
         return tokens, F.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / temperature
-    logprobs = F.log_softmax(scaled, dim=-1)
-    probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+    filtered = filter_top_k_top_p(scaled, top_k, top_p)
+    # Unnormalised probabilities suffice for the race (the argmax ignores a common factor).
+    weights = (filtered - filtered.amax(dim=-1, keepdim=True)).exp_()
     race = exponential_noise(seed, sample_ids, steps, logits.shape[-1])
-    tokens = (probs / race).argmax(dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    tokens = (weights / race).argmax(dim=-1)
+    chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen - torch.logsumexp(scaled, dim=-1)

@@ -36,6 +36,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     slot: int = -1
     finish_reason: str | None = None
+    position: int = -1  # where its last token goes when fed back: prompt length + generated tokens - 1
 
 
 @dataclass
@@ -194,8 +195,16 @@ class Scheduler:
         decode_tokens/logprobs: one per ``plan.decode`` sample. first_tokens: prompt -> (n tokens, n log-probs)
         for every prompt whose prefill ended this step.
         """
+        eos, max_tokens = self.eos, self.max_tokens
         for sample, token, logprob in zip(plan.decode, decode_tokens, decode_logprobs):
-            self._append(sample, token, logprob)
+            # _append inlined: this loop runs for every running sample at every step.
+            sample.tokens.append(token)
+            sample.logprobs.append(logprob)
+            sample.position += 1
+            if token in eos:
+                sample.finish_reason = "eos"
+            elif len(sample.tokens) >= max_tokens:
+                sample.finish_reason = "length"
         copies: list[SlotCopy] = []
         for chunk in plan.chunks:
             chunk.prefill.done += chunk.length
@@ -209,6 +218,7 @@ class Scheduler:
     def _append(self, sample: Sample, token: int, logprob: float) -> None:
         sample.tokens.append(token)
         sample.logprobs.append(logprob)
+        sample.position += 1
         if token in self.eos:
             sample.finish_reason = "eos"
         elif len(sample.tokens) >= self.max_tokens:
@@ -220,7 +230,7 @@ class Scheduler:
         prompt, length = pre.prompt, len(self.prompts[pre.prompt])
         live = []
         for j, (sid, token, logprob) in enumerate(zip(self.first_sample_ids(prompt), tokens, logprobs)):
-            sample = Sample(index=prompt * self.n + j, prompt=prompt, sample_id=sid)
+            sample = Sample(index=prompt * self.n + j, prompt=prompt, sample_id=sid, position=length - 1)
             self.samples[sample.index] = sample
             self._append(sample, token, logprob)
             if sample.finish_reason is None:

@@ -216,14 +216,14 @@ def test_cache_is_reused_across_calls_and_after_sync_weights(tokenizer, prompts)
     assert engine.model is not policy
     params = SamplingParams(max_tokens=6, n=2, seed=4)
     first = engine.generate(prompts, params)
-    buffer, generation = engine.cache.k.data_ptr(), engine.cache.generation
+    buffer, generation = engine.cache.k[0].data_ptr(), engine.cache.generation
     assert engine.generate(prompts[:2], params).response_ids == first.response_ids[:4]  # smaller: same buffer
-    assert engine.cache.k.data_ptr() == buffer
+    assert engine.cache.k[0].data_ptr() == buffer
     with torch.no_grad():
         policy.lm_head.weight.mul_(-1.0)
     engine.sync_weights(policy.state_dict().items())
     fresh = engine.generate(prompts, params)
-    assert (engine.cache.k.data_ptr(), engine.cache.generation) == (buffer, generation)
+    assert (engine.cache.k[0].data_ptr(), engine.cache.generation) == (buffer, generation)
     expected = _engine(policy, {2}, max_num_seqs=8, max_num_batched_tokens=32).generate(prompts, params)
     assert fresh.response_ids == expected.response_ids != first.response_ids
     engine.generate(prompts, SamplingParams(max_tokens=40, seed=4))  # a longer context grows the cache
@@ -234,11 +234,11 @@ def test_release_memory_and_wake_up(model, prompts):
     engine = _engine(model, {2}, max_num_seqs=8, max_num_batched_tokens=32)
     params = SamplingParams(max_tokens=5, n=2, seed=9)
     before = engine.generate(prompts, params)
-    shape = engine.cache.k.shape
+    shape = engine.cache.k[0].shape
     engine.release_memory()
     assert engine.cache.k is None and engine.cache.v is None
     engine.wake_up()
-    assert engine.cache.k.shape == shape
+    assert engine.cache.k[0].shape == shape
     engine.release_memory()
     assert engine.generate(prompts, params).response_ids == before.response_ids  # re-allocated on demand
 

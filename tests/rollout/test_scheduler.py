@@ -52,6 +52,7 @@ def simulate(prompts, *, n, max_tokens, max_num_seqs, max_num_batched_tokens, ch
                 slot_owner[dst] = slot_owner[copy.src]
         for slot, sample in sched.running.items():  # every running sample (incl. new ones) sits on its prompt
             assert slot_owner[slot] == sample.prompt
+            assert sample.position == len(prompts[sample.prompt]) + len(sample.tokens) - 1
     for p, chunks in prefilled.items():  # each prompt prefilled exactly once, in order, in pieces
         assert [start for start, _ in chunks] == [
             sum(length for _, length in chunks[:i]) for i in range(len(chunks))
