@@ -13,7 +13,8 @@ projections and the MLP (no padding there), and only attention is grouped:
 
 Grouped-query attention needs no key repetition: a KV head's query heads are laid out as extra query rows.
 Architectures are accepted by name (:data:`SUPPORTED_MODEL_TYPES`) and by structure; anything else (another
-attention layout, sliding windows, embedding scaling) goes to the engine's Hugging Face fallback.
+attention layout, embedding scaling) goes to the engine's Hugging Face fallback, as do calls whose context
+exceeds a sliding-window model's window.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class DecoderParts:
     vocab_size: int
     dtype: torch.dtype
     device: torch.device
+    # Sliding-window models: attention equals full attention while the context fits the window; longer calls
+    # go to the model's own forward.
+    max_context: int | None = None
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -59,10 +63,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts | str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if getattr(config, "sliding_window", None) is not None or any(
-        t != "full_attention" for t in (getattr(config, "layer_types", None) or [])
-    ):
-        return "sliding-window attention layers are not supported"
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return f"layer types {sorted(layer_types)} are not supported"
     body = getattr(lm, "model", None)
     names = ("embed_tokens", "layers", "norm", "rotary_emb")
     if body is None or not all(hasattr(body, n) for n in names) or not hasattr(lm, "lm_head"):
@@ -89,6 +92,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts | str:
         vocab_size=lm.lm_head.weight.shape[0],
         dtype=weight.dtype,
         device=weight.device,
+        max_context=getattr(config, "sliding_window", None),
     )
 
 

@@ -133,7 +133,7 @@ class NativeEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.inference_mode():
-                if self.use_hf_forward:
+                if self.use_hf_forward or self._beyond_window(prompt_ids, params):
                     return self._generate_padded(prompt_ids, params, seed, prompt_offset)
                 return self._generate_continuous(prompt_ids, params, seed, prompt_offset)
         finally:
@@ -185,6 +185,11 @@ class NativeEngine(RolloutEngine):
         if isinstance(parts, str):  # the model was changed after construction
             raise ValueError(f"the engine's model is no longer supported by the slot-cache path: {parts}")
         return parts
+
+    def _beyond_window(self, prompt_ids: list[list[int]], params: SamplingParams) -> bool:
+        """True when a sliding-window model's window is shorter than this call's context."""
+        window = self._parts().max_context
+        return window is not None and max(len(p) for p in prompt_ids) + params.max_tokens - 1 > window
 
     def _generate_continuous(
         self, prompt_ids: list[list[int]], params: SamplingParams, seed: int, prompt_offset: int

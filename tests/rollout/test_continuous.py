@@ -9,6 +9,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -111,6 +113,19 @@ def test_other_decoder_families_equal_recomputation(prompts, build):
     assert not engine.use_hf_forward
     result = engine.generate(prompts, SamplingParams(max_tokens=6, greedy=True))
     assert result.response_ids == greedy_by_recomputation(model, prompts, 6, {PAD})
+
+
+def test_sliding_window_model_uses_the_model_forward_beyond_its_window(prompts):
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**ARCH, sliding_window=12)).eval()
+    engine = _engine(model, {PAD}, max_num_seqs=3, max_num_batched_tokens=8)
+    assert not engine.use_hf_forward
+    short, long = [p for p in prompts if len(p) <= 6], [p for p in prompts if len(p) > 12]
+    params = SamplingParams(max_tokens=6, greedy=True)
+    assert not engine._beyond_window(short, params) and engine._beyond_window(long, params)
+    # Within the window: the slot cache; beyond it: the model's own sliding-window forward.
+    for batch in (short, long):
+        assert engine.generate(batch, params).response_ids == greedy_by_recomputation(model, batch, 6, {PAD})
 
 
 def test_lora_wrapped_policy(model, prompts):
