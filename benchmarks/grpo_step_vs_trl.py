@@ -1,0 +1,256 @@
+"""One GRPO step, head to head: TRL's ``GRPOTrainer`` vs posttrain's ``train_step``, on CPU, at equal work.
+
+Run::
+
+    pip install "posttrain[bench]"          # or: pip install trl==1.16.0 (TRL is never a runtime dependency)
+    python3 benchmarks/grpo_step_vs_trl.py  # ~10 minutes on 2 CPU cores; --help for options
+
+A *step* is one rollout and the optimizer steps trained on it. Both trainers get:
+
+- the same model and tokenizer: the built-in tiny Qwen2 (``posttrain.models.tiny``: hidden 256, 4 layers, 4 heads,
+  2 KV heads, intermediate 768, vocabulary 512), random weights from seed 0, saved to a local directory that both
+  load (fp32, sdpa attention, no gradient checkpointing: TRL with ``use_cpu=True, bf16=False,
+  gradient_checkpointing=False``);
+- the same prompts: the built-in arithmetic task's training problems (``posttrain.data.tasks.arithmetic``) through
+  the same chat template, and the same reward (posttrain's ``arithmetic_reward``, wrapped for TRL);
+- the same work per step: ``--prompts`` prompts x ``--n`` samples (256 by default: the built-in job's rollout),
+  at most ``--max-tokens`` response tokens (8, the built-in job's ``data.max_response_length``), temperature 1,
+  no top-k/top-p; ``--optimizer-steps`` AdamW steps per rollout (2, as in the built-in job) on equal shares of
+  the samples, each as one forward/backward micro-batch; old log-probs recomputed once per rollout (both need
+  them, as the samples serve more than one optimizer step); no reference model, no KL term (TRL ``beta=0``,
+  posttrain ``actor.use_kl_loss=false``); token-mean loss over the mini-batch (TRL ``loss_type="dapo"``),
+  PPO clip 0.2, group-normalised advantages (TRL ``scale_rewards="group"``), learning rate ``--lr`` constant with
+  no warm-up, gradient clipping at 1.0.
+
+TRL's knobs for this: ``num_generations=n``, ``per_device_train_batch_size=prompts*n/optimizer_steps``,
+``gradient_accumulation_steps=1``, ``steps_per_generation=optimizer_steps`` (so TRL generates
+``prompts*n`` completions at once and recomputes their old log-probs, as posttrain does), ``num_iterations=1``.
+A TRL "step" is one optimizer step, so a posttrain step is compared with ``optimizer_steps`` consecutive TRL
+steps starting at a generation.
+
+Differences that could not be removed: the two sample with different random streams, so responses (and their
+lengths, printed) differ; untrained weights rarely emit eos, so nearly every response runs to ``--max-tokens`` on
+both sides. posttrain keeps a prompt's samples in one mini-batch and TRL shuffles samples across its two
+optimizer steps (same amount of work). posttrain's dual-clip (``actor.clip_ratio_c``) has no TRL counterpart
+(a clamp; negligible compute).
+
+Each round builds a fresh trainer of each kind, runs one untimed warm-up step, then ``--steps`` timed steps;
+rounds alternate (TRL, posttrain, TRL, ...) so that load from other processes hits both alike. Printed: the
+median step time of each (CPU seconds of the process and wall seconds), the phases of posttrain's step (wall),
+and the ratio, of CPU times with one thread (they measure the work done even when other jobs take the core
+away part of the time) and of wall times otherwise. ``--threads`` defaults to 1: the
+project's 2-core machine is shared with other jobs, and with 2 threads under that load both trainers ran about
+8x slower and erratically (on an idle machine use ``--threads 2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from posttrain.config.load import build_config  # noqa: E402
+from posttrain.data.tasks.arithmetic import arithmetic_reward  # noqa: E402
+from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
+from posttrain.trainers.common import load_splits, seed_everything  # noqa: E402
+from posttrain.trainers.setup import build_components  # noqa: E402
+from posttrain.trainers.step import train_step  # noqa: E402
+from posttrain.utils.console import print_table  # noqa: E402
+from posttrain.utils.metrics import PhaseTimer  # noqa: E402
+
+
+def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path):
+    samples = args.prompts * args.n
+    return build_config(
+        overrides=[
+            f"model.path={model_dir}",
+            "model.dtype=fp32",
+            "data.task=arithmetic",
+            f"data.train_batch_size={args.prompts}",
+            f"rollout.n={args.n}",
+            f"data.max_response_length={args.max_tokens}",
+            "rollout.temperature=1.0",
+            f"actor.ppo_mini_batch_size={args.prompts // args.optimizer_steps}",
+            f"actor.ppo_micro_batch_size_per_gpu={samples // args.optimizer_steps}",
+            f"actor.log_prob_micro_batch_size_per_gpu={samples // args.optimizer_steps}",
+            "actor.ppo_epochs=1",
+            "actor.use_kl_loss=false",
+            "actor.entropy_coeff=0.0",
+            "actor.loss_agg_mode=token-mean",
+            "actor.clip_ratio_low=0.2",
+            "actor.clip_ratio_high=0.2",
+            f"actor.optim.lr={args.lr}",
+            "actor.optim.lr_schedule=constant",
+            "actor.optim.warmup_steps=0",
+            "actor.optim.weight_decay=0.0",
+            "actor.optim.grad_clip=1.0",
+            "algorithm.adv_estimator=grpo",
+            "trainer.device=cpu",
+            f"trainer.total_steps={args.steps + 1}",
+            "trainer.test_freq=0",
+            f"trainer.run_dir={run_dir}",
+        ]  # fmt: skip
+    )
+
+
+def run_posttrain(
+    args: argparse.Namespace, model_dir: Path, seed: int
+) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """Warm-up step + ``args.steps`` timed steps; returns (wall, CPU) seconds per step and mean phase times."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = posttrain_config(args, model_dir, Path(run_dir))
+        cfg.trainer.seed = seed
+        seed_everything(seed)
+        c = build_components(cfg, quiet=True)
+        timer = PhaseTimer()
+        times, phases, lengths = [], {}, []
+        try:
+            for step in range(1, args.steps + 2):
+                start, cpu = time.perf_counter(), time.process_time()
+                metrics = train_step(c, step, timer)
+                elapsed = (time.perf_counter() - start, time.process_time() - cpu)
+                if step == 1:
+                    continue
+                times.append(elapsed)
+                lengths.append(metrics["response_length/mean"])
+                for key, value in metrics.items():
+                    if key.startswith("timing/") and key != "timing/step":
+                        phases[key] = phases.get(key, 0.0) + value / args.steps
+        finally:
+            c.close()
+    phases["response_length/mean"] = statistics.mean(lengths)
+    return times, phases
+
+
+def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> list[tuple[float, float]]:
+    """Warm-up step + ``args.steps`` timed steps (``optimizer_steps`` TRL steps each); returns (wall, CPU)
+    seconds per step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    cfg = posttrain_config(args, model_dir, Path(tempfile.gettempdir()))
+    records = load_splits(cfg).train
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": r.prompt}] for r in records],
+            "ground_truth": [r.ground_truth for r in records],
+        }
+    )
+
+    def reward(prompts, completions, ground_truth, **kwargs):
+        return [arithmetic_reward("", c[0]["content"], gt, {}) for c, gt in zip(completions, ground_truth)]
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.begins: list[float] = []
+            self.ends: list[float] = []
+
+        def on_step_begin(self, *a, **k):
+            self.begins.append((time.perf_counter(), time.process_time()))
+
+        def on_step_end(self, *a, **k):
+            self.ends.append((time.perf_counter(), time.process_time()))
+
+    k = args.optimizer_steps
+    samples = args.prompts * args.n
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            num_generations=args.n, per_device_train_batch_size=samples // k,
+            gradient_accumulation_steps=1, steps_per_generation=k, num_iterations=1,
+            max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+            max_steps=k * (args.steps + 1), logging_steps=10_000, save_strategy="no", report_to="none",
+            disable_tqdm=True, seed=seed, dataloader_num_workers=0,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        timer = StepTimes()
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+            callbacks=[timer],
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+    # posttrain step s = TRL steps [k*s, k*s + k): from the first one's begin to the last one's end.
+    times = []
+    for s in range(1, args.steps + 1):
+        begin, end = timer.begins[k * s], timer.ends[k * s + k - 1]
+        times.append((end[0] - begin[0], end[1] - begin[1]))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--optimizer-steps", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round (after one warm-up step)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    if args.prompts % args.optimizer_steps:
+        parser.error("--prompts must be a multiple of --optimizer-steps")
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print("command: python3 " + " ".join(sys.argv))
+    print(f"torch {torch.__version__}, {args.threads} threads; load average at start: {os.getloadavg()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
+        times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], "posttrain": []}
+        phases: list[dict[str, float]] = []
+        for round_ in range(args.rounds):
+            trl_times = run_trl(args, model_dir, seed=round_)
+            times["TRL GRPOTrainer"] += trl_times
+            print(
+                f"  round {round_ + 1}: TRL (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in trl_times]}"
+            )
+            pt_times, pt_phases = run_posttrain(args, model_dir, seed=round_)
+            times["posttrain"] += pt_times
+            phases.append(pt_phases)
+            print(
+                f"  round {round_ + 1}: posttrain (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in pt_times]}"
+            )
+    # CPU seconds of the process measure the work done even when other jobs take the cores away part of the
+    # time (one thread: CPU time = wall time on an idle machine); with several threads only wall time is fair.
+    clock = 1 if args.threads == 1 else 0
+    reference = statistics.median(t[clock] for t in times["TRL GRPOTrainer"])
+    rows = [
+        {
+            "trainer": name,
+            "median CPU s/step": round(statistics.median(t[1] for t in ts), 3),
+            "median wall s/step": round(statistics.median(t[0] for t in ts), 3),
+            "min-max wall s": f"{min(t[0] for t in ts):.2f}-{max(t[0] for t in ts):.2f}",
+            "steps timed": len(ts),
+            "speed-up vs TRL": round(reference / statistics.median(t[clock] for t in ts), 2),
+        }
+        for name, ts in times.items()
+    ]
+    print()
+    print_table(
+        f"GRPO step: {args.prompts} prompts x n={args.n}, <= {args.max_tokens} response tokens, "
+        f"{args.optimizer_steps} optimizer steps per rollout, tiny Qwen2 fp32, {args.threads} CPU threads; "
+        f"speed-up from {'CPU' if clock else 'wall'} time",
+        rows,
+    )
+    mean_phases = {k: statistics.mean(p[k] for p in phases) for k in phases[0]}
+    print_table("posttrain step phases (mean seconds)", [{k: round(v, 3) for k, v in mean_phases.items()}])
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Generation alone: posttrain's rollout engine vs Hugging Face ``model.generate`` on the same prompts.
+
+Run: ``python3 benchmarks/rollout_vs_hf_generate.py`` (a few minutes on 2 CPU cores; ``--help`` for options).
+
+Model: the built-in tiny Qwen2 (``posttrain.models.tiny``: hidden 256, 4 layers, 4 heads, 2 KV heads,
+intermediate 768, byte-level BPE vocabulary of 512), random weights from seed 0, fp32, built locally.
+Prompts: 64 problems of the built-in arithmetic task through the chat template (16-18 tokens), n = 8 samples
+each, so 512 samples per run.
+
+Both sides sample at temperature 1 with no top-k/top-p, stop on the model's eos ids (``<|im_end|>``,
+``<|endoftext|>``) and generate at most ``--max-tokens`` tokens per sample:
+
+- **HF generate**: the 64 prompts each repeated 8 times, left-padded into one [512, L] batch (what a trainer
+  without its own engine does), ``do_sample=True, top_k=0, top_p=1.0``, default (sdpa) attention.
+- **posttrain**: ``NativeEngine`` with the config defaults (``rollout.max_num_seqs`` etc., read from the schema),
+  ``SamplingParams(n=8)``: each prompt prefilled once, continuous batching over the slot KV cache.
+
+Untrained weights rarely emit eos (about 2 in 512 tokens), so in the fixed-length rows (``--max-tokens``) most
+samples run to the limit on both sides: equal generated tokens. RL responses end at very different lengths,
+which is where continuous batching matters (HF ``generate`` keeps computing finished rows until the longest one
+ends); the ragged rows (``--ragged-max-tokens``) emulate that by adding ``--ragged-eos`` more token ids (the
+vocabulary's last ids, same list on both sides) to the eos set, so a sample ends with probability about 1/16 per
+token. tokens/s counts each side's own generated tokens (eos included, padding excluded).
+
+One untimed warm-up run each, then ``--repeats`` runs alternated (HF, posttrain, HF, ...) so that load from other
+processes hits both alike; the table shows medians of CPU seconds (of this process) and wall seconds, and the
+ratio of the median times: CPU time with one thread (it measures the work done even when other jobs take the
+core away part of the time; on an idle machine it equals wall time), wall time otherwise. ``--threads`` defaults to
+1: the project's 2-core machine is shared with other jobs, and 2-thread OpenMP under oversubscription ran up to
+8x slower and erratic (on an idle machine use ``--threads 2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from posttrain.config.schema import RolloutConfig  # noqa: E402
+from posttrain.data.datasets import tokenize_prompts  # noqa: E402
+from posttrain.data.tasks.arithmetic import make_arithmetic_splits  # noqa: E402
+from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from posttrain.rollout.base import SamplingParams  # noqa: E402
+from posttrain.rollout.native import NativeEngine, left_pad  # noqa: E402
+from posttrain.utils.console import print_table  # noqa: E402
+
+
+def hf_generate(model, prompts: list[list[int]], n: int, max_tokens: int, eos: list[int], pad: int) -> int:
+    """One HF ``generate`` over the left-padded, n-times repeated prompts; returns generated tokens."""
+    ids, mask = left_pad([p for p in prompts for _ in range(n)], pad, torch.device("cpu"))
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=pad,
+        )  # fmt: skip
+    new = out[:, ids.shape[1] :]
+    # A row's tokens run up to and including its first eos; after it HF writes padding.
+    is_eos = torch.isin(new, torch.tensor(eos))
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    return int((~after_eos).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--ragged-max-tokens", type=int, nargs="*", default=[128])
+    parser.add_argument("--ragged-eos", type=int, default=30, help="extra eos ids in the ragged rows")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-num-seqs", type=int, default=RolloutConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=RolloutConfig.max_num_batched_tokens)
+    parser.add_argument(
+        "--compile", action="store_true", help="also time the engine with enforce_eager=False"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print("command: python3 " + " ".join(sys.argv))
+    print(f"torch {torch.__version__}, {args.threads} threads; load average at start: {os.getloadavg()}")
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    eos = list(model.generation_config.eos_token_id)
+    pad = tokenizer.pad_token_id
+    records, _ = make_arithmetic_splits(seed=0, n_train=args.prompts, n_val=0, max_operand=19)
+    prompts = tokenize_prompts(records, tokenizer, max_prompt_length=64).prompt_ids
+    print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens x n={args.n}")
+    variants = {"posttrain": dict(enforce_eager=True)}
+    if args.compile:
+        variants["posttrain (compiled decode)"] = dict(enforce_eager=False)
+    print(f"engine: max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}\n")
+
+    extra_eos = list(range(len(tokenizer) - args.ragged_eos, len(tokenizer)))
+    scenarios = [(t, eos) for t in args.max_tokens] + [(t, eos + extra_eos) for t in args.ragged_max_tokens]
+    rows = []
+    for max_tokens, stop in scenarios:
+        engines = {
+            name: NativeEngine(
+                model,
+                stop,
+                pad,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                **kw,
+            )  # fmt: skip
+            for name, kw in variants.items()
+        }
+
+        def run_hf(seed: int, max_tokens: int = max_tokens, stop: list[int] = stop) -> int:
+            torch.manual_seed(seed)
+            return hf_generate(model, prompts, args.n, max_tokens, stop, pad)
+
+        runners = {"HF generate": run_hf}
+        for name, engine in engines.items():
+
+            def run_engine(seed: int, engine: NativeEngine = engine, max_tokens: int = max_tokens) -> int:
+                params = SamplingParams(max_tokens=max_tokens, n=args.n, seed=seed)
+                return sum(engine.generate(prompts, params).response_lengths)
+
+            runners[name] = run_engine
+        times: dict[str, list[float]] = {name: [] for name in runners}  # wall seconds
+        cpu: dict[str, list[float]] = {name: [] for name in runners}  # CPU seconds of this process
+        tokens: dict[str, list[int]] = {name: [] for name in runners}
+        for fn in runners.values():
+            fn(10_000)  # warm-up (and compilation, when on)
+        for rep in range(args.repeats):
+            for name, fn in runners.items():
+                start, start_cpu = time.perf_counter(), time.process_time()
+                tokens[name].append(fn(rep))
+                times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+                label = f"max_tokens {max_tokens}, {len(stop)} eos ids, run {rep + 1}: {name}"
+                print(
+                    f"  {label}: {times[name][-1]:.3f} s wall, {cpu[name][-1]:.3f} s CPU, {tokens[name][-1]} tokens",
+                    flush=True,
+                )
+        # CPU seconds measure the work done even when other jobs take the core away part of the time (one
+        # thread: CPU time = wall time on an idle machine); with several threads only wall time is fair.
+        clock = cpu if args.threads == 1 else times
+        reference = statistics.median(clock["HF generate"])
+        for name in runners:
+            t = statistics.median(clock[name])
+            rows.append(
+                {
+                    "max tokens": max_tokens,
+                    "eos ids": len(stop),
+                    "engine": name,
+                    "median CPU s": round(statistics.median(cpu[name]), 3),
+                    "median wall s": round(statistics.median(times[name]), 3),
+                    "generated tokens": int(statistics.median(tokens[name])),
+                    "tokens/s": round(statistics.median(tokens[name]) / t),
+                    "speed-up vs HF": round(reference / t, 2),
+                }
+            )
+    print()
+    print_table(
+        f"{len(prompts)} prompts x n={args.n}, tiny Qwen2 fp32, {args.threads} CPU threads, median of "
+        f"{args.repeats} alternated runs; tokens/s and speed-up from {'CPU' if args.threads == 1 else 'wall'} time",
+        rows,
+    )
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
