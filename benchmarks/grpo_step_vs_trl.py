@@ -248,7 +248,9 @@ def main() -> None:
         rows,
     )
     mean_phases = {k: statistics.mean(p[k] for p in phases) for k in phases[0]}
-    print_table("posttrain step phases (mean seconds)", [{k: round(v, 3) for k, v in mean_phases.items()}])
+    print_table(
+        "posttrain step phases (mean wall seconds)", [{k: round(v, 3) for k, v in mean_phases.items()}]
+    )
     print(f"load average at end: {os.getloadavg()}")
 
 
