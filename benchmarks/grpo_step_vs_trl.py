@@ -36,7 +36,9 @@ optimizer steps (same amount of work). posttrain's dual-clip (``actor.clip_ratio
 
 Each round builds a fresh trainer of each kind, runs one untimed warm-up step, then ``--steps`` timed steps;
 rounds alternate (TRL, posttrain, TRL, ...) so that load from other processes hits both alike. Printed: the
-median step time of each, the phases of posttrain's step, and the ratio. ``--threads`` defaults to 1: the
+median step time of each (CPU seconds of the process and wall seconds), the phases of posttrain's step (wall),
+and the ratio, of CPU times with one thread (they measure the work done even when other jobs take the core
+away part of the time) and of wall times otherwise. ``--threads`` defaults to 1: the
 project's 2-core machine is shared with other jobs, and with 2 threads under that load both trainers ran about
 8x slower and erratically (on an idle machine use ``--threads 2``).
 """
@@ -102,8 +104,8 @@ def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path):
 
 def run_posttrain(
     args: argparse.Namespace, model_dir: Path, seed: int
-) -> tuple[list[float], dict[str, float]]:
-    """Warm-up step + ``args.steps`` timed steps; returns step times and the mean phase times."""
+) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """Warm-up step + ``args.steps`` timed steps; returns (wall, CPU) seconds per step and mean phase times."""
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = posttrain_config(args, model_dir, Path(run_dir))
         cfg.trainer.seed = seed
@@ -113,9 +115,9 @@ def run_posttrain(
         times, phases, lengths = [], {}, []
         try:
             for step in range(1, args.steps + 2):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 metrics = train_step(c, step, timer)
-                elapsed = time.perf_counter() - start
+                elapsed = (time.perf_counter() - start, time.process_time() - cpu)
                 if step == 1:
                     continue
                 times.append(elapsed)
@@ -129,8 +131,9 @@ def run_posttrain(
     return times, phases
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> tuple[list[float], float]:
-    """Warm-up step + ``args.steps`` timed steps (``optimizer_steps`` TRL steps each); returns step times."""
+def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> list[tuple[float, float]]:
+    """Warm-up step + ``args.steps`` timed steps (``optimizer_steps`` TRL steps each); returns (wall, CPU)
+    seconds per step."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -153,10 +156,10 @@ def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> tuple[list[
             self.ends: list[float] = []
 
         def on_step_begin(self, *a, **k):
-            self.begins.append(time.perf_counter())
+            self.begins.append((time.perf_counter(), time.process_time()))
 
         def on_step_end(self, *a, **k):
-            self.ends.append(time.perf_counter())
+            self.ends.append((time.perf_counter(), time.process_time()))
 
     k = args.optimizer_steps
     samples = args.prompts * args.n
@@ -182,8 +185,11 @@ def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> tuple[list[
             warnings.simplefilter("ignore")
             trainer.train()
     # posttrain step s = TRL steps [k*s, k*s + k): from the first one's begin to the last one's end.
-    times = [timer.ends[k * s + k - 1] - timer.begins[k * s] for s in range(1, args.steps + 1)]
-    return times, 0.0
+    times = []
+    for s in range(1, args.steps + 1):
+        begin, end = timer.begins[k * s], timer.ends[k * s + k - 1]
+        times.append((end[0] - begin[0], end[1] - begin[1]))
+    return times
 
 
 def main() -> None:
@@ -205,35 +211,46 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads; load average at start: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
-        times: dict[str, list[float]] = {"TRL GRPOTrainer": [], "posttrain": []}
+        times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], "posttrain": []}
         phases: list[dict[str, float]] = []
         for round_ in range(args.rounds):
-            trl_times, _ = run_trl(args, model_dir, seed=round_)
+            trl_times = run_trl(args, model_dir, seed=round_)
             times["TRL GRPOTrainer"] += trl_times
-            print(f"  round {round_ + 1}: TRL steps {[round(t, 3) for t in trl_times]}", flush=True)
+            print(
+                f"  round {round_ + 1}: TRL (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in trl_times]}"
+            )
             pt_times, pt_phases = run_posttrain(args, model_dir, seed=round_)
             times["posttrain"] += pt_times
             phases.append(pt_phases)
-            print(f"  round {round_ + 1}: posttrain steps {[round(t, 3) for t in pt_times]}", flush=True)
-    trl_median = statistics.median(times["TRL GRPOTrainer"])
+            print(
+                f"  round {round_ + 1}: posttrain (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in pt_times]}"
+            )
+    # CPU seconds of the process measure the work done even when other jobs take the cores away part of the
+    # time (one thread: CPU time = wall time on an idle machine); with several threads only wall time is fair.
+    clock = 1 if args.threads == 1 else 0
+    reference = statistics.median(t[clock] for t in times["TRL GRPOTrainer"])
     rows = [
         {
             "trainer": name,
-            "median s/step": round(statistics.median(ts), 3),
-            "min-max s": f"{min(ts):.3f}-{max(ts):.3f}",
+            "median CPU s/step": round(statistics.median(t[1] for t in ts), 3),
+            "median wall s/step": round(statistics.median(t[0] for t in ts), 3),
+            "min-max wall s": f"{min(t[0] for t in ts):.2f}-{max(t[0] for t in ts):.2f}",
             "steps timed": len(ts),
-            "speed-up vs TRL": round(trl_median / statistics.median(ts), 2),
+            "speed-up vs TRL": round(reference / statistics.median(t[clock] for t in ts), 2),
         }
         for name, ts in times.items()
     ]
     print()
     print_table(
         f"GRPO step: {args.prompts} prompts x n={args.n}, <= {args.max_tokens} response tokens, "
-        f"{args.optimizer_steps} optimizer steps per rollout, tiny Qwen2 fp32, {args.threads} CPU threads",
+        f"{args.optimizer_steps} optimizer steps per rollout, tiny Qwen2 fp32, {args.threads} CPU threads; "
+        f"speed-up from {'CPU' if clock else 'wall'} time",
         rows,
     )
     mean_phases = {k: statistics.mean(p[k] for p in phases) for k in phases[0]}
-    print_table("posttrain step phases (mean seconds)", [{k: round(v, 3) for k, v in mean_phases.items()}])
+    print_table(
+        "posttrain step phases (mean wall seconds)", [{k: round(v, 3) for k, v in mean_phases.items()}]
+    )
     print(f"load average at end: {os.getloadavg()}")
 
 

@@ -63,8 +63,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts | str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if any(t not in ("full_attention", "sliding_attention") for t in getattr(config, "layer_types", None) or []):
-        return f"layer types {sorted(set(config.layer_types))} are not supported"
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return f"layer types {sorted(layer_types)} are not supported"
     body = getattr(lm, "model", None)
     names = ("embed_tokens", "layers", "norm", "rotary_emb")
     if body is None or not all(hasattr(body, n) for n in names) or not hasattr(lm, "lm_head"):

@@ -123,7 +123,8 @@ def test_sliding_window_model_uses_the_model_forward_beyond_its_window(prompts):
     short, long = [p for p in prompts if len(p) <= 6], [p for p in prompts if len(p) > 12]
     params = SamplingParams(max_tokens=6, greedy=True)
     assert not engine._beyond_window(short, params) and engine._beyond_window(long, params)
-    for batch in (short, long):  # within the window: slot cache; beyond it: the model's sliding-window forward
+    # Within the window: the slot cache; beyond it: the model's own sliding-window forward.
+    for batch in (short, long):
         assert engine.generate(batch, params).response_ids == greedy_by_recomputation(model, batch, 6, {PAD})
 
 
