@@ -41,7 +41,8 @@ class NativeEngine(RolloutEngine):
     model: the policy (an ``AutoModelForCausalLM``-style module, possibly PEFT-wrapped). By default the engine
         uses the module itself (no extra memory; ``sync_weights`` is then a no-op), so the trainer's updates are
         seen at once. With ``own_copy=True`` it keeps a private deep copy, refreshed by ``sync_weights`` (e.g. with
-        full state dicts gathered from a sharded trainer).
+        full state dicts gathered from a sharded trainer). An FSDP2-sharded module cannot be shared: the slot-cache
+        path calls the layers' submodules directly, bypassing the hooks that gather a layer's parameters.
     eos_token_ids: a sample finishes when it emits any of these ids.
     pad_token_id: fills the left padding of prompts on the fallback path.
     chunk_size: most prompts in flight at once (admitted and not finished); the fallback path hands the model
