@@ -67,8 +67,18 @@ from posttrain.trainers.step import train_step  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 from posttrain.utils.metrics import PhaseTimer  # noqa: E402
 
+# posttrain variants timed against TRL: name -> extra config overrides. Every variant computes the same
+# quantities (tests/models/test_prefix_grouper.py, tests/trainers/test_throughput_options.py).
+VARIANTS = {
+    "posttrain": [],
+    "posttrain +prefix grouper": ["actor.use_prefix_grouper=true"],
+    "posttrain +prefix grouper +bypass": [
+        "actor.use_prefix_grouper=true", "algorithm.rollout_correction.bypass_mode=true"
+    ],
+}
 
-def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path):
+
+def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path, extra: list[str] = ()):
     samples = args.prompts * args.n
     return build_config(
         overrides=[
@@ -98,16 +108,17 @@ def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path):
             f"trainer.total_steps={args.steps + 1}",
             "trainer.test_freq=0",
             f"trainer.run_dir={run_dir}",
+            *extra,
         ]  # fmt: skip
     )
 
 
 def run_posttrain(
-    args: argparse.Namespace, model_dir: Path, seed: int
+    args: argparse.Namespace, model_dir: Path, seed: int, extra: list[str]
 ) -> tuple[list[tuple[float, float]], dict[str, float]]:
     """Warm-up step + ``args.steps`` timed steps; returns (wall, CPU) seconds per step and mean phase times."""
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = posttrain_config(args, model_dir, Path(run_dir))
+        cfg = posttrain_config(args, model_dir, Path(run_dir), extra)
         cfg.trainer.seed = seed
         seed_everything(seed)
         c = build_components(cfg, quiet=True)
@@ -202,6 +213,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round (after one warm-up step)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
+        help="posttrain configurations to time (each against the same TRL runs)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.prompts % args.optimizer_steps:
         parser.error("--prompts must be a multiple of --optimizer-steps")
@@ -211,20 +226,23 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads; load average at start: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
-        times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], "posttrain": []}
-        phases: list[dict[str, float]] = []
+        variants = {name: VARIANTS[name] for name in args.variants}
+        times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], **{name: [] for name in variants}}
+        phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         for round_ in range(args.rounds):
             trl_times = run_trl(args, model_dir, seed=round_)
             times["TRL GRPOTrainer"] += trl_times
             print(
                 f"  round {round_ + 1}: TRL (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in trl_times]}"
             )
-            pt_times, pt_phases = run_posttrain(args, model_dir, seed=round_)
-            times["posttrain"] += pt_times
-            phases.append(pt_phases)
-            print(
-                f"  round {round_ + 1}: posttrain (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in pt_times]}"
-            )
+            for name, extra in variants.items():
+                pt_times, pt_phases = run_posttrain(args, model_dir, round_, extra)
+                times[name] += pt_times
+                phases[name].append(pt_phases)
+                print(
+                    f"  round {round_ + 1}: {name} (wall, CPU) s "
+                    f"{[tuple(round(x, 2) for x in t) for t in pt_times]}"
+                )
     # CPU seconds of the process measure the work done even when other jobs take the cores away part of the
     # time (one thread: CPU time = wall time on an idle machine); with several threads only wall time is fair.
     clock = 1 if args.threads == 1 else 0
@@ -247,10 +265,11 @@ def main() -> None:
         f"speed-up from {'CPU' if clock else 'wall'} time",
         rows,
     )
-    mean_phases = {k: statistics.mean(p[k] for p in phases) for k in phases[0]}
-    print_table(
-        "posttrain step phases (mean wall seconds)", [{k: round(v, 3) for k, v in mean_phases.items()}]
-    )
+    phase_rows = []
+    for name, runs in phases.items():
+        mean = {k.removeprefix("timing/"): round(statistics.mean(p[k] for p in runs), 3) for k in runs[0]}
+        phase_rows.append({"variant": name, **mean})
+    print_table("posttrain step phases (mean wall seconds)", phase_rows)
     print(f"load average at end: {os.getloadavg()}")
 
 

@@ -293,6 +293,13 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = knob(
         1, "GPUs sharing each sequence (Ulysses); DP size = world size / this.", unit="GPUs", min=1
     )
+    use_prefix_grouper: bool = knob(
+        False,
+        "Run each prompt once for all its samples in a micro-batch (prompt, then every response, under a "
+        "4-D attention mask) in the actor update, old log-probs and reference log-probs. Same numbers, "
+        "fewer tokens: saves (n - 1) prompt copies per group. sdpa attention, no Ulysses SP "
+        "(docs/throughput.md).",
+    )
     policy_loss: str = knob("vanilla", "Policy loss: PPO clip ('vanilla') or GSPO.", choices=POLICY_LOSSES)
     clip_ratio_low: float = knob(0.2, "PPO ratio clip below: 1 - clip_ratio_low.", min=0.0)
     clip_ratio_high: float = knob(0.2, "PPO ratio clip above: 1 + clip_ratio_high (clip-higher).", min=0.0)
@@ -438,6 +445,18 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """How the policy that sampled the responses enters the PPO ratio."""
+
+    bypass_mode: bool = knob(
+        False,
+        "Use the log-probs the rollout engine computed while sampling as the old log-probs, skipping the "
+        "actor's old-log-prob pass. Exact when the engine runs the actor's weights in the actor's dtype "
+        "(the native engine on one process); otherwise the ratio is taken against the rollout policy.",
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and the in-reward KL penalty."""
 
@@ -448,6 +467,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = knob(False, "Subtract a per-token KL penalty from the rewards.")
     kl_penalty: str = knob("k1", "KL estimator of the in-reward penalty.", choices=KL_ESTIMATORS)
     kl_ctrl: KLControlConfig = section(KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig)
 
 
 @dataclass

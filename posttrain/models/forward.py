@@ -14,6 +14,9 @@ How a pass is computed is set by one frozen :class:`ForwardOptions` per pass (bu
   ``[b * R, V]`` fp32 logits tensor; with ``chunk_checkpoint`` backward recomputes each chunk's logits.
 * ``offload_activations``: tensors saved for backward by the transformer body go to (pinned) CPU memory
   during the forward, on CUDA only (:func:`activation_offload_context`).
+* ``prefix_grouper``: the rows of a micro-batch that share a prompt run it once: one segment per prompt
+  (prompt, then each response with positions restarting at the prompt length) under a 4-D attention mask
+  (:mod:`posttrain.models.prefix_grouper`); implies packing, so ``remove_padding`` is moot.
 * ``sp_group``: Ulysses sequence parallelism (:mod:`posttrain.distributed.ulysses`). Every rank of the group
   passes the same micro-batch; each runs the body on its slice of the (padded or packed) sequence, computes
   log-probs/values at the response positions it holds, and the per-token results are gathered, so every rank
@@ -36,6 +39,7 @@ from posttrain.data.batch import RolloutBatch
 from posttrain.distributed import ulysses
 from posttrain.models.chunked_head import chunked_logprobs_entropy
 from posttrain.models.packed_forward import _uses_flash_attention, packed_causal_lm_forward
+from posttrain.models.prefix_grouper import group_by_prompt, prefix_attention_mask
 from posttrain.models.registry import PACKING_VERIFIED, check_packing_supported
 
 # Logit transforms after the output projection that the chunked head cannot reproduce from hidden states.
@@ -49,12 +53,15 @@ class ForwardOptions:
     Attributes:
         remove_padding: pack each micro-batch's real tokens into rows (no pad tokens through the model).
         max_row_tokens: row capacity for packed rows with dense attention (sdpa/eager); raised to the longest
-            sequence of the micro-batch when shorter. Ignored with flash-attention, where the whole micro-batch
+            sequence of the micro-batch when shorter. Not used by ``prefix_grouper`` (rows as long as the
+            longest segment). Ignored with flash-attention, where the whole micro-batch
             is one row (the varlen kernel's cost is ``sum(len_i ** 2)`` whatever the layout).
         logprob_chunk_size: tokens per chunk of the chunked log-prob/entropy head; None: full logits.
         chunk_checkpoint: with chunking, recompute each chunk's logits in backward (fused) instead of keeping
             every chunk's ``[chunk, V]`` tensors for autograd.
         offload_activations: move tensors saved for backward to CPU during the forward (CUDA only).
+        prefix_grouper: compute each distinct prompt of a micro-batch once for all its responses
+            (sdpa/eager attention; not with ``sp_group``).
         sp_group: the Ulysses sequence-parallel group this rank belongs to; None (or a group of one): no SP.
             The ranks' parameter gradients sum to the gradient of the (shared) loss.
     """
@@ -64,6 +71,7 @@ class ForwardOptions:
     logprob_chunk_size: int | None = None
     chunk_checkpoint: bool = False
     offload_activations: bool = False
+    prefix_grouper: bool = False
     sp_group: dist.ProcessGroup | None = field(default=None, compare=False, hash=False)
 
 
@@ -97,7 +105,10 @@ def response_hidden_states(
 
     Padded: the left/right padded batch with its attention mask. ``options.remove_padding``: the packed
     forward (:func:`packed_response_hidden_states`), zeros where a row has no response token.
+    ``options.prefix_grouper``: the shared-prompt forward (:func:`grouped_response_hidden_states`), likewise.
     """
+    if options.prefix_grouper:
+        return grouped_response_hidden_states(model, batch, options)
     if options.remove_padding:
         return packed_response_hidden_states(model, batch, options)
     decoder = model.get_decoder()
@@ -133,6 +144,23 @@ def packed_response_hidden_states(
     return _at_responses(hidden, layout)
 
 
+def grouped_response_hidden_states(
+    model: nn.Module, batch: RolloutBatch, options: ForwardOptions = DEFAULT_OPTIONS
+) -> torch.Tensor:
+    """[B, R, H] hidden states from the shared-prompt forward (:mod:`posttrain.models.prefix_grouper`), aligned
+    exactly like :func:`response_hidden_states`; zeros past a row's response."""
+    layout = _grouped_layout(model, batch, options)
+    with _offload(options, batch):
+        out = model.get_decoder()(
+            input_ids=layout.input_ids,
+            attention_mask=layout.attention_mask,  # 4-D: transformers uses it as given
+            position_ids=layout.position_ids,
+            use_cache=False,
+        )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return _at_responses(hidden, layout)
+
+
 @dataclass(frozen=True)
 class _Layout:
     """A micro-batch as model inputs, and where the prediction of each response token sits in them.
@@ -143,7 +171,7 @@ class _Layout:
 
     input_ids: torch.Tensor  # [rows, L]
     position_ids: torch.Tensor  # [rows, L]
-    attention_mask: torch.Tensor | None  # [rows, L] for padded rows; None for packed rows
+    attention_mask: torch.Tensor | None  # [rows, L] padded rows; None packed rows; [rows, 1, L, L] grouped
     rows: torch.Tensor  # [B, R] long
     cols: torch.Tensor  # [B, R] long
     valid: torch.Tensor | None  # [B, R] bool
@@ -180,6 +208,21 @@ def _packed_layout(model: nn.Module, batch: RolloutBatch, options: ForwardOption
     cols = (seq_starts + prompt_lens.to(device) - 1)[:, None] + t[None, :]
     valid = t[None, :] < resp_lens.to(device)[:, None]
     return _Layout(packed.input_ids, packed.position_ids, None, rows, cols, valid, packed)
+
+
+def _grouped_layout(model: nn.Module, batch: RolloutBatch, options: ForwardOptions) -> _Layout:
+    """Shared-prompt segments packed into rows, with their 4-D attention mask (boolean for sdpa, additive
+    for eager; other attention back-ends take no custom mask)."""
+    impl = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(
+            f"actor.use_prefix_grouper=true needs sdpa or eager attention (a 4-D mask), the model uses {impl!r}; "
+            "load it with attn_implementation='sdpa' or set actor.use_prefix_grouper=false"
+        )
+    groups = group_by_prompt(batch)
+    dtype = model.get_input_embeddings().weight.dtype
+    mask = prefix_attention_mask(groups, boolean=impl == "sdpa", dtype=dtype)
+    return _Layout(groups.input_ids, groups.position_ids, mask, groups.rows, groups.cols, groups.valid)
 
 
 def _at_responses(per_position: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -258,7 +301,7 @@ def policy_logprobs(
     b, r, h = hidden.shape
     flat_hidden, labels = hidden.reshape(b * r, h), batch.responses.reshape(-1)
     index = None
-    if options.remove_padding:
+    if options.remove_padding or options.prefix_grouper:
         # Pad positions carry no token: skip them in the head too (the body never computed them).
         index = batch.attention_mask[:, batch.prompt_width :].reshape(-1).nonzero().squeeze(-1)
         flat_hidden, labels = flat_hidden.index_select(0, index), labels.index_select(0, index)
@@ -308,8 +351,8 @@ def critic_values(
         head = lambda h, _labels: (critic.value_head(h.float()).squeeze(-1),)  # noqa: E731
         (values,) = _sp_response_outputs(critic.backbone, batch, options, head)
         return values
-    if options.remove_padding:
-        hidden = packed_response_hidden_states(critic.backbone, batch, options)
+    if options.remove_padding or options.prefix_grouper:
+        hidden = response_hidden_states(critic.backbone, batch, options)
         return critic.value_head(hidden.float()).squeeze(-1)
     with _offload(options, batch):
         values = critic(
@@ -338,6 +381,8 @@ def _sp_response_outputs(
     response positions the entries are 0.
     """
     group = options.sp_group
+    if options.prefix_grouper:
+        raise ValueError("actor.use_prefix_grouper=true cannot be combined with Ulysses sequence parallelism")
     if options.remove_padding:
         check_packing_supported(body.config)
         layout = _packed_layout(body, batch, options)

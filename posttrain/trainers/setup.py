@@ -138,8 +138,9 @@ def build_components(
     # Sharded models on CUDA keep fp32 master weights and compute in model.dtype (FSDP2 mixed precision).
     master_dtype = "fp32" if dist.distributed and device.type == "cuda" else cfg.model.dtype
     policy = load_causal_lm(
-        model_path, master_dtype, device, attn_implementation(cfg.model.use_remove_padding, device)
-    )
+        model_path, master_dtype, device,
+        attn_implementation(cfg.model.use_remove_padding, device, cfg.actor.use_prefix_grouper),
+    )  # fmt: skip
     rollout_model = None
     if dist.distributed:
         # Each rank's rollout engine holds a plain, unsharded copy, refreshed from the sharded actor after every

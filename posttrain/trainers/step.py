@@ -122,15 +122,40 @@ def rollout_metrics(result: RolloutResult, scores: torch.Tensor) -> dict[str, fl
     }
 
 
-def fill_forward_passes(c: Components, batch: RolloutBatch, timer: PhaseTimer, temperature: float) -> None:
-    """Old log-probs, reference log-probs and values, each in its planned forward-only micro-batches."""
+def rollout_log_probs(result: RolloutResult, batch: RolloutBatch) -> torch.Tensor:
+    """[B, R] the engine's log-prob of each sampled token (0 past a response), rows in ``result`` order.
+
+    This is what ``algorithm.rollout_correction.bypass_mode`` uses as the old log-probs.
+    """
+    out = torch.zeros_like(batch.response_mask)
+    for i, (ids, logprobs) in enumerate(zip(result.response_ids, result.response_logprobs)):
+        if len(logprobs) != len(ids):
+            raise ValueError(
+                f"algorithm.rollout_correction.bypass_mode=true needs the rollout engine's log-prob of every "
+                f"sampled token, but sample {i} has {len(ids)} tokens and {len(logprobs)} log-probs; set "
+                "algorithm.rollout_correction.bypass_mode=false to recompute them with the actor"
+            )
+        out[i, : len(logprobs)] = torch.tensor(logprobs, dtype=out.dtype)
+    return out
+
+
+def fill_forward_passes(
+    c: Components, batch: RolloutBatch, timer: PhaseTimer, temperature: float, result: RolloutResult
+) -> None:
+    """Old log-probs (recomputed, or the rollout's in bypass mode), reference log-probs and values, each in its
+    planned forward-only micro-batches."""
     plan, policy, opts = c.plan, c.actor.module, c.forward
     with timer.phase("old_log_prob"):
-        policy.eval()
-        batch.old_log_probs = forward_in_micro_batches(
-            lambda mb: policy_logprobs(policy, mb, temperature=temperature, options=opts.old_log_prob)[0], batch,
-            plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device, c.dp("old_log_prob"),
-        )  # fmt: skip
+        if c.cfg.algorithm.rollout_correction.bypass_mode:
+            # The engine sampled with the actor's current weights: its log-probs are the old policy's.
+            batch.old_log_probs = rollout_log_probs(result, batch).to(batch.response_mask.device)
+        else:
+            policy.eval()
+            batch.old_log_probs = forward_in_micro_batches(
+                lambda mb: policy_logprobs(policy, mb, temperature=temperature, options=opts.old_log_prob)[0],
+                batch, plan.old_log_prob.micro_batch_size_per_rank, _budget(plan.old_log_prob), c.device,
+                c.dp("old_log_prob"),
+            )  # fmt: skip
     if c.ref is not None:
         with timer.phase("ref"):
             batch.ref_log_probs = forward_in_micro_batches(
@@ -194,7 +219,7 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     metrics.update(rollout_metrics(result, scores))
     policy, opts = c.actor.module, c.forward
     temperature = r.temperature if r.temperature > 0 else 1.0
-    fill_forward_passes(c, batch, timer, temperature)
+    fill_forward_passes(c, batch, timer, temperature, result)
     with timer.phase("advantage"):
         metrics.update(compute_advantages(c, batch))
     norm_constant = float(cfg.data.max_response_length)

@@ -11,6 +11,10 @@ model.remove_padding_max_row_tokens         reference and SFT passes (packing in
                                             is loaded on CUDA when ``flash_attn`` is installed (one row per
                                             micro-batch)
 critic.use_remove_padding                   the same for the critic update and the values pass
+actor.use_prefix_grouper                    ``ForwardOptions.prefix_grouper`` of the actor update, old-log-prob
+                                            and reference passes (``posttrain.models.prefix_grouper``); the
+                                            policy then loads with sdpa (a 4-D mask); refused with Ulysses SP
+                                            and sliding-window attention
 actor.entropy_from_logits_with_chunking,    ``ForwardOptions.logprob_chunk_size`` / ``chunk_checkpoint`` of the
 actor.entropy_from_logits_chunk_size,       actor update and the old-log-prob pass (the chunked head,
 actor.entropy_checkpointing                 ``posttrain.models.chunked_head``)
@@ -66,17 +70,20 @@ def pass_options(cfg: PostTrainConfig, device: torch.device) -> PassOptions:
     offload_policy = m.enable_activation_offload and device.type == "cuda"
     offload_critic = c.enable_activation_offload and device.type == "cuda"
     actor_chunk = _chunk(a.entropy_from_logits_with_chunking, a.entropy_from_logits_chunk_size)
+    grouped = a.use_prefix_grouper
     return PassOptions(
         actor=ForwardOptions(
             remove_padding=m.use_remove_padding, max_row_tokens=rows, logprob_chunk_size=actor_chunk,
-            chunk_checkpoint=a.entropy_checkpointing, offload_activations=offload_policy,
+            chunk_checkpoint=a.entropy_checkpointing, offload_activations=offload_policy, prefix_grouper=grouped,
         ),
         old_log_prob=ForwardOptions(
-            remove_padding=m.use_remove_padding, max_row_tokens=rows, logprob_chunk_size=actor_chunk
+            remove_padding=m.use_remove_padding, max_row_tokens=rows, logprob_chunk_size=actor_chunk,
+            prefix_grouper=grouped,
         ),
         ref=ForwardOptions(
             remove_padding=m.use_remove_padding, max_row_tokens=rows,
             logprob_chunk_size=_chunk(r.entropy_from_logits_with_chunking, r.entropy_from_logits_chunk_size),
+            prefix_grouper=grouped,
         ),
         critic=ForwardOptions(
             remove_padding=c.use_remove_padding, max_row_tokens=rows, offload_activations=offload_critic
@@ -167,6 +174,8 @@ def check_rl_switches(cfg: PostTrainConfig, device: torch.device, uses_ref: bool
         )
     policy_config = read_model_config(cfg.model.path)
     check_policy_switches(cfg, device, policy_config)
+    if a.use_prefix_grouper:
+        check_prefix_grouper(cfg, policy_config)
     if policy_config is not None:
         if a.entropy_from_logits_with_chunking:
             check_plain_lm_head(policy_config, "actor.entropy_from_logits_with_chunking")
@@ -180,10 +189,35 @@ def check_rl_switches(cfg: PostTrainConfig, device: torch.device, uses_ref: bool
             warn_offload_on_cpu("critic.enable_activation_offload", device)
 
 
-def attn_implementation(use_remove_padding: bool, device: torch.device) -> str:
+def check_prefix_grouper(cfg: PostTrainConfig, model_config) -> None:
+    """ValueError naming ``actor.use_prefix_grouper`` when Ulysses SP is on or the model's attention has a
+    sliding window (the shared-prompt mask is a plain causal one)."""
+    sp = {"actor": cfg.actor.ulysses_sequence_parallel_size, "ref": cfg.ref.ulysses_sequence_parallel_size}
+    for role, size in sp.items():
+        if size > 1:
+            raise ValueError(
+                f"actor.use_prefix_grouper=true cannot be combined with {role}.ulysses_sequence_parallel_size="
+                f"{size} (the shared-prompt mask is not split across ranks); set one of them back "
+                f"(use_prefix_grouper=false, or ulysses_sequence_parallel_size=1)"
+            )
+    if model_config is None:
+        return
+    layer_types = getattr(model_config, "layer_types", None) or ()
+    windowed = "sliding_attention" in layer_types or (
+        getattr(model_config, "use_sliding_window", False) and getattr(model_config, "sliding_window", None)
+    )
+    if windowed:
+        raise ValueError(
+            f"actor.use_prefix_grouper=true: model_type={model_config.model_type!r} uses sliding-window "
+            "attention, which the shared-prompt mask does not reproduce; set actor.use_prefix_grouper=false"
+        )
+
+
+def attn_implementation(use_remove_padding: bool, device: torch.device, prefix_grouper: bool = False) -> str:
     """flash-attention 2 for packed passes on CUDA when ``flash_attn`` is installed (one row per micro-batch,
-    varlen kernel), otherwise sdpa (padded batches, and packed rows with a block-diagonal mask)."""
-    return preferred_attn_implementation(device) if use_remove_padding else "sdpa"
+    varlen kernel), otherwise sdpa (padded batches, packed rows with a block-diagonal mask, and the prefix
+    grouper's 4-D mask, which flash-attention cannot take)."""
+    return preferred_attn_implementation(device) if use_remove_padding and not prefix_grouper else "sdpa"
 
 
 def enable_gradient_checkpointing(module: nn.Module) -> None:

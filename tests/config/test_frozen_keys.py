@@ -16,7 +16,8 @@ rollout.n rollout.temperature rollout.top_p rollout.top_k rollout.chunk_size rol
 rollout.max_num_seqs rollout.max_num_batched_tokens rollout.enable_chunked_prefill rollout.enforce_eager
 actor.ppo_mini_batch_size actor.ppo_micro_batch_size_per_gpu actor.ppo_epochs actor.shuffle
 actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu actor.log_prob_micro_batch_size_per_gpu
-actor.log_prob_max_token_len_per_gpu actor.ulysses_sequence_parallel_size actor.policy_loss
+actor.log_prob_max_token_len_per_gpu actor.ulysses_sequence_parallel_size actor.use_prefix_grouper
+actor.policy_loss
 actor.clip_ratio_low actor.clip_ratio_high actor.clip_ratio_c actor.loss_agg_mode actor.entropy_coeff
 actor.use_kl_loss actor.kl_loss_coef actor.kl_loss_type
 actor.entropy_from_logits_with_chunking actor.entropy_from_logits_chunk_size actor.entropy_checkpointing
@@ -37,6 +38,7 @@ reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding
 algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
 algorithm.use_kl_in_reward algorithm.kl_penalty
 algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon
+algorithm.rollout_correction.bypass_mode
 trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
 trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf trainer.export_merged
 sft.train_files sft.response_key sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir

@@ -74,6 +74,46 @@ def test_sft_with_switches_matches_plain(tiny_model_dir, tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-4), key
 
 
+def test_prefix_grouper_and_bypass_mode_match_plain(tiny_model_dir, tmp_path):
+    """Two GRPO steps with a KL loss: the shared-prompt forward and the rollout's own log-probs as old log-probs
+    give the losses, gradients and (second-step) rollouts of the plain run."""
+    extra = ["actor.use_kl_loss=true", "actor.entropy_coeff=0.01", "trainer.export_hf=false"]
+    runs = {
+        "plain": [],
+        "grouped": ["actor.use_prefix_grouper=true", "model.remove_padding_max_row_tokens=48"],
+        "bypass": ["algorithm.rollout_correction.bypass_mode=true"],
+    }
+    metrics = {}
+    for name, switches in runs.items():
+        run_training(small_config(tiny_model_dir, tmp_path / name, *extra, *switches), quiet=True)
+        metrics[name] = read_metrics(tmp_path / name)
+    for name in ("grouped", "bypass"):
+        for step, (plain, other) in enumerate(zip(metrics["plain"], metrics[name], strict=True)):
+            assert other["reward/mean"] == plain["reward/mean"], (name, step)
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+                assert other[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), (name, step, key)
+    assert metrics["bypass"][0]["timing/old_log_prob"] < metrics["plain"][0]["timing/old_log_prob"]
+
+
+def test_prefix_grouper_refuses_sequence_parallel_and_sliding_windows(tiny_model_dir, tmp_path):
+    from transformers import Qwen2Config
+
+    cfg = small_config(tiny_model_dir, tmp_path / "run", "actor.use_prefix_grouper=true")
+    cfg.actor.ulysses_sequence_parallel_size = 2
+    with pytest.raises(ValueError, match=r"actor\.use_prefix_grouper=true cannot be combined with actor\.ulysses"):
+        throughput.check_prefix_grouper(cfg, None)
+    windowed = Qwen2Config(num_hidden_layers=1, hidden_size=32, use_sliding_window=True, sliding_window=8)
+    cfg = small_config(model_dir(tmp_path, windowed), tmp_path / "run", "actor.use_prefix_grouper=true")
+    with pytest.raises(ValueError, match=r"actor\.use_prefix_grouper=true: model_type='qwen2' uses sliding"):
+        check_rl_switches(cfg, CPU, uses_ref=False, uses_critic=False)
+
+
+def test_prefix_grouper_loads_sdpa_even_where_packing_picks_flash_attention(monkeypatch):
+    monkeypatch.setattr(throughput, "preferred_attn_implementation", lambda device: "flash_attention_2")
+    assert throughput.attn_implementation(True, CPU) == "flash_attention_2"
+    assert throughput.attn_implementation(True, CPU, prefix_grouper=True) == "sdpa"
+
+
 @pytest.fixture
 def no_weight_loading(monkeypatch):
     """Setup must fail on a config error before loading any weights."""
