@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.data.tasks.arithmetic import arithmetic_reward  # noqa: E402
 from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
+from posttrain.trainers.builtin import builtin_model_dir  # noqa: E402
 from posttrain.trainers.common import load_splits, seed_everything  # noqa: E402
 from posttrain.trainers.setup import build_components  # noqa: E402
 from posttrain.trainers.step import train_step  # noqa: E402
@@ -214,6 +215,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
+        "--model", choices=("builtin", "random"), default="builtin",
+        help="builtin: the built-in job's warm-started tiny Qwen2 (answers, then stops: short, ragged responses); "
+        "random: the same architecture with random weights (nearly every response runs to --max-tokens)",
+    )  # fmt: skip
+    parser.add_argument(
         "--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
         help="posttrain configurations to time (each against the same TRL runs)",
     )  # fmt: skip
@@ -225,7 +231,12 @@ def main() -> None:
     print("command: python3 " + " ".join(sys.argv))
     print(f"torch {torch.__version__}, {args.threads} threads; load average at start: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
+        if args.model == "builtin":
+            # The model `posttrain train` trains by default: the tiny Qwen2 after its SFT warm start (cached).
+            model_dir = builtin_model_dir(build_config(overrides=[]))
+        else:
+            model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
+        print(f"model: {args.model} ({model_dir.name})")
         variants = {name: VARIANTS[name] for name in args.variants}
         times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], **{name: [] for name in variants}}
         phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
@@ -261,7 +272,8 @@ def main() -> None:
     print()
     print_table(
         f"GRPO step: {args.prompts} prompts x n={args.n}, <= {args.max_tokens} response tokens, "
-        f"{args.optimizer_steps} optimizer steps per rollout, tiny Qwen2 fp32, {args.threads} CPU threads; "
+        f"{args.optimizer_steps} optimizer steps per rollout, tiny Qwen2 ({args.model} weights) fp32, "
+        f"{args.threads} CPU threads; "
         f"speed-up from {'CPU' if clock else 'wall'} time",
         rows,
     )

@@ -3,7 +3,9 @@
 Run: ``python3 benchmarks/rollout_vs_hf_generate.py`` (a few minutes on 2 CPU cores; ``--help`` for options).
 
 Model: the built-in tiny Qwen2 (``posttrain.models.tiny``: hidden 256, 4 layers, 4 heads, 2 KV heads,
-intermediate 768, byte-level BPE vocabulary of 512), random weights from seed 0, fp32, built locally.
+intermediate 768, byte-level BPE vocabulary of 512), fp32, built locally: random weights from seed 0
+(``--model random``, the default), or the built-in job's model after its SFT warm start (``--model builtin``;
+it answers in a few tokens and stops, like the responses of its RL steps).
 Prompts: 64 problems of the built-in arithmetic task through the chat template (16-18 tokens), n = 8 samples
 each, so 512 samples per run.
 
@@ -43,12 +45,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from posttrain.config.load import build_config  # noqa: E402
 from posttrain.config.schema import RolloutConfig  # noqa: E402
 from posttrain.data.datasets import tokenize_prompts  # noqa: E402
 from posttrain.data.tasks.arithmetic import make_arithmetic_splits  # noqa: E402
+from posttrain.models.hf import load_causal_lm, load_tokenizer  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from posttrain.rollout.base import SamplingParams  # noqa: E402
 from posttrain.rollout.native import NativeEngine, left_pad  # noqa: E402
+from posttrain.trainers.builtin import builtin_model_dir  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 
 
@@ -76,6 +81,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--model", choices=("random", "builtin"), default="random",
+        help="random: untrained weights (samples rarely stop); builtin: the built-in job's warm-started model "
+        "(answers, then stops: short, ragged responses, as in its RL steps)",
+    )  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=RolloutConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=RolloutConfig.max_num_batched_tokens)
     parser.add_argument(
@@ -86,9 +96,16 @@ def main() -> None:
     print("command: python3 " + " ".join(sys.argv))
     print(f"torch {torch.__version__}, {args.threads} threads; load average at start: {os.getloadavg()}")
 
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0)
-    eos = list(model.generation_config.eos_token_id)
+    if args.model == "builtin":
+        # The model `posttrain train` trains by default: the tiny Qwen2 after its SFT warm start (cached).
+        model_dir = builtin_model_dir(build_config(overrides=[]))
+        tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir).eval()
+    else:
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_model(tokenizer, seed=0)
+    print(f"model: {args.model} weights")
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
     pad = tokenizer.pad_token_id
     records, _ = make_arithmetic_splits(seed=0, n_train=args.prompts, n_val=0, max_operand=19)
     prompts = tokenize_prompts(records, tokenizer, max_prompt_length=64).prompt_ids
@@ -162,7 +179,8 @@ def main() -> None:
             )
     print()
     print_table(
-        f"{len(prompts)} prompts x n={args.n}, tiny Qwen2 fp32, {args.threads} CPU threads, median of "
+        f"{len(prompts)} prompts x n={args.n}, tiny Qwen2 ({args.model} weights) fp32, {args.threads} CPU "
+        f"threads, median of "
         f"{args.repeats} alternated runs; tokens/s and speed-up from {'CPU' if args.threads == 1 else 'wall'} time",
         rows,
     )

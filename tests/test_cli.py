@@ -38,6 +38,16 @@ def test_explain_tree_has_the_numbers(capsys):
     assert "64 gradient-accumulation steps per mini-batch" in text
 
 
+def test_explain_says_where_old_log_probs_come_from_and_how_prompts_are_grouped(capsys):
+    args = ["algorithm.rollout_correction.bypass_mode=true", "actor.use_prefix_grouper=true",
+            "actor.log_prob_micro_batch_size_per_gpu=60"]  # fmt: skip
+    assert main(["explain", *args]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "old log-probs: the rollout engine's, no forward pass" in text
+    assert "prefix grouper: each prompt runs once" in text
+    assert "actor.log_prob_micro_batch_size_per_gpu not a multiple of rollout.n" in text
+
+
 def test_explain_json_is_stable(capsys):
     assert main(["explain", "--json", *SEED_004]) == 0
     plan = json.loads(capsys.readouterr().out)

@@ -65,7 +65,12 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
          "reward.model.micro_batch_size_per_gpu"),
     )  # fmt: skip
     for p, title, budget_key, micro_key in forward_passes:
-        if p is not None:
+        if p is plan.old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
+            root.add(
+                "[bold]old log-probs[/]: the rollout engine's, no forward pass "
+                "(algorithm.rollout_correction.bypass_mode)"
+            )
+        elif p is not None:
             _forward_branch(root, p, title, budget_key if p.use_dynamic_bsz else micro_key)
     if plan.critic is not None:
         _update_branch(root, plan.critic, "critic update", "critic")
@@ -73,6 +78,14 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
     facts = root.add("[bold]derived[/]")
     a = plan.actor
     facts.add(f"optimizer steps per rollout: {a.optimizer_steps_per_step}")
+    if cfg.actor.use_prefix_grouper:
+        split = [key for key in ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu")
+                 if getattr(cfg.actor, key) % plan.n]  # fmt: skip
+        note = (f"; actor.{' and actor.'.join(split)} not a multiple of rollout.n, so some prompts are split "
+                "over micro-batches (exact, less saved)") if split else ""  # fmt: skip
+        if cfg.actor.use_dynamic_bsz:
+            note = "; token-budget micro-batches may split a prompt's samples (exact, less saved)"
+        facts.add(f"prefix grouper: each prompt runs once for its samples in a micro-batch{note}")
     if plan.max_policy_lag == 0:
         facts.add("fully on-policy: the single mini-batch is updated by the policy that generated it")
     else:
