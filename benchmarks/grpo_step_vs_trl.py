@@ -8,7 +8,7 @@ Run::
 A *step* is one rollout and the optimizer steps trained on it. Both trainers get:
 
 - the same model and tokenizer: the built-in tiny Qwen2 (``posttrain.models.tiny``: hidden 256, 4 layers, 4 heads,
-  2 KV heads, intermediate 768, vocabulary 512), random weights from seed 0, saved to a local directory that both
+  2 KV heads, intermediate 768, vocabulary 512), warm-started or random (``--model``), in a local directory both
   load (fp32, sdpa attention, no gradient checkpointing: TRL with ``use_cpu=True, bf16=False,
   gradient_checkpointing=False``);
 - the same prompts: the built-in arithmetic task's training problems (``posttrain.data.tasks.arithmetic``) through
@@ -29,10 +29,17 @@ A TRL "step" is one optimizer step, so a posttrain step is compared with ``optim
 steps starting at a generation.
 
 Differences that could not be removed: the two sample with different random streams, so responses (and their
-lengths, printed) differ; untrained weights rarely emit eos, so nearly every response runs to ``--max-tokens`` on
-both sides. posttrain keeps a prompt's samples in one mini-batch and TRL shuffles samples across its two
+lengths, printed) differ; with ``--model random`` untrained weights rarely emit eos, so nearly every response
+runs to ``--max-tokens`` on both sides. posttrain keeps a prompt's samples in one mini-batch and TRL shuffles samples across its two
 optimizer steps (same amount of work). posttrain's dual-clip (``actor.clip_ratio_c``) has no TRL counterpart
 (a clamp; negligible compute).
+
+posttrain runs in the variants of ``VARIANTS`` (``--variants``): verl's defaults; with
+``actor.use_prefix_grouper`` (each prompt computed once for its samples); and with
+``algorithm.rollout_correction.bypass_mode`` as well (the engine's log-probs serve as the old log-probs, so that
+pass is skipped). All three compute the same quantities (tests/models/test_prefix_grouper.py,
+tests/trainers/test_throughput_options.py). ``--model builtin`` (default) uses the model ``posttrain train``
+trains (the tiny Qwen2 after its SFT warm start: short answers, then eos); ``--model random`` the untrained one.
 
 Each round builds a fresh trainer of each kind, runs one untimed warm-up step, then ``--steps`` timed steps;
 rounds alternate (TRL, posttrain, TRL, ...) so that load from other processes hits both alike. Printed: the
