@@ -117,15 +117,17 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def data_parallel(ctx: DistContext, sp_size: int = 1):
-    """The DataParallel view of a role whose SP groups have ``sp_size`` ranks (gradients averaged over all)."""
+def data_parallel(ctx: DistContext, sp_size: int = 1, keep_groups: bool = False):
+    """The DataParallel view of a role whose SP groups have ``sp_size`` ranks (gradients averaged over all);
+    ``keep_groups``: spread whole prompt groups over the ranks where possible (the prefix grouper)."""
     from posttrain.engine.micro_batches import DataParallel
 
     if not ctx.distributed:
         return DataParallel()
     return DataParallel(
         dp_rank=ctx.rank // sp_size, dp_size=ctx.world_size // sp_size, grad_ranks=ctx.world_size,
-        replicas=sp_size, all_reduce_sum=ctx.all_reduce_sum, all_gather=ctx.all_gather_object,
+        replicas=sp_size, keep_groups=keep_groups, all_reduce_sum=ctx.all_reduce_sum,
+        all_gather=ctx.all_gather_object,
     )  # fmt: skip
 
 

@@ -53,6 +53,8 @@ class DataParallel:
         grad_ranks: ranks the sharded model averages gradients over (all ranks: DP x SP); each rank's loss
             is scaled by it so the average becomes the sum it should be.
         replicas: ranks that process the same data (the SP group size): their metrics count once.
+        keep_groups: give each rank whole prompt groups where the batch allows it (the prefix grouper computes
+            a prompt once per micro-batch, so a group spread over ranks saves less).
         all_reduce_sum: element-wise sum of a list of floats over all ranks.
         all_gather: every rank's (picklable) object, in rank order.
     """
@@ -61,6 +63,7 @@ class DataParallel:
     dp_size: int = 1
     grad_ranks: int = 1
     replicas: int = 1
+    keep_groups: bool = False
     all_reduce_sum: Callable[[list[float]], list[float]] = field(default=_no_reduce, compare=False)
     all_gather: Callable[[object], list[object]] = field(default=_gather_one, compare=False)
 
@@ -69,10 +72,33 @@ SINGLE_RANK = DataParallel()
 
 
 def rank_rows(batch: RolloutBatch, dp: DataParallel) -> list[list[int]]:
-    """Rows of `batch` each DP rank processes: equal counts, token loads balanced (same on every rank)."""
+    """Rows of `batch` each DP rank processes: equal counts, token loads balanced (same on every rank).
+
+    With ``dp.keep_groups`` whole prompt groups go to each rank when that keeps the counts equal (groups of one
+    size, a group count divisible by the ranks); otherwise samples are balanced one by one.
+    """
     if dp.dp_size == 1:
         return [list(range(batch.num_rows))]
+    if dp.keep_groups:
+        shares = whole_group_shares(batch, dp.dp_size)
+        if shares is not None:
+            return shares
     return balance_batch(batch.seq_lens(), dp.dp_size, equal_size=True)
+
+
+def whole_group_shares(batch: RolloutBatch, ranks: int) -> list[list[int]] | None:
+    """Whole prompt groups per rank, equal sample counts, token loads balanced; None when groups differ in
+    size or their count is not a multiple of ``ranks``. Rows are ascending per rank (a mini-batch's groups
+    are contiguous, so they stay contiguous)."""
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(batch.group_ids.tolist()):
+        members.setdefault(group, []).append(row)
+    groups = list(members.values())
+    if len({len(g) for g in groups}) != 1 or len(groups) % ranks:
+        return None
+    lens = batch.seq_lens()
+    parts = balance_batch([sum(lens[i] for i in g) for g in groups], ranks, equal_size=True)
+    return [sorted(row for g in part for row in groups[g]) for part in parts]
 
 
 def rank_micro_batches(

@@ -212,10 +212,11 @@ def build_components(
     if rollout_model is not None:  # e.g. a saved LoRA adapter (model.lora_adapter_path) is already on the actor
         engine.sync_weights(policy_weights(policy))
     forward = with_sequence_parallel(pass_options(cfg, device), cfg, policy.config)
+    grouped = cfg.actor.use_prefix_grouper  # ranks get whole prompt groups, which the grouper computes once
     parallel = {
-        "actor": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size),
-        "old_log_prob": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size),
-        "ref": data_parallel(dist, cfg.ref.ulysses_sequence_parallel_size),
+        "actor": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size, grouped),
+        "old_log_prob": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size, grouped),
+        "ref": data_parallel(dist, cfg.ref.ulysses_sequence_parallel_size, grouped),
         "critic": data_parallel(dist, cfg.critic.ulysses_sequence_parallel_size),
         "values": data_parallel(dist, cfg.critic.ulysses_sequence_parallel_size),
     }

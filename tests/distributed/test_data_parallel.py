@@ -77,3 +77,13 @@ def test_hsdp_prefetch_and_offload_switches_give_the_same_update(tmp_path, tiny_
         "actor.fsdp_config.optimizer_offload": "true",
     }  # fmt: skip
     _assert_same(single, _ranks(tmp_path, "hsdp", tiny_model_dir, "actor", variant), "actor")
+
+
+def test_prefix_grouper_on_two_ranks_gives_the_plain_update(tmp_path, tiny_model_dir):
+    """actor.use_prefix_grouper with DP=2 (each rank gets whole prompt groups) equals the plain padded update
+    in one process."""
+    plain = {**ACTOR, "model.use_remove_padding": "false"}
+    single = _single(tmp_path, tiny_model_dir, "actor", plain)
+    grouped = {**ACTOR, "actor.use_prefix_grouper": "true", "actor.use_dynamic_bsz": "false",
+               "actor.ppo_micro_batch_size_per_gpu": 4}  # fmt: skip
+    _assert_same(single, _ranks(tmp_path, "grouped", tiny_model_dir, "actor", grouped), "actor")

@@ -70,7 +70,8 @@ def run_update_case(out: Path, options: dict[str, str]) -> None:
         sp = getattr(cfg, role).ulysses_sequence_parallel_size
         metrics = run_update(
             trainable, batch, role_plan, loss_fn, shuffle=True, norm_constant=8.0,
-            generator=torch.Generator().manual_seed(3), prefix=role, dp=data_parallel(ctx, sp),
+            generator=torch.Generator().manual_seed(3), prefix=role,
+            dp=data_parallel(ctx, sp, keep_groups=cfg.actor.use_prefix_grouper and role == "actor"),
         )  # fmt: skip
         weights = {k: v.detach().clone() for k, v in full_state_dict(module).items()}
         if ctx.is_main:

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.schema import ActorConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
-from posttrain.engine.micro_batches import accumulate_and_step, micro_batch_rows
+from posttrain.engine.micro_batches import DataParallel, accumulate_and_step, micro_batch_rows, rank_rows
 from posttrain.engine.roles import actor_loss_fn
 from posttrain.models.critic import CriticModel
 from posttrain.models.forward import ForwardOptions, critic_values, policy_logprobs
@@ -166,3 +166,16 @@ def test_row_without_prompt_is_refused():
     batch = build_rollout_batch([[5, 6], []], [[7], [8]], [0, 1], pad_token_id=0)
     with pytest.raises(ValueError, match="no prompt token"):
         group_by_prompt(batch)
+
+
+def test_data_parallel_ranks_get_whole_groups_when_counts_allow():
+    batch = build_rollout_batch([[1, 2]] * 4 + [[3]] * 4 + [[4, 5, 6]] * 4 + [[7]] * 4, [[9] * k for k in range(1, 17)],
+                                [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4, pad_token_id=0)  # fmt: skip
+    shares = rank_rows(batch, DataParallel(dp_size=2, keep_groups=True))
+    assert sorted(len(s) for s in shares) == [8, 8]
+    for share in shares:
+        groups = [int(batch.group_ids[i]) for i in share]
+        assert all(groups.count(g) == 4 for g in groups)  # every group on a rank is there whole
+    # Three groups cannot be split equally over two ranks: samples are balanced one by one instead.
+    three = batch.select(list(range(12)))
+    assert sorted(len(s) for s in rank_rows(three, DataParallel(dp_size=2, keep_groups=True))) == [6, 6]
