@@ -84,7 +84,7 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         note = (f"; actor.{' and actor.'.join(split)} not a multiple of rollout.n, so some prompts are split "
                 "over micro-batches (exact, less saved)") if split else ""  # fmt: skip
         if cfg.actor.use_dynamic_bsz:
-            note = "; token-budget micro-batches may split a prompt's samples (exact, less saved)"
+            note = "; token-budget micro-batches pack whole prompt groups"
         facts.add(f"prefix grouper: each prompt runs once for its samples in a micro-batch{note}")
     if plan.max_policy_lag == 0:
         facts.add("fully on-policy: the single mini-batch is updated by the policy that generated it")

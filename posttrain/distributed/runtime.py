@@ -123,7 +123,7 @@ def data_parallel(ctx: DistContext, sp_size: int = 1, keep_groups: bool = False)
     from posttrain.engine.micro_batches import DataParallel
 
     if not ctx.distributed:
-        return DataParallel()
+        return DataParallel(keep_groups=keep_groups)
     return DataParallel(
         dp_rank=ctx.rank // sp_size, dp_size=ctx.world_size // sp_size, grad_ranks=ctx.world_size,
         replicas=sp_size, keep_groups=keep_groups, all_reduce_sum=ctx.all_reduce_sum,

@@ -22,7 +22,11 @@ from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.batching.balance import balance_batch
-from posttrain.batching.token_budget import plan_token_micro_batches, plan_token_micro_batches_for_ranks
+from posttrain.batching.token_budget import (
+    minimal_num_micro_batches,
+    plan_token_micro_batches,
+    plan_token_micro_batches_for_ranks,
+)
 from posttrain.data.batch import RolloutBatch
 
 
@@ -111,6 +115,9 @@ def rank_micro_batches(
     """
     shares = rank_rows(batch, dp)
     mine = shares[dp.dp_rank]
+    if max_tokens is not None and dp.keep_groups:
+        grouped = group_token_micro_batches(batch, shares, max_tokens)
+        return mine, [[mine[i] for i in micro] for micro in grouped[dp.dp_rank]]
     if max_tokens is not None and dp.dp_size > 1:
         lens = batch.seq_lens()
         plans = plan_token_micro_batches_for_ranks([[lens[i] for i in s] for s in shares], max_tokens)
@@ -118,6 +125,45 @@ def rank_micro_batches(
     else:
         local = micro_batch_rows(batch.select(mine), micro_batch_size, max_tokens)
     return mine, [[mine[i] for i in micro] for micro in local]
+
+
+def group_token_micro_batches(
+    batch: RolloutBatch, shares: list[list[int]], max_tokens: int
+) -> list[list[list[int]]]:
+    """Token-budget micro-batches for every rank's share that keep a prompt's samples together (for the prefix
+    grouper), with the same count on every rank; indices into each share.
+
+    Units are a prompt's samples in the share, cut into consecutive chunks of at most ``max_tokens`` plain
+    tokens; the units are bin-packed under the same hard cap on plain tokens as sample-by-sample planning, so
+    the budget means the same thing (and bounds the fewer tokens a grouped micro-batch computes). A rank with
+    fewer units than the common micro-batch count has its largest units halved until it has enough.
+    """
+    lens, groups = batch.seq_lens(), batch.group_ids.tolist()
+    per_rank_units = []
+    for share in shares:
+        units: list[list[int]] = []
+        chunks: dict[int, list[int]] = {}  # group -> its open chunk (positions in the share)
+        for pos, row in enumerate(share):
+            chunk = chunks.get(groups[row])
+            if chunk is None or sum(lens[share[i]] for i in chunk) + lens[row] > max_tokens:
+                chunk = chunks[groups[row]] = []
+                units.append(chunk)
+            chunk.append(pos)
+        per_rank_units.append(units)
+    def costs_of(share: list[int], units: list[list[int]]) -> list[int]:
+        return [sum(lens[share[i]] for i in u) for u in units]
+
+    common = max(minimal_num_micro_batches(costs_of(*pair), max_tokens) for pair in zip(shares, per_rank_units))
+    for units in per_rank_units:
+        while len(units) < common and max(map(len, units)) > 1:
+            big = max(range(len(units)), key=lambda u: len(units[u]))
+            half = len(units[big]) // 2
+            units[big:big + 1] = [units[big][:half], units[big][half:]]
+    costs = [costs_of(*pair) for pair in zip(shares, per_rank_units)]
+    plans = plan_token_micro_batches_for_ranks(costs, max_tokens, min_num_micro_batches=common)
+    return [
+        [sorted(i for u in micro for i in units[u]) for micro in plan] for plan, units in zip(plans, per_rank_units)
+    ]
 
 
 LossFn = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, torch.Tensor | LossShare]]]

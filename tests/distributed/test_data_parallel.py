@@ -80,10 +80,12 @@ def test_hsdp_prefetch_and_offload_switches_give_the_same_update(tmp_path, tiny_
 
 
 def test_prefix_grouper_on_two_ranks_gives_the_plain_update(tmp_path, tiny_model_dir):
-    """actor.use_prefix_grouper with DP=2 (each rank gets whole prompt groups) equals the plain padded update
-    in one process."""
+    """actor.use_prefix_grouper with DP=2 (each rank gets whole prompt groups; fixed micro-batches, and token
+    budgets that pack whole groups) equals the plain padded update in one process."""
     plain = {**ACTOR, "model.use_remove_padding": "false"}
     single = _single(tmp_path, tiny_model_dir, "actor", plain)
-    grouped = {**ACTOR, "actor.use_prefix_grouper": "true", "actor.use_dynamic_bsz": "false",
-               "actor.ppo_micro_batch_size_per_gpu": 4}  # fmt: skip
-    _assert_same(single, _ranks(tmp_path, "grouped", tiny_model_dir, "actor", grouped), "actor")
+    fixed = {**ACTOR, "actor.use_prefix_grouper": "true", "actor.use_dynamic_bsz": "false",
+             "actor.ppo_micro_batch_size_per_gpu": 4}  # fmt: skip
+    _assert_same(single, _ranks(tmp_path, "fixed", tiny_model_dir, "actor", fixed), "actor")
+    budget = {**ACTOR, "actor.use_prefix_grouper": "true", "actor.ppo_max_token_len_per_gpu": 40}
+    _assert_same(single, _ranks(tmp_path, "budget", tiny_model_dir, "actor", budget), "actor")

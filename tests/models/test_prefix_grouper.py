@@ -14,7 +14,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.schema import ActorConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
-from posttrain.engine.micro_batches import DataParallel, accumulate_and_step, micro_batch_rows, rank_rows
+from posttrain.engine.micro_batches import (
+    DataParallel,
+    accumulate_and_step,
+    micro_batch_rows,
+    rank_micro_batches,
+    rank_rows,
+)
 from posttrain.engine.roles import actor_loss_fn
 from posttrain.models.critic import CriticModel
 from posttrain.models.forward import ForwardOptions, critic_values, policy_logprobs
@@ -116,13 +122,13 @@ class GradCapture(torch.optim.Optimizer):
         self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
 
 
-def one_step(options: ForwardOptions, micro: int | None, budget: int | None, model=None):
+def one_step(options: ForwardOptions, micro: int | None, budget: int | None, model=None, rows=None):
     batch = grouped_batch()
     model = model if model is not None else tiny_model()
     model.train()
     optimizer = GradCapture(p for p in model.parameters() if p.requires_grad)
     normalizer = LossNormalizer.from_mask(batch.response_mask, norm_constant=batch.response_width)
-    rows = micro_batch_rows(batch, micro, budget)
+    rows = rows if rows is not None else micro_batch_rows(batch, micro, budget)
     loss_fn = actor_loss_fn(model, ACTOR_CFG, TEMPERATURE, options)
     metrics = accumulate_and_step(model, optimizer, None, batch, rows, loss_fn, normalizer, grad_clip=0.0)
     return optimizer.grads, metrics
@@ -179,3 +185,23 @@ def test_data_parallel_ranks_get_whole_groups_when_counts_allow():
     # Three groups cannot be split equally over two ranks: samples are balanced one by one instead.
     three = batch.select(list(range(12)))
     assert sorted(len(s) for s in rank_rows(three, DataParallel(dp_size=2, keep_groups=True))) == [6, 6]
+
+
+def test_token_budget_keeps_a_prompts_samples_together():
+    """With the grouper, token-budget micro-batches pack whole prompt groups (cut only where a group alone
+    exceeds the budget) under the same hard cap on plain tokens, and the gradient stays the plain one."""
+    batch = grouped_batch()
+    lens, groups = batch.seq_lens(), batch.group_ids.tolist()
+    budget = 40
+    _, micro = rank_micro_batches(batch, DataParallel(keep_groups=True), None, budget)
+    assert sorted(i for m in micro for i in m) == list(range(batch.num_rows))
+    assert all(sum(lens[i] for i in m) <= budget for m in micro)
+    for g in set(groups):
+        rows = [i for i in range(batch.num_rows) if groups[i] == g]
+        holders = {k for k, m in enumerate(micro) for i in m if i in rows}
+        if sum(lens[i] for i in rows) <= budget:
+            assert len(holders) == 1, f"prompt {g} fits the budget but was split over {holders}"
+    ref_grads, _ = one_step(PADDED, None, 10_000)
+    grads, _ = one_step(GROUPED, None, None, rows=micro)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=2e-5, atol=1e-7)

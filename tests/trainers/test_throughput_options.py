@@ -82,12 +82,14 @@ def test_prefix_grouper_and_bypass_mode_match_plain(tiny_model_dir, tmp_path):
         "plain": [],
         "grouped": ["actor.use_prefix_grouper=true", "model.remove_padding_max_row_tokens=48"],
         "bypass": ["algorithm.rollout_correction.bypass_mode=true"],
-    }
+        "grouped-budget": ["actor.use_prefix_grouper=true", "actor.use_dynamic_bsz=true",
+                           "actor.ppo_max_token_len_per_gpu=120", "actor.log_prob_max_token_len_per_gpu=120"],
+    }  # fmt: skip
     metrics = {}
     for name, switches in runs.items():
         run_training(small_config(tiny_model_dir, tmp_path / name, *extra, *switches), quiet=True)
         metrics[name] = read_metrics(tmp_path / name)
-    for name in ("grouped", "bypass"):
+    for name in ("grouped", "bypass", "grouped-budget"):
         for step, (plain, other) in enumerate(zip(metrics["plain"], metrics[name], strict=True)):
             assert other["reward/mean"] == plain["reward/mean"], (name, step)
             for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
