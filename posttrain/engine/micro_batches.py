@@ -139,31 +139,36 @@ def group_token_micro_batches(
     fewer units than the common micro-batch count has its largest units halved until it has enough.
     """
     lens, groups = batch.seq_lens(), batch.group_ids.tolist()
-    per_rank_units = []
-    for share in shares:
-        units: list[list[int]] = []
-        chunks: dict[int, list[int]] = {}  # group -> its open chunk (positions in the share)
-        for pos, row in enumerate(share):
-            chunk = chunks.get(groups[row])
-            if chunk is None or sum(lens[share[i]] for i in chunk) + lens[row] > max_tokens:
-                chunk = chunks[groups[row]] = []
-                units.append(chunk)
-            chunk.append(pos)
-        per_rank_units.append(units)
-    def costs_of(share: list[int], units: list[list[int]]) -> list[int]:
-        return [sum(lens[share[i]] for i in u) for u in units]
-
-    common = max(minimal_num_micro_batches(costs_of(*pair), max_tokens) for pair in zip(shares, per_rank_units))
+    share_lens = [[lens[row] for row in share] for share in shares]
+    per_rank_units = [
+        _group_units(s_lens, [groups[row] for row in share], max_tokens) for share, s_lens in zip(shares, share_lens)
+    ]
+    costs = [[sum(s_lens[i] for i in u) for u in units] for s_lens, units in zip(share_lens, per_rank_units)]
+    common = max(minimal_num_micro_batches(c, max_tokens) for c in costs)
     for units in per_rank_units:
         while len(units) < common and max(map(len, units)) > 1:
             big = max(range(len(units)), key=lambda u: len(units[u]))
             half = len(units[big]) // 2
-            units[big:big + 1] = [units[big][:half], units[big][half:]]
-    costs = [costs_of(*pair) for pair in zip(shares, per_rank_units)]
+            units[big : big + 1] = [units[big][:half], units[big][half:]]
+    costs = [[sum(s_lens[i] for i in u) for u in units] for s_lens, units in zip(share_lens, per_rank_units)]
     plans = plan_token_micro_batches_for_ranks(costs, max_tokens, min_num_micro_batches=common)
     return [
         [sorted(i for u in micro for i in units[u]) for micro in plan] for plan, units in zip(plans, per_rank_units)
     ]
+
+
+def _group_units(lens: list[int], groups: list[int], max_tokens: int) -> list[list[int]]:
+    """Positions grouped by prompt, each group cut into consecutive chunks of at most ``max_tokens`` tokens."""
+    units: list[list[int]] = []
+    open_chunk: dict[int, tuple[list[int], int]] = {}  # group -> (its last chunk, that chunk's tokens)
+    for pos, (length, group) in enumerate(zip(lens, groups)):
+        chunk, load = open_chunk.get(group, (None, 0))
+        if chunk is None or load + length > max_tokens:
+            chunk, load = [], 0
+            units.append(chunk)
+        chunk.append(pos)
+        open_chunk[group] = (chunk, load + length)
+    return units
 
 
 LossFn = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, torch.Tensor | LossShare]]]
