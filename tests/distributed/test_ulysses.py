@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -27,6 +26,7 @@ from posttrain.distributed import ulysses
 from posttrain.models.critic import CriticModel
 from posttrain.models.forward import ForwardOptions, critic_values, policy_logprobs
 from posttrain.trainers.throughput import enable_gradient_checkpointing
+from tests.distributed.conftest import free_port
 
 TOL = 1e-5
 
@@ -188,17 +188,11 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out_path: str) -> None:
     """Two ranks, forked: the children inherit the imported torch/transformers (spawned children spent ~10 s
     importing them again on two busy cores; the scenarios themselves take ~1.5 s). The parent has created no
     process group, and one intra-op thread (conftest) leaves no OpenMP pool to break across the fork."""
-    mp.start_processes(_worker, args=(2, _free_port(), out_path), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(2, free_port(), out_path), nprocs=2, join=True, start_method="fork")
 
 
 @pytest.fixture(scope="module")

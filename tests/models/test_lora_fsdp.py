@@ -9,11 +9,12 @@ must work on sharded parameters. What this found is in docs/lora.md ("FSDP2").
 """
 
 import os
-import socket
 import warnings
 
 import pytest
 import torch
+
+from tests.distributed.conftest import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -122,18 +123,12 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_two_ranks_train_the_same_adapters_as_one_process(tmp_path):
     import torch.multiprocessing as mp
 
     from posttrain.models.lora import adapter_state, merged_state
 
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     report = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     single = build_policy()

@@ -15,7 +15,7 @@ from posttrain.trainers.sft import run_sft_command
 
 from .test_sft_eval import sft_config  # noqa: TID252
 from .test_throughput_options import all_on  # noqa: TID252
-from .test_train_e2e import read_metrics, small_config  # noqa: TID252
+from .test_train_e2e import crash_and_resume, read_metrics, small_config  # noqa: TID252
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:model.lora_rank=.*ranks below 32:UserWarning"),
@@ -87,32 +87,8 @@ def test_merged_export_is_a_plain_model(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_resume_with_lora_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
-    extra = (*LORA, "trainer.total_steps=4", "trainer.save_freq=2", "actor.optim.lr_schedule=cosine")
-    run_training(small_config(tiny_model_dir, tmp_path / "full", *extra), quiet=True)
-    original = rl.train_step
-
-    def crash_at_3(c, step, timer):
-        if step == 3:
-            raise RuntimeError("simulated crash")
-        return original(c, step, timer)
-
-    monkeypatch.setattr(rl, "train_step", crash_at_3)
-    cfg = small_config(tiny_model_dir, tmp_path / "resumed", *extra)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_training(cfg, quiet=True)
-    monkeypatch.setattr(rl, "train_step", original)
-    run_training(cfg, quiet=True)
-    full = {m["step"]: m for m in read_metrics(tmp_path / "full")}
-    resumed = {m["step"]: m for m in read_metrics(tmp_path / "resumed")}
-    for step in (3, 4):
-        for key in (
-            "reward/mean",
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "actor/kl_loss",
-            "response_length/mean",
-        ):
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-6, abs=1e-7), (step, key)
+    keys = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "response_length/mean")
+    cfg = crash_and_resume(tiny_model_dir, tmp_path, monkeypatch, LORA, keys)
     from safetensors.torch import load_file
 
     a = load_file(tmp_path / "full" / "final_model" / "adapter_model.safetensors")

@@ -122,10 +122,11 @@ def test_ppo_with_critic_updates_actor_and_critic(tiny_model_dir, tmp_path):
     assert {"critic/loss", "critic/vf_clipfrac", "critic/grad_norm"} <= set(metrics[-1])
 
 
-def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
-    extra = ("trainer.total_steps=4", "trainer.save_freq=2", "actor.optim.lr_schedule=cosine")
-    run_training(small_config(tiny_model_dir, tmp_path / "full", *extra), quiet=True)
-
+def crash_and_resume(model_dir, tmp_path, monkeypatch, extra, keys):
+    """A 4-step run in ``full``; the same run in ``resumed`` crashing at step 3 (after the step-2 checkpoint) and
+    started again. Steps 3-4 must report the same ``keys``. Returns the resumed run's config."""
+    extra = (*extra, "trainer.total_steps=4", "trainer.save_freq=2", "actor.optim.lr_schedule=cosine")
+    run_training(small_config(model_dir, tmp_path / "full", *extra), quiet=True)
     original = rl.train_step
 
     def crash_at_3(c, step, timer):
@@ -134,18 +135,23 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
         return original(c, step, timer)
 
     monkeypatch.setattr(rl, "train_step", crash_at_3)
-    cfg = small_config(tiny_model_dir, tmp_path / "resumed", *extra)
+    cfg = small_config(model_dir, tmp_path / "resumed", *extra)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_training(cfg, quiet=True)
     assert [p.name for p in list_checkpoints(tmp_path / "resumed")] == ["step_000002"]
     monkeypatch.setattr(rl, "train_step", original)
     run_training(cfg, quiet=True)
-
     full = {m["step"]: m for m in read_metrics(tmp_path / "full")}
     resumed = {m["step"]: m for m in read_metrics(tmp_path / "resumed")}
     for step in (3, 4):
-        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
+        for key in keys:
             assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-6, abs=1e-7), (step, key)
+    return cfg
+
+
+def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    keys = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean")
+    crash_and_resume(tiny_model_dir, tmp_path, monkeypatch, (), keys)
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final_model").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "final_model").state_dict()
     for name in a:
