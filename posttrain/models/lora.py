@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from posttrain.config.schema import PostTrainConfig
+from posttrain.utils.console import warn_once
 
 ALL_LINEAR = "all-linear"
 # The seeds' guidance: below this rank LoRA may converge more slowly than full fine-tuning.
@@ -37,7 +38,6 @@ ADAPTER_NAME = "default"
 # head) and are often tied, so an adapter there would be skipped or would break the tie: they are refused.
 _EMBEDDING_NAMES = ("lm_head", "embed_tokens")
 _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
-_WARNED: set[str] = set()
 
 
 # --------------------------------------------------------------------------- config
@@ -148,8 +148,8 @@ def check_lora_config(cfg: PostTrainConfig, model_config=None) -> None:
     if model_config is not None and settings.target_modules != (ALL_LINEAR,):
         _check_targets_exist(settings.target_modules, model_config, "model.target_modules")
     if settings.rank < MIN_RECOMMENDED_RANK:
-        _warn_once(
-            "rank",
+        warn_once(
+            "model.lora_rank",
             f"model.lora_rank={settings.rank}: ranks below {MIN_RECOMMENDED_RANK} can converge more slowly than "
             f"full fine-tuning (for a 0.5B model rank {MIN_RECOMMENDED_RANK} matches it; larger models want more). "
             "Use the rank that reaches your target accuracy; see docs/lora.md",
@@ -214,13 +214,6 @@ def _check_targets_exist(targets: tuple[str, ...], model_config, key: str) -> No
             f"{getattr(model_config, 'model_type', '?')!r}{hint}; its linear layers are {leaves} (the LM head "
             f"cannot carry an adapter). Use names from that list or {key}=all-linear"
         )
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _require_peft() -> None:

@@ -35,7 +35,6 @@ reward.model.use_remove_padding             read by ``build_components``: ``Rewa
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.models.forward import ForwardOptions, check_plain_lm_head
 from posttrain.models.packed_forward import preferred_attn_implementation
 from posttrain.models.registry import check_packing_supported
+from posttrain.utils.console import warn_once
 
 
 @dataclass(frozen=True)
@@ -114,14 +114,11 @@ def check_packing(key: str, model_config) -> None:
         raise ValueError(f"{key}=true: {err}") from None
 
 
-_WARNED: set[str] = set()  # keys already warned about in this process (a run checks the policy twice: RL, SFT)
-
-
 def warn_offload_on_cpu(key: str, device: torch.device) -> None:
     """Activation offload moves activations from GPU to CPU memory; on CPU there is nothing to move (warned once)."""
-    if device.type != "cuda" and key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(
+    if device.type != "cuda":
+        warn_once(
+            key,
             f"{key}=true has no effect on {device.type}: activations already live in CPU memory "
             "(it moves them off a CUDA device). Set it to false to silence this warning.",
             RuntimeWarning,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -179,3 +180,15 @@ def print_table(title: str, rows: Sequence[Mapping[str, Any]], *, console: Conso
         if natural > console.width:
             console = Console(file=console.file, width=natural, force_terminal=False, color_system=None)
     console.print(table)
+
+
+_WARNED: set[str] = set()  # keys already warned about in this process (a run checks the policy twice: RL, SFT)
+
+
+def warn_once(key: str, message: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:
+    """``warnings.warn`` once per process for ``key`` (a config key whose setting deserves a word)."""
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+

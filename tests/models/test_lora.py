@@ -291,9 +291,9 @@ def test_unknown_target_module_suggests_the_architectures_names(tiny_model_dir):
 
 
 def test_small_rank_warns_about_convergence(monkeypatch):
-    from posttrain.models import lora
+    from posttrain.utils import console
 
-    monkeypatch.setattr(lora, "_WARNED", set())
+    monkeypatch.setattr(console, "_WARNED", set())
     with pytest.warns(UserWarning, match="model.lora_rank=8: ranks below 32"):
         check_lora_config(build_config(overrides=["model.lora_rank=8"]))
     with warnings.catch_warnings():

@@ -11,6 +11,7 @@ from posttrain.trainers import setup, throughput
 from posttrain.trainers.rl import run_training
 from posttrain.trainers.sft import run_sft, run_sft_command
 from posttrain.trainers.throughput import check_rl_switches, pass_options
+from posttrain.utils import console
 
 from .test_sft_eval import sft_config  # noqa: TID252
 from .test_train_e2e import read_metrics, small_config  # noqa: TID252
@@ -170,7 +171,7 @@ def test_liger_on_cpu_is_a_clear_error(tiny_model_dir, tmp_path, no_weight_loadi
 
 
 def test_activation_offload_warns_on_cpu_and_is_cuda_only(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(throughput, "_WARNED", set())
+    monkeypatch.setattr(console, "_WARNED", set())
     cfg = small_config(
         tiny_model_dir, tmp_path / "run", "model.enable_activation_offload=true",
         "critic.enable_activation_offload=true", "algorithm.adv_estimator=gae",
