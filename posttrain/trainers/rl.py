@@ -36,9 +36,8 @@ HEADLINE = (
 
 
 def _modules(c: Components) -> tuple[dict, dict, dict]:
-    # A LoRA actor's checkpoint holds its adapters only (the frozen base is reloaded from model.path).
-    actor = c.actor.module  # frozen weights (a LoRA base) are not stored: see engine/sharded_state.py
-    modules, optims, scheds = {"actor": actor}, {"actor": c.actor.optimizer}, {"actor": c.actor.scheduler}
+    # A LoRA actor's checkpoint holds its adapters only: frozen weights are not stored (engine/sharded_state.py).
+    modules, optims, scheds = {"actor": c.actor.module}, {"actor": c.actor.optimizer}, {"actor": c.actor.scheduler}
     if c.critic is not None:
         modules["critic"], optims["critic"], scheds["critic"] = c.critic.module, c.critic.optimizer, c.critic.scheduler
     return modules, optims, scheds

@@ -186,7 +186,8 @@ def build_components(
     eos = [tokenizer.eos_token_id]
     r = cfg.rollout
     engine = NativeEngine(
-        rollout_model if rollout_model is not None else policy, eos, tokenizer.pad_token_id, chunk_size=r.chunk_size, device=device,
+        policy if rollout_model is None else rollout_model, eos, tokenizer.pad_token_id, chunk_size=r.chunk_size,
+        device=device,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
         enable_chunked_prefill=r.enable_chunked_prefill, enforce_eager=r.enforce_eager,
     )  # fmt: skip

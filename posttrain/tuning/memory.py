@@ -5,11 +5,12 @@ ignores; :func:`estimate_memory` adds them up phase by phase. Sizes are bytes un
 
 What this trainer does today, and what the estimator can also answer as a "what if" (:class:`WhatIf`):
 
-* The trainer is one process on one device: every role's weights and optimizer states live on it for the whole
-  step (the rollout engine shares the actor's module). ``WhatIf.fsdp_size`` shows what FSDP full sharding (or
-  HSDP with groups of that size) of parameters, gradients and optimizer states *would* give; so do
-  ``param_offload``, ``optimizer_offload`` and a vLLM-style rollout engine (``gpu_memory_utilization``,
-  ``max_num_seqs``, ``rollout_tp``). None of these exists as a config key yet.
+* The config is read as a single process keeps it: every role's weights and optimizer states whole on the device
+  for the whole step (the rollout engine shares the actor's module). The trainer's FSDP2 keys
+  (``actor.fsdp_config.*``) are not read yet: ``WhatIf.fsdp_size`` models FSDP full sharding (or HSDP with groups
+  of that size) of parameters, gradients and optimizer states; so do ``param_offload``, ``optimizer_offload``,
+  ``master_weights_fp32`` and a vLLM-style rollout engine (``gpu_memory_utilization``, ``max_num_seqs``,
+  ``rollout_tp``; posttrain has no vLLM engine).
 * LoRA (``model.lora_rank``, or ``WhatIf.lora_rank`` as a what-if for the actor and the critic): only the adapters
   get gradients and AdamW states, all in fp32 (PEFT keeps adapters fp32 on a bf16/fp16 base, so no master copy),
   and a LoRA actor's reference policy is the actor itself with adapters disabled: no reference weights.
