@@ -98,6 +98,20 @@ def test_prefix_grouper_and_bypass_mode_match_plain(tiny_model_dir, tmp_path):
     assert metrics["bypass"][0]["timing/old_log_prob"] < metrics["plain"][0]["timing/old_log_prob"]
 
 
+def test_bypass_mode_places_the_engine_log_probs_and_names_missing_ones():
+    from posttrain.data.batch import build_rollout_batch
+    from posttrain.rollout.base import RolloutResult
+    from posttrain.trainers.step import rollout_log_probs
+
+    result = RolloutResult([0, 0], [[5, 6, 7], [8]], [[-0.5, -1.0, -1.5], [-2.0]], ["length", "eos"])
+    batch = build_rollout_batch([[1, 2], [1, 2]], result.response_ids, result.prompt_index, pad_token_id=0)
+    expected = torch.tensor([[-0.5, -1.0, -1.5], [-2.0, 0.0, 0.0]])
+    torch.testing.assert_close(rollout_log_probs(result, batch), expected)
+    result.response_logprobs[1] = []
+    with pytest.raises(ValueError, match=r"bypass_mode=true needs .* sample 1 has 1 tokens and 0 log-probs"):
+        rollout_log_probs(result, batch)
+
+
 def test_prefix_grouper_refuses_sequence_parallel_and_sliding_windows(tiny_model_dir, tmp_path):
     from transformers import Qwen2Config
 
