@@ -94,7 +94,10 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
             if ctx.is_main:
                 resolve_model_path(cfg, quiet=quiet)
             ctx.barrier()
-        return _train(cfg, ctx, quiet=quiet or not ctx.is_main)
+        result = _train(cfg, ctx, quiet=quiet or not ctx.is_main)
+        # Leave together: gloo aborts a process whose group is torn down while a peer still talks to it.
+        ctx.barrier()
+        return result
     except Exception as exc:
         if ctx.distributed and _is_collective_failure(exc):
             log.error(

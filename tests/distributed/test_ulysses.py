@@ -184,6 +184,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
+        dist.barrier()  # tear down together: gloo aborts a rank whose peer is still mid-exchange
     finally:
         dist.destroy_process_group()
 

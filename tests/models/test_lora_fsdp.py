@@ -119,6 +119,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             report["full_state"] = full
             report["base_unchanged"] = all(torch.equal(full[n], t) for n, t in base_before.items())
             torch.save(report, os.path.join(out, "rank0.pt"))
+        dist.barrier()  # tear down together: gloo aborts a rank whose peer is still mid-exchange
     finally:
         dist.destroy_process_group()
 
