@@ -34,11 +34,13 @@ def _load(args: argparse.Namespace):
 def _what_if(args: argparse.Namespace, world_size: int):
     from posttrain.tuning.memory import WhatIf
 
-    fsdp = world_size if args.fsdp_size == -1 else args.fsdp_size
-    if fsdp < 1 or world_size % fsdp != 0:
-        raise ValueError(
-            f"--fsdp-size {args.fsdp_size} must divide the world size ({world_size}) (-1: shard over all GPUs)"
-        )
+    fsdp = args.fsdp_size
+    if fsdp is not None:
+        fsdp = world_size if fsdp == -1 else fsdp
+        if fsdp < 1 or world_size % fsdp != 0:
+            raise ValueError(
+                f"--fsdp-size {args.fsdp_size} must divide the world size ({world_size}) (-1: shard over all GPUs)"
+            )
     return WhatIf(
         fsdp_size=fsdp, param_offload=args.param_offload, optimizer_offload=args.optimizer_offload,
         lora_rank=args.lora_rank, master_weights_fp32=args.master_weights_fp32, rollout_engine=args.rollout_engine,
@@ -193,12 +195,16 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
     g.add_argument("--gpu-memory-gb", type=float, default=None, help="Memory per GPU in GiB (enables OOM warnings)")
     g.add_argument("--model-config", default=None, help="config.json (or its directory) giving the architecture")
-    g.add_argument("--fsdp-size", type=int, default=1,
-                   help="What if FSDP sharded model states over this many GPUs (-1: all; default 1: none, as today)")  # fmt: skip
-    g.add_argument("--param-offload", action="store_true", help="What if parameters were offloaded to CPU")
-    g.add_argument("--optimizer-offload", action="store_true", help="What if optimizer states were offloaded to CPU")
+    # The sharding what-ifs default to None: the config's <role>.fsdp_config keys, as the trainer applies them.
+    g.add_argument("--fsdp-size", type=int, default=None,
+                   help="What if every role were sharded over this many GPUs (-1: all; default: <role>.fsdp_config)")  # fmt: skip
+    g.add_argument("--param-offload", action="store_true", default=None,
+                   help="What if every role's parameters were offloaded to CPU (default: <role>.fsdp_config)")  # fmt: skip
+    g.add_argument("--optimizer-offload", action="store_true", default=None,
+                   help="What if optimizer states were offloaded to CPU (default: <role>.fsdp_config)")  # fmt: skip
     g.add_argument("--lora-rank", type=int, default=0, help="What if only LoRA adapters of this rank were trained")
-    g.add_argument("--master-weights-fp32", action="store_true", help="What if fp32 master weights (mixed precision)")
+    g.add_argument("--master-weights-fp32", action="store_true", default=None,
+                   help="What if fp32 master weights (default: as the trainer does, when sharded on several GPUs)")  # fmt: skip
     g.add_argument("--rollout-engine", default="native", choices=("native", "vllm"), help="Rollout engine to model")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's reserved fraction (default 0.5)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's concurrent sequences (default 256)")

@@ -141,9 +141,16 @@ def advice_lines(estimate, advice: dict) -> list[str]:
             lines.append(f"{head}; cheapest fix ({a.reason}): {a.as_args()} -> {_gib(a.peak_bytes)} GiB")
             continue
         tail = (
-            "the model states alone exceed the GPU: they need sharding or offload (see the what-if options "
-            "--fsdp-size, --param-offload, --optimizer-offload, --lora-rank), more GPUs, or GPUs with more memory"
+            "the model states alone exceed the GPU: they need sharding or offload (<role>.fsdp_config.fsdp_size, "
+            "param_offload, optimizer_offload under torchrun; LoRA: model.lora_rank), more GPUs, or GPUs with more "
+            "memory"
         )
+        copy = estimate.phase(phase).part("rollout weights")
+        if copy * 2 > limit * 2**30:
+            tail += (
+                f"; note that {_gib(copy)} GiB of it is each GPU's unsharded rollout copy of the policy (the native "
+                "engine decodes with a whole copy on every GPU), which no sharding key shrinks"
+            )
         if a.overrides:
             lines.append(f"{head}; the config's knobs reach {_gib(a.peak_bytes)} GiB ({a.as_args()}); {tail}")
         else:

@@ -14,6 +14,8 @@ Rules checked here (each failure is a ValueError naming keys, values, the rule a
 5. with dynamic batch size on, every token budget x SP >= max_prompt_length + max_response_length (a
    single sample must fit one micro-batch).
 6. group-based estimators (grpo, drgrpo, rloo, reinforce_plus_plus_baseline) need rollout.n >= 2.
+7. <role>.fsdp_config.fsdp_size is -1 (all ranks) or divides the world size (HSDP groups).
+8. rollout.max_num_batched_tokens >= rollout.max_num_seqs (every decoding sequence adds a token to a forward).
 """
 
 from __future__ import annotations
@@ -106,6 +108,19 @@ def _dp_size(world_size: int, sp: int, key: str) -> int:
             f"of {key} GPUs. Nearest valid: {key}={valid}"
         )
     return world_size // sp
+
+
+def fsdp_group_size(fsdp_size: int, world_size: int, key: str) -> int:
+    """GPUs sharing one copy of a role's model states: ``fsdp_size`` (-1: all ranks); it must divide the world."""
+    if fsdp_size == -1:
+        return world_size
+    if fsdp_size < 1 or world_size % fsdp_size != 0:
+        valid = _nearest(_divisors(world_size), max(fsdp_size, 1))
+        raise ValueError(
+            f"{key}={fsdp_size} must divide the world size ({world_size}): the ranks form groups of {key} GPUs "
+            f"that each shard one copy of the model. Use -1 (shard over all ranks) or {key}={valid}"
+        )
+    return fsdp_size
 
 
 def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan:
@@ -230,13 +245,24 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
             f"at least 2 (typical: 4-16); with n=1 use reinforce_plus_plus, remax or gae"
         )
     a, r = cfg.actor, cfg.ref
+    ro = cfg.rollout
+    if ro.max_num_batched_tokens < ro.max_num_seqs:
+        raise ValueError(
+            f"rollout.max_num_batched_tokens ({ro.max_num_batched_tokens}) must be >= rollout.max_num_seqs "
+            f"({ro.max_num_seqs}): each decoding sequence adds one token to every forward. Raise it to "
+            f"rollout.max_num_batched_tokens={ro.max_num_seqs} or lower rollout.max_num_seqs"
+        )
+    uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    for section, used in (("actor", True), ("ref", uses_ref), ("critic", est in CRITIC_ESTIMATORS)):
+        if used:
+            key = f"{section}.fsdp_config.fsdp_size"
+            fsdp_group_size(getattr(cfg, section).fsdp_config.fsdp_size, world_size, key)
     actor = _update_plan(cfg, "actor", world_size)
     old_lp = _forward_plan(
         cfg, "old_log_prob", world_size, a.ulysses_sequence_parallel_size, "actor.ulysses_sequence_parallel_size",
         a.use_dynamic_bsz, a.log_prob_micro_batch_size_per_gpu, a.log_prob_max_token_len_per_gpu,
         "actor.log_prob_max_token_len_per_gpu",
     )  # fmt: skip
-    uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = (
         _forward_plan(
             cfg, "ref", world_size, r.ulysses_sequence_parallel_size, "ref.ulysses_sequence_parallel_size",

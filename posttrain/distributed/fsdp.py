@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from posttrain.config.plan import fsdp_group_size
 from posttrain.config.schema import ShardingConfig
 from posttrain.distributed.runtime import DistContext
 
@@ -36,16 +37,10 @@ log = logging.getLogger("posttrain")
 
 def sharding_mesh(ctx: DistContext, fsdp_size: int) -> DeviceMesh:
     """The mesh a model is sharded on: 1-D over all ranks, or ("replicate", "shard") for HSDP."""
-    if fsdp_size == -1 or fsdp_size == ctx.world_size:
+    group = fsdp_group_size(fsdp_size, ctx.world_size, "fsdp_config.fsdp_size")
+    if group == ctx.world_size:
         return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
-    if fsdp_size < 1 or ctx.world_size % fsdp_size != 0:
-        raise ValueError(
-            f"fsdp_config.fsdp_size={fsdp_size} must divide the world size ({ctx.world_size}) or be -1 "
-            f"(shard over all ranks); e.g. fsdp_size={ctx.world_size}"
-        )
-    return init_device_mesh(
-        ctx.device.type, (ctx.world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard")
-    )
+    return init_device_mesh(ctx.device.type, (ctx.world_size // group, group), mesh_dim_names=("replicate", "shard"))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

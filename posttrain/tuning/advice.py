@@ -78,7 +78,7 @@ def _try(cfg, overrides, shape, cluster, what_if) -> MemoryEstimate | None:
 
 
 def _smaller_batches(cfg, phase: str, limit: int, shape, cluster, what_if, base: dict) -> dict[str, object] | None:
-    """The largest micro-batch size / token budget (or rollout chunk) of ``phase`` that the estimate fits."""
+    """The largest micro-batch size / token budget (or rollout KV-cache slots) of ``phase`` that the estimate fits."""
     key, values = _batch_knob(cfg, phase, cluster.world_size)
     if key is None:
         return None
@@ -94,7 +94,7 @@ def _batch_knob(cfg: PostTrainConfig, phase: str, world: int) -> tuple[str | Non
     budgets = [seq * k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
     a, c = cfg.actor, cfg.critic
     if phase == "rollout":
-        return "rollout.chunk_size", [v for v in range(1, cfg.rollout.chunk_size)]
+        return "rollout.max_num_seqs", list(range(1, cfg.rollout.max_num_seqs))
     table: dict[str, tuple[bool, str, str, int]] = {
         "actor_update": (a.use_dynamic_bsz, "actor.ppo_max_token_len_per_gpu", "actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
         "old_log_prob": (a.use_dynamic_bsz, "actor.log_prob_max_token_len_per_gpu", "actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu),

@@ -3,20 +3,22 @@
 No GPU is needed. Every formula is a small function below whose docstring says what it models and what it
 ignores; :func:`estimate_memory` adds them up phase by phase. Sizes are bytes unless a name says otherwise.
 
-What this trainer does today, and what the estimator can also answer as a "what if" (:class:`WhatIf`):
+The config is read as the trainer applies it at the cluster's world size (:func:`role_placement`):
 
-* The config is read as a single process keeps it: every role's weights and optimizer states whole on the device
-  for the whole step (the rollout engine shares the actor's module). The trainer's FSDP2 keys
-  (``actor.fsdp_config.*``) are not read yet: ``WhatIf.fsdp_size`` models FSDP full sharding (or HSDP with groups
-  of that size) of parameters, gradients and optimizer states; so do ``param_offload``, ``optimizer_offload``,
-  ``master_weights_fp32`` and a vLLM-style rollout engine (``gpu_memory_utilization``, ``max_num_seqs``,
-  ``rollout_tp``; posttrain has no vLLM engine).
-* LoRA (``model.lora_rank``, or ``WhatIf.lora_rank`` as a what-if for the actor and the critic): only the adapters
-  get gradients and AdamW states, all in fp32 (PEFT keeps adapters fp32 on a bf16/fp16 base, so no master copy),
-  and a LoRA actor's reference policy is the actor itself with adapters disabled: no reference weights.
-* Parameters, gradients and AdamW's two moments are in ``model.dtype`` (no fp32 master copy), as the trainer
-  keeps them; ``WhatIf.master_weights_fp32`` models FSDP mixed precision (fp32 master weights, gradients and
-  moments; a ``model.dtype`` copy of the layer being computed).
+* One GPU: every role's weights and optimizer states whole on the device for the whole step; the rollout engine
+  shares the actor's module. Parameters, gradients and AdamW's two moments are in ``model.dtype``.
+* Several GPUs (``torchrun``): each role is sharded with FSDP2 as its ``<role>.fsdp_config`` says (``fsdp_size``
+  -1: over all GPUs; k: HSDP groups of k), ``param_offload`` keeps parameters, gradients and optimizer states in
+  CPU memory, and with a 16-bit ``model.dtype`` the actor and reference keep fp32 master weights (FSDP2 mixed
+  precision; the critic is loaded in ``model.dtype``). Every rank also holds an unsharded ``model.dtype`` copy
+  of the policy for its rollout engine.
+* ``optimizer_offload`` (one GPU or several): AdamW's moments wait in CPU memory and come back for the step.
+* LoRA (``model.lora_rank``): only the adapters get gradients and AdamW states, all in fp32 (PEFT keeps adapters
+  fp32 on a bf16/fp16 base, so no master copy), and a LoRA actor's reference policy is the actor itself with
+  adapters disabled: no reference weights.
+
+:class:`WhatIf` replaces any of these for every role ("what would it give"), and models a vLLM-style rollout
+engine (``gpu_memory_utilization``, ``max_num_seqs``, ``rollout_tp``), which posttrain does not have.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan
+from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan, fsdp_group_size
 from posttrain.config.schema import PostTrainConfig
 from posttrain.tuning.shape import GIB, ModelShape
 
@@ -53,20 +55,20 @@ class Cluster:
 
 @dataclass(frozen=True)
 class WhatIf:
-    """Estimator inputs for features the trainer does not have yet (each is "what it would give")."""
+    """Estimator inputs that override the config for every role ("what would it give"); ``None``: the config."""
 
-    fsdp_size: int = 1  # GPUs sharing one copy of params/grads/optimizer states (FSDP/HSDP group); 1: none
-    param_offload: bool = False  # parameters live in CPU memory; one layer at a time is brought to the GPU
-    optimizer_offload: bool = False  # AdamW moments (and master weights) live in CPU memory
+    fsdp_size: int | None = None  # GPUs sharing one copy of params/grads/optimizer states (FSDP/HSDP group)
+    param_offload: bool | None = None  # parameters, gradients, optimizer states in CPU memory (FSDP2 offload)
+    optimizer_offload: bool | None = None  # AdamW moments in CPU memory between optimizer steps
     lora_rank: int = 0  # > 0: only LoRA adapters (all-linear) of the actor and critic are trained
-    master_weights_fp32: bool = False  # FSDP mixed precision: fp32 master weights, grads and moments
+    master_weights_fp32: bool | None = None  # FSDP mixed precision: fp32 master weights, grads and moments
     rollout_engine: str = "native"  # "native" (this project's) or "vllm"
     gpu_memory_utilization: float = 0.5  # vLLM: fraction of GPU memory it reserves for weights + KV cache
     max_num_seqs: int = 256  # vLLM: sequences decoded at once
     rollout_tp: int = 1  # vLLM: tensor-parallel size of the rollout engine
 
     def __post_init__(self) -> None:
-        if self.fsdp_size < 1:
+        if self.fsdp_size is not None and self.fsdp_size < 1:
             raise ValueError(f"fsdp size ({self.fsdp_size}) must be >= 1 (1: no sharding)")
         if self.lora_rank < 0:
             raise ValueError(f"LoRA rank ({self.lora_rank}) must be >= 0 (0: full fine-tuning)")
@@ -74,6 +76,43 @@ class WhatIf:
             raise ValueError(f"rollout engine {self.rollout_engine!r} must be 'native' or 'vllm'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one role's model states sit on each GPU."""
+
+    shard: int = 1  # GPUs sharing one copy (the FSDP group); 1: whole on every GPU
+    param_offload: bool = False  # parameters, gradients and optimizer states in CPU memory
+    optimizer_offload: bool = False  # optimizer states in CPU memory except during the optimizer step
+    master_fp32: bool = False  # fp32 parameters (the master copy the optimizer updates), compute in model.dtype
+
+
+ROLE_SECTIONS = {"actor": "actor", "reference": "ref", "critic": "critic"}
+
+
+def role_placement(cfg: PostTrainConfig, world_size: int, w: WhatIf, role: str) -> Placement:
+    """The role's ``fsdp_config`` as the trainer applies it at ``world_size`` GPUs; a ``WhatIf`` value wins.
+
+    One process shards nothing and cannot offload parameters (FSDP2 does that); optimizer offload works on one
+    GPU too. Sharded with a 16-bit ``model.dtype``, the actor (and the reference, copied from it) keep fp32
+    master weights; the critic is loaded in ``model.dtype``.
+    """
+    section = ROLE_SECTIONS[role]
+    fsdp = getattr(cfg, section).fsdp_config
+    sharded = world_size > 1
+    shard = fsdp_group_size(fsdp.fsdp_size, world_size, f"{section}.fsdp_config.fsdp_size") if sharded else 1
+    master = sharded and cfg.model.dtype != "fp32" and role != "critic"
+
+    def pick(what_if: object, from_config: object):
+        return from_config if what_if is None else what_if
+
+    return Placement(
+        shard=pick(w.fsdp_size, shard),
+        param_offload=pick(w.param_offload, sharded and fsdp.param_offload),
+        optimizer_offload=pick(w.optimizer_offload, getattr(fsdp, "optimizer_offload", False)),
+        master_fp32=pick(w.master_weights_fp32, master),
+    )
 
 
 @dataclass(frozen=True)
@@ -140,13 +179,14 @@ class MemoryEstimate:
 # --- model states ------------------------------------------------------------------------------------------
 
 
-def parameter_bytes(shape: ModelShape, dtype_bytes: int, shard: int, offload: bool) -> int:
-    """Weights on one GPU: all parameters / ``shard``; with offload only the layers being computed.
+def parameter_bytes(shape: ModelShape, dtype_bytes: int, shard: int, offload: bool, compute_bytes: int) -> int:
+    """Weights on one GPU: all parameters / ``shard`` in ``dtype_bytes``; with offload none of them.
 
-    Sharded (FSDP) or offloaded weights are gathered one decoder layer at a time, plus one prefetched layer: two
-    unsharded layers on the GPU. Ignores buffers (RoPE tables) and the allocator's rounding.
+    Sharded, offloaded or mixed-precision weights are gathered (cast to the compute dtype) one decoder layer at
+    a time, plus one prefetched layer: two unsharded layers on the GPU. Ignores buffers (RoPE tables) and the
+    allocator's rounding.
     """
-    gathered = 2 * shape.layer_params() * dtype_bytes if (shard > 1 or offload) else 0
+    gathered = 2 * shape.layer_params() * compute_bytes if (shard > 1 or offload or dtype_bytes != compute_bytes) else 0
     if offload:
         return gathered
     return shape.num_params() * dtype_bytes // shard + gathered
@@ -181,20 +221,19 @@ def role_training(cfg: PostTrainConfig, w: WhatIf, role: str) -> Training:
     return Training(settings.rank, settings.target_modules) if settings is not None else FULL
 
 
-def gradient_bytes(trainable: int, grad_bytes: int, shard: int) -> int:
-    """Gradients of the trainable parameters, sharded like them (FSDP reduce-scatters them).
+def gradient_bytes(trainable: int, grad_bytes: int, shard: int, offload: bool) -> int:
+    """Gradients of the trainable parameters, sharded like them (FSDP reduce-scatters them); in CPU memory
+    with parameter offload.
 
     Ignores the unsharded gradient of the layer being reduced and communication buckets.
     """
-    return trainable * grad_bytes // shard
+    return 0 if offload else trainable * grad_bytes // shard
 
 
-def optimizer_bytes(trainable: int, state_bytes: int, shard: int, offload: bool, master_fp32: bool) -> int:
-    """AdamW's two moments (+ fp32 master weights under mixed precision), sharded; 0 on the GPU when offloaded."""
-    if offload:
-        return 0
-    per_param = 2 * state_bytes + (FP32 if master_fp32 else 0)
-    return trainable * per_param // shard
+def optimizer_bytes(trainable: int, state_bytes: int, shard: int) -> int:
+    """AdamW's two moments, in the parameters' dtype, sharded like them (fp32 master weights, when kept, are the
+    parameters themselves and counted with the weights)."""
+    return trainable * 2 * state_bytes // shard
 
 
 # --- activations ------------------------------------------------------------------------------------------
@@ -244,11 +283,12 @@ def update_activation_bytes(
     return shape.num_layers * one_layer
 
 
-def update_step_bytes(activations: int, gradients: int) -> int:
+def update_step_bytes(activations: int, gradients: int, optimizer_for_step: int = 0) -> int:
     """Activations and gradients at the backward's peak: backward frees each layer's saved activations as it
     creates that layer's gradients, so the peak is the larger of the two (measured on CPU: they do not add up).
+    With optimizer offload the moments come back to the GPU for the optimizer step, next to the gradients.
     Ignores gradient-communication buckets (FSDP/DDP), which are small next to either."""
-    return max(activations, gradients)
+    return max(activations, gradients + optimizer_for_step)
 
 
 def head_update_bytes(
@@ -293,17 +333,17 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, tokens_per_sequence: int, 
 
 
 def native_rollout_bytes(
-    shape: ModelShape, sequences: int, prompt_len: int, response_len: int, dtype_bytes: int
+    shape: ModelShape, slots: int, tokens_per_slot: int, tokens_per_forward: int, dtype_bytes: int
 ) -> tuple[int, int]:
-    """(KV cache, prefill working memory) of this project's engine: one call generates ``rollout.chunk_size x
-    rollout.n`` sequences with a Hugging Face dynamic cache that grows to prompt + response tokens; prefill
-    runs all prompts at once (one layer's MLP working set) and keeps only the last position's logits. Weights
-    are the actor's own module (no copy). Ignores the cache's growth by concatenation (a transient copy of one
-    layer's cache)."""
-    kv = kv_cache_bytes(shape, sequences, prompt_len + response_len, dtype_bytes)
-    prefill = sequences * prompt_len * (4 * shape.hidden_size + 3 * shape.intermediate_size) * dtype_bytes
-    sampling = 3 * sequences * shape.vocab_size * FP32
-    return kv, prefill + sampling
+    """(KV cache, working memory) of this project's engine. The cache is preallocated: ``rollout.max_num_seqs``
+    slots of the longest prompt + ``max_response_length`` tokens each. One forward carries at most
+    ``rollout.max_num_batched_tokens`` tokens (decode tokens + prefill chunks) through one layer's MLP working
+    set at a time, and samples from the logits of at most one row per slot. Ignores the simpler path for
+    architectures the slot cache does not support (a growing cache of ``chunk_size x n`` sequences)."""
+    kv = kv_cache_bytes(shape, slots, tokens_per_slot, dtype_bytes)
+    forward = tokens_per_forward * (4 * shape.hidden_size + 3 * shape.intermediate_size) * dtype_bytes
+    sampling = 3 * slots * shape.vocab_size * FP32
+    return kv, forward + sampling
 
 
 def vllm_rollout(
@@ -362,10 +402,25 @@ def _critic_params(shape: ModelShape) -> ModelShape:
     return dataclasses.replace(shape, tie_word_embeddings=True)
 
 
-def _resident(cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, w: WhatIf) -> list[Component]:
-    """Model states that stay on the GPU for the whole step (single-process trainer: every role)."""
+def _states(cfg: PostTrainConfig, shape: ModelShape, place: Placement, t: Training, trained: bool) -> tuple[int, int, int]:
+    """(weights, optimizer states, gradients) of one role on one GPU, where they sit for the whole step (the
+    optimizer's when not offloaded; the gradients only during the update)."""
     b = DTYPE_BYTES[cfg.model.dtype]
-    keep = FP32 if w.master_weights_fp32 else b
+    keep = FP32 if place.master_fp32 else b
+    weights = parameter_bytes(shape, keep, place.shard, place.param_offload, b)
+    if not trained:
+        return weights, 0, 0
+    on_cpu = place.param_offload
+    if t.lora_rank == 0:
+        n, state = shape.num_params(), keep
+    else:  # the adapters: fp32 parameters, gradients and moments on the frozen base
+        n, state = trainable_params(shape, t.lora_rank, t.target_modules), FP32
+        weights += 0 if on_cpu else n * FP32 // place.shard
+    return weights, optimizer_bytes(n, state, place.shard), gradient_bytes(n, state, place.shard, on_cpu)
+
+
+def _resident(cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, cluster: Cluster, w: WhatIf) -> list[Component]:
+    """Model states that stay on each GPU for the whole step."""
     out: list[Component] = []
     actor_lora = role_training(cfg, w, "actor").lora_rank > 0
     roles = [("actor", shape, True)]
@@ -374,26 +429,34 @@ def _resident(cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, w: WhatI
     if plan.critic is not None:
         roles.append(("critic", _critic_params(shape), True))
     for name, s, trained in roles:
+        place = role_placement(cfg, cluster.world_size, w, name)
         t = role_training(cfg, w, name) if trained else FULL
-        weights = parameter_bytes(s, keep if t.lora_rank == 0 else b, w.fsdp_size, w.param_offload)
-        if t.lora_rank == 0:
-            out.append(Component(f"{name} weights", weights))
-            if trained:
-                opt = optimizer_bytes(s.num_params(), keep, w.fsdp_size, w.optimizer_offload, w.master_weights_fp32)
-                out.append(Component(f"{name} optimizer", opt, "AdamW exp_avg + exp_avg_sq"))
-            continue
-        adapters = trainable_params(s, t.lora_rank, t.target_modules)
-        note = f"frozen base + {adapters:,} fp32 LoRA adapter parameters"
-        if name == "actor" and plan.ref is not None:
-            note += "; also the reference policy (adapters disabled)"
-        out.append(Component(f"{name} weights", weights + adapters * FP32 // w.fsdp_size, note))
-        opt = optimizer_bytes(adapters, FP32, w.fsdp_size, w.optimizer_offload, master_fp32=False)
-        out.append(Component(f"{name} optimizer", opt, "AdamW exp_avg + exp_avg_sq of the adapters"))
+        weights, optimizer, _ = _states(cfg, s, place, t, trained)
+        note = []
+        if place.shard > 1:
+            note.append(f"sharded over {place.shard} GPUs")
+        if place.master_fp32:
+            note.append("fp32 master weights")
+        if place.param_offload:
+            note.append("parameters in CPU memory")
+        if t.lora_rank > 0:
+            note.append(f"frozen base + {trainable_params(s, t.lora_rank, t.target_modules):,} fp32 LoRA adapter parameters")
+            if name == "actor" and plan.ref is not None:
+                note.append("also the reference policy (adapters disabled)")
+        out.append(Component(f"{name} weights", weights, "; ".join(note)))
+        if trained:
+            moved = place.param_offload or place.optimizer_offload
+            what = "AdamW exp_avg + exp_avg_sq" + (" of the adapters" if t.lora_rank > 0 else "")
+            out.append(Component(f"{name} optimizer", 0 if moved else optimizer, what + ("; in CPU memory" if moved else "")))
+    if cluster.world_size > 1 and w.rollout_engine == "native":
+        # Each rank's engine decodes with a plain copy of the policy, refreshed after every update.
+        b = DTYPE_BYTES[cfg.model.dtype]
+        out.append(Component("rollout weights", shape.num_params() * b, "each GPU's unsharded engine copy"))
     return out
 
 
 def _update_phase(
-    cfg: PostTrainConfig, p: UpdatePlan, shape: ModelShape, w: WhatIf, resident: list[Component]
+    cfg: PostTrainConfig, p: UpdatePlan, shape: ModelShape, cluster: Cluster, w: WhatIf, resident: list[Component]
 ) -> PhaseEstimate:
     d = cfg.data
     b = DTYPE_BYTES[cfg.model.dtype]
@@ -406,17 +469,14 @@ def _update_phase(
     )  # fmt: skip
     s = shape if actor else _critic_params(shape)
     t = role_training(cfg, w, p.role)
-    grad_bytes = FP32 if (w.master_weights_fp32 or t.lora_rank > 0) else b  # LoRA adapters are fp32
-    grads = gradient_bytes(trainable_params(s, t.lora_rank, t.target_modules), grad_bytes, w.fsdp_size)
+    place = role_placement(cfg, cluster.world_size, w, p.role)
+    _, optimizer, grads = _states(cfg, s, place, t, trained=True)
+    step_optimizer = optimizer if place.optimizer_offload and not place.param_offload else 0
     gc = _flag(ckpt_section, "enable_gradient_checkpointing")
     acts = update_activation_bytes(shape, tokens, b, gc, _flag(ckpt_section, "enable_activation_offload"), t)
-    comps = [
-        *resident,
-        Component(
-            "gradients/activations", update_step_bytes(acts, grads),
-            f"max(activations {acts / GIB:.2f} GiB, gradients {grads / GIB:.2f} GiB)",
-        ),
-    ]  # fmt: skip
+    note = f"max(activations {acts / GIB:.2f} GiB, gradients {grads / GIB:.2f} GiB"
+    note += f" + optimizer states for the step {step_optimizer / GIB:.2f} GiB)" if step_optimizer else ")"
+    comps = [*resident, Component("gradients/activations", update_step_bytes(acts, grads, step_optimizer), note)]
     if actor:
         head = head_update_bytes(resp, shape.vocab_size, b, _head_chunk(section), _flag(section, "entropy_checkpointing"))
         comps.append(Component("log-prob/entropy head", head))
@@ -440,7 +500,7 @@ def _forward_phase(
 def _rollout_phase(
     cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, cluster: Cluster, w: WhatIf, resident: list[Component]
 ) -> PhaseEstimate:
-    d, b = cfg.data, DTYPE_BYTES[cfg.model.dtype]
+    b = DTYPE_BYTES[cfg.model.dtype]
     if w.rollout_engine == "vllm":
         gpu = int((cluster.gpu_memory_gb or 80) * GIB)
         v = vllm_rollout(shape, gpu, w, plan.max_seq_len, b)
@@ -448,10 +508,14 @@ def _rollout_phase(
         detail = {"vllm_max_concurrent_seqs": v["max_concurrent_seqs"],
                   "vllm_kv_cache_gib": round(v["kv_cache_bytes"] / GIB, 3)}  # fmt: skip
         return PhaseEstimate("rollout", comps, detail)
-    seqs = plan.rollout_chunk_prompts * plan.n
-    kv, work = native_rollout_bytes(shape, seqs, d.max_prompt_length, d.max_response_length, b)
-    comps = (*resident, Component("KV cache", kv), Component("prefill + sampling", work))
-    return PhaseEstimate("rollout", comps, {"sequences_per_call": seqs})
+    r = cfg.rollout
+    kv, work = native_rollout_bytes(shape, r.max_num_seqs, plan.max_seq_len, r.max_num_batched_tokens, b)
+    comps = (
+        *resident,
+        Component("KV cache", kv, f"{r.max_num_seqs} slots x {plan.max_seq_len} tokens"),
+        Component("forward + sampling", work, f"{r.max_num_batched_tokens} tokens per forward"),
+    )
+    return PhaseEstimate("rollout", comps, {"kv_cache_slots": r.max_num_seqs})
 
 
 def estimate_memory(
@@ -468,7 +532,7 @@ def estimate_memory(
     """
     cluster = cluster or Cluster()
     w = what_if or WhatIf()
-    resident = _resident(cfg, plan, shape, w)
+    resident = _resident(cfg, plan, shape, cluster, w)
     phases = [_rollout_phase(cfg, plan, shape, cluster, w, resident)]
     phases.append(_forward_phase(cfg, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
     if plan.ref is not None:
@@ -476,6 +540,6 @@ def estimate_memory(
     if plan.values is not None:
         phases.append(_forward_phase(cfg, plan.values, shape, resident, None))
     if plan.critic is not None:
-        phases.append(_update_phase(cfg, plan.critic, shape, w, resident))
-    phases.append(_update_phase(cfg, plan.actor, shape, w, resident))
+        phases.append(_update_phase(cfg, plan.critic, shape, cluster, w, resident))
+    phases.append(_update_phase(cfg, plan.actor, shape, cluster, w, resident))
     return MemoryEstimate(shape, cluster, w, tuple(phases))

@@ -48,19 +48,70 @@ def test_parameter_count_tiny_tied():
     assert ModelShape.from_hf_config(cfg).num_params() == sum(p.numel() for p in model.parameters())
 
 
-def test_sharding_offload_and_lora_shrink_the_model_states():
+def test_one_gpu_keeps_every_model_state_whole_in_model_dtype():
     cfg = build_config(overrides=GRPO_7B)
-    plan = build_plan(cfg, 8)
     shape = ModelShape.from_path(QWEN_7B)
-    plain = estimate_memory(cfg, plan, shape, Cluster(1, 8, 80)).phase("actor_update")
-    sharded = estimate_memory(cfg, plan, shape, Cluster(1, 8, 80), WhatIf(fsdp_size=8)).phase("actor_update")
-    lora = estimate_memory(cfg, plan, shape, Cluster(1, 8, 80), WhatIf(lora_rank=32)).phase("actor_update")
-    assert plain.part("actor optimizer") == 2 * plain.part("actor weights")  # bf16 AdamW moments, no master copy
-    assert sharded.part("actor optimizer") == plain.part("actor optimizer") // 8
-    # r=32 adapters are ~1% of 7.6B parameters; their AdamW moments are fp32 (PEFT keeps adapters fp32 on a bf16
-    # base), the full model's bf16: ~2% of the bytes.
-    assert lora.part("actor optimizer") < plain.part("actor optimizer") / 40
-    assert sharded.total < plain.total and lora.total < plain.total
+    one = estimate_memory(cfg, build_plan(cfg, 1), shape, Cluster(1, 1, 80)).phase("actor_update")
+    assert one.part("actor weights") == shape.num_params() * 2  # bf16, unsharded, nothing gathered
+    assert one.part("actor optimizer") == 2 * one.part("actor weights")  # bf16 AdamW moments, no master copy
+    assert one.part("rollout weights") == 0  # the engine shares the actor's module
+    # param_offload needs FSDP2 (several GPUs): on one GPU the config key changes nothing.
+    off = build_config(overrides=[*GRPO_7B, "actor.fsdp_config.param_offload=true"])
+    assert estimate_memory(off, build_plan(off, 1), shape, Cluster(1, 1, 80)).phase("actor_update").total == one.total
+
+
+def test_several_gpus_read_the_fsdp_config_as_the_trainer_applies_it():
+    """8 GPUs, bf16: FSDP2 over all of them (fsdp_size -1), fp32 master weights for the actor, a bf16 critic,
+    an unsharded bf16 rollout copy on every GPU; fsdp_size, param_offload and optimizer_offload act per role."""
+    shape = ModelShape.from_path(QWEN_7B)
+    n, layer = shape.num_params(), shape.layer_params()
+    gathered = 2 * layer * 2  # two bf16 layers gathered at a time
+
+    def update(*extra: str, what_if: WhatIf | None = None, phase: str = "actor_update"):
+        cfg = build_config(overrides=[*GRPO_7B, *extra])
+        return estimate_memory(cfg, build_plan(cfg, 8), shape, Cluster(1, 8, 80), what_if).phase(phase)
+
+    sharded = update()
+    assert sharded.part("actor weights") == n * 4 // 8 + gathered
+    assert sharded.part("actor optimizer") == 2 * n * 4 // 8
+    assert sharded.part("rollout weights") == n * 2
+    assert sharded.detail["gradients_gib"] == round(n * 4 // 8 / GIB, 3)
+    hsdp = update("actor.fsdp_config.fsdp_size=4")
+    assert hsdp.part("actor optimizer") == 2 * sharded.part("actor optimizer")
+    offload = update("actor.fsdp_config.param_offload=true")
+    assert offload.part("actor weights") == gathered
+    assert offload.part("actor optimizer") == 0 and offload.detail["gradients_gib"] == 0
+    opt = update("actor.fsdp_config.optimizer_offload=true")
+    assert opt.part("actor optimizer") == 0 and opt.part("actor weights") == sharded.part("actor weights")
+    # The moments come back for the step, next to the gradients.
+    assert opt.part("gradients/activations") == n * 4 // 8 + 2 * n * 4 // 8
+    critic = update("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", phase="critic_update")
+    critic_n = shape.num_params() - shape.vocab_size * shape.hidden_size * (0 if shape.tie_word_embeddings else 1)
+    assert critic.part("critic optimizer") == 2 * critic_n * 2 // 8  # loaded in model.dtype: no master copy
+    # What-ifs override every role's config; None keeps the config.
+    replicated = update(what_if=WhatIf(fsdp_size=1, master_weights_fp32=False))
+    assert replicated.part("actor optimizer") == 2 * n * 2
+    lora = update(what_if=WhatIf(lora_rank=32))
+    assert lora.part("actor optimizer") < sharded.part("actor optimizer") / 40
+
+
+def test_rollout_estimate_is_the_engines_slot_cache():
+    """The estimate's KV cache is what the engine allocates: max_num_seqs slots of prompt + response tokens."""
+    from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.native import NativeEngine
+
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=64, num_hidden_layers=2)
+    shape = ModelShape.from_hf_config(model.config)
+    cfg = build_config(overrides=["data.max_prompt_length=12", "data.max_response_length=6", "rollout.max_num_seqs=16",
+                                  "rollout.max_num_batched_tokens=64", "model.dtype=fp32"])  # fmt: skip
+    est = estimate_memory(cfg, build_plan(cfg), shape).phase("rollout")
+    engine = NativeEngine(model, eos_token_ids=[1], pad_token_id=0, max_num_seqs=16, max_num_batched_tokens=64)
+    engine.generate([list(range(3, 15)), list(range(3, 10))], SamplingParams(n=4, max_tokens=6, seed=0))
+    allocated = sum(t.numel() * t.element_size() for t in [*engine.cache.k, *engine.cache.v])
+    # Slots hold the longest prompt + max_tokens - 1 positions (the last token is never fed back) + one scratch.
+    assert allocated == est.part("KV cache")
+    assert est.detail["kv_cache_slots"] == 16
 
 
 def test_lora_in_the_config_drops_the_reference_copy_and_full_optimizer():
@@ -76,10 +127,10 @@ def test_lora_in_the_config_drops_the_reference_copy_and_full_optimizer():
     assert shape.lora_params(64, ("q_proj", "v_proj")) == adapters
     assert est_full.part("reference weights") == est_full.part("actor weights") > 0
     assert est_lora.part("reference weights") == 0
-    assert est_lora.part("actor weights") == est_full.part("actor weights") + 4 * adapters
-    assert est_lora.part("actor optimizer") == 2 * 4 * adapters
+    assert est_lora.part("actor weights") == est_full.part("actor weights") + 4 * adapters // 8  # sharded over 8
+    assert est_lora.part("actor optimizer") == 2 * 4 * adapters // 8
     assert est_lora.part("critic optimizer") == est_full.part("critic optimizer") > 0
-    assert est_lora.detail["gradients_gib"] == round(4 * adapters / GIB, 3)
+    assert est_lora.detail["gradients_gib"] == round(4 * adapters // 8 / GIB, 3)
 
 
 def test_chunking_and_checkpointing_lower_the_update_estimate():
@@ -118,6 +169,7 @@ def test_explain_prints_per_gpu_estimates_for_seed_002_72b_and_a_7b_grpo_run(cap
     assert main(["explain", *SEED_002, "--model-config", QWEN_72B, "--gpus-per-node", "8", "--gpu-memory-gb", "80"]) == 0
     text = capsys.readouterr().out
     assert "NO (OOM)" in text and "model states alone exceed the GPU" in text
+    assert "unsharded rollout copy of the policy" in text  # 135 GiB of bf16 weights on every GPU
     assert main(["explain", *GRPO_7B, "--model-config", QWEN_7B, "--gpus-per-node", "8", "--gpu-memory-gb", "80",
                  "--fsdp-size", "-1", "--suggest"]) == 0  # fmt: skip
     text = capsys.readouterr().out
