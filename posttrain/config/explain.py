@@ -125,7 +125,14 @@ def estimate_table(estimate, advice: dict | None = None):
         parts = ", ".join(f"{x.name} {_gib(x.bytes)}" for x in p.components if x.bytes)
         fits = "-" if limit is None else ("yes" if p.total <= limit * 2**30 else "[bold red]NO (OOM)[/]")
         table.add_row(p.phase, _gib(p.total), parts, fits)
+    # Where the model states sit (sharding, master weights, offload) is the same in every phase.
+    placed = [f"{x.name}: {x.note}" for x in estimate.phases[0].components if x.note and x.name.endswith(STATES)]
+    if placed:
+        table.caption, table.caption_justify = " | ".join(placed), "left"
     return table
+
+
+STATES = ("weights", "optimizer")
 
 
 def advice_lines(estimate, advice: dict) -> list[str]:

@@ -446,8 +446,9 @@ def _resident(cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, cluster:
         out.append(Component(f"{name} weights", weights, "; ".join(note)))
         if trained:
             moved = place.param_offload or place.optimizer_offload
-            what = "AdamW exp_avg + exp_avg_sq" + (" of the adapters" if t.lora_rank > 0 else "")
-            out.append(Component(f"{name} optimizer", 0 if moved else optimizer, what + ("; in CPU memory" if moved else "")))
+            where = ["of the LoRA adapters"] if t.lora_rank > 0 else []
+            where += ["in CPU memory between steps"] if moved else []
+            out.append(Component(f"{name} optimizer", 0 if moved else optimizer, "; ".join(where)))
     if cluster.world_size > 1 and w.rollout_engine == "native":
         # Each rank's engine decodes with a plain copy of the policy, refreshed after every update.
         b = DTYPE_BYTES[cfg.model.dtype]

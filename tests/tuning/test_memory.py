@@ -174,6 +174,7 @@ def test_explain_prints_per_gpu_estimates_for_seed_002_72b_and_a_7b_grpo_run(cap
                  "--fsdp-size", "-1", "--suggest"]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "7.6B params" in text and "starting point for a medium" in text
+    assert "actor weights: sharded over 8 GPUs; fp32 master weights" in text  # where the states sit
 
 
 def test_explain_json_adds_memory_estimate_and_keeps_the_plan_keys(capsys):
