@@ -24,6 +24,7 @@ engine (``gpu_memory_utilization``, ``max_num_seqs``, ``rollout_tp``), which pos
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan, fsdp_group_size
@@ -367,22 +368,53 @@ def vllm_rollout(
 # --- assembling the phases ------------------------------------------------------------------------------------
 
 
+def prompts_per_micro_batch(samples: int, n: int) -> int:
+    """Most prompts that ``samples`` consecutive samples touch when samples are prompt-major (``n`` per prompt)
+    and micro-batches start at multiples of ``samples``."""
+    period = n // math.gcd(samples, n)  # micro-batch starts repeat modulo n with this period
+    return max((j * samples + samples - 1) // n - (j * samples) // n + 1 for j in range(period))
+
+
 def micro_batch_tokens(
-    use_dynamic_bsz: bool, micro: int | None, budget: int | None, prompt_len: int, response_len: int, sp: int
+    use_dynamic_bsz: bool,
+    micro: int | None,
+    budget: int | None,
+    prompt_len: int,
+    response_len: int,
+    sp: int,
+    group_size: int = 0,
 ) -> tuple[int, int]:
     """(tokens, response tokens) of the largest micro-batch on one GPU.
 
     Fixed micro-batches: ``micro`` samples at the longest possible length (prompt + response; padding to the
     longest row makes this the worst case with or without packing). Token budget: ``budget`` tokens, of which
     the response share is that of max-length samples. Ulysses SP splits every sequence over ``sp`` GPUs.
+    ``group_size`` > 0 (the prefix grouper, ``rollout.n`` samples per prompt): a fixed micro-batch computes each
+    of its prompts once; a token budget still caps the plain tokens, so it stays the bound.
     """
     seq = prompt_len + response_len
     if use_dynamic_bsz:
         tokens = int(budget or seq)
         response = tokens * response_len // seq
     else:
-        tokens, response = int(micro or 1) * seq, int(micro or 1) * response_len
+        samples = int(micro or 1)
+        prompts = prompts_per_micro_batch(samples, group_size) if group_size else samples
+        tokens, response = prompts * prompt_len + samples * response_len, samples * response_len
     return -(-tokens // sp), -(-response // sp)
+
+
+def prefix_mask_bytes(tokens: int, micro: int | None, group_size: int, prompt_len: int, response_len: int) -> int:
+    """Upper bound of the prefix grouper's boolean attention mask: one byte per (query, key) cell of each
+    segment (a prompt + its samples' responses), i.e. at most ``tokens x L`` for segments of at most ``L`` tokens.
+    ``micro`` None (token budget): a segment holds up to all ``group_size`` samples of its prompt."""
+    samples = group_size if micro is None else min(int(micro), group_size)
+    return tokens * min(prompt_len + samples * response_len, tokens)
+
+
+def _group_size(cfg: PostTrainConfig, plan: BatchPlan, role: str) -> int:
+    """``rollout.n`` where the prefix grouper computes this role's passes (actor update, old and reference
+    log-probs), else 0."""
+    return plan.n if cfg.actor.use_prefix_grouper and role in ("actor", "old_log_prob", "ref") else 0
 
 
 def _flag(section: object, name: str) -> bool:
@@ -456,18 +488,27 @@ def _resident(cfg: PostTrainConfig, plan: BatchPlan, shape: ModelShape, cluster:
     return out
 
 
+def _micro_batch(cfg: PostTrainConfig, plan: BatchPlan, p: UpdatePlan | ForwardPlan) -> tuple[int, int, int]:
+    """(tokens, response tokens, prefix-grouper mask bytes) of this pass's largest micro-batch on one GPU."""
+    d, group = cfg.data, _group_size(cfg, plan, p.role)
+    micro = None if p.use_dynamic_bsz else p.micro_batch_size_per_rank
+    tokens, resp = micro_batch_tokens(
+        p.use_dynamic_bsz, p.micro_batch_size_per_rank, p.max_token_len_per_rank, d.max_prompt_length,
+        d.max_response_length, p.sp_size, group,
+    )  # fmt: skip
+    mask = prefix_mask_bytes(tokens, micro, group, d.max_prompt_length, d.max_response_length) if group else 0
+    return tokens, resp, mask
+
+
 def _update_phase(
-    cfg: PostTrainConfig, p: UpdatePlan, shape: ModelShape, cluster: Cluster, w: WhatIf, resident: list[Component]
-) -> PhaseEstimate:
-    d = cfg.data
+    cfg: PostTrainConfig, plan: BatchPlan, p: UpdatePlan, shape: ModelShape, cluster: Cluster, w: WhatIf,
+    resident: list[Component],
+) -> PhaseEstimate:  # fmt: skip
     b = DTYPE_BYTES[cfg.model.dtype]
     actor = p.role == "actor"
     section = cfg.actor if actor else cfg.critic
     ckpt_section = cfg.model if actor else cfg.critic
-    tokens, resp = micro_batch_tokens(
-        p.use_dynamic_bsz, p.micro_batch_size_per_rank, p.max_token_len_per_rank, d.max_prompt_length,
-        d.max_response_length, p.sp_size,
-    )  # fmt: skip
+    tokens, resp, mask = _micro_batch(cfg, plan, p)
     s = shape if actor else _critic_params(shape)
     t = role_training(cfg, w, p.role)
     place = role_placement(cfg, cluster.world_size, w, p.role)
@@ -481,21 +522,22 @@ def _update_phase(
     if actor:
         head = head_update_bytes(resp, shape.vocab_size, b, _head_chunk(section), _flag(section, "entropy_checkpointing"))
         comps.append(Component("log-prob/entropy head", head))
+    if mask:
+        comps.append(Component("prefix-grouper mask", mask))
     detail = {"micro_batch_tokens": tokens, "activations_gib": round(acts / GIB, 3), "gradients_gib": round(grads / GIB, 3)}
     return PhaseEstimate(f"{p.role}_update", tuple(comps), detail)
 
 
 def _forward_phase(
-    cfg: PostTrainConfig, p: ForwardPlan, shape: ModelShape, resident: list[Component], chunk: int | None
-) -> PhaseEstimate:
-    d = cfg.data
-    tokens, resp = micro_batch_tokens(
-        p.use_dynamic_bsz, p.micro_batch_size_per_rank, p.max_token_len_per_rank, d.max_prompt_length,
-        d.max_response_length, p.sp_size,
-    )  # fmt: skip
+    cfg: PostTrainConfig, plan: BatchPlan, p: ForwardPlan, shape: ModelShape, resident: list[Component],
+    chunk: int | None,
+) -> PhaseEstimate:  # fmt: skip
+    tokens, resp, mask = _micro_batch(cfg, plan, p)
     work = forward_only_bytes(shape, tokens, resp, DTYPE_BYTES[cfg.model.dtype], chunk, p.role != "values")
-    comps = (*resident, Component("forward working memory", work))
-    return PhaseEstimate(p.role, comps, {"micro_batch_tokens": tokens})
+    comps = [*resident, Component("forward working memory", work)]
+    if mask:
+        comps.append(Component("prefix-grouper mask", mask))
+    return PhaseEstimate(p.role, tuple(comps), {"micro_batch_tokens": tokens})
 
 
 def _rollout_phase(
@@ -535,12 +577,12 @@ def estimate_memory(
     w = what_if or WhatIf()
     resident = _resident(cfg, plan, shape, cluster, w)
     phases = [_rollout_phase(cfg, plan, shape, cluster, w, resident)]
-    phases.append(_forward_phase(cfg, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
+    phases.append(_forward_phase(cfg, plan, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
     if plan.ref is not None:
-        phases.append(_forward_phase(cfg, plan.ref, shape, resident, _head_chunk(cfg.ref)))
+        phases.append(_forward_phase(cfg, plan, plan.ref, shape, resident, _head_chunk(cfg.ref)))
     if plan.values is not None:
-        phases.append(_forward_phase(cfg, plan.values, shape, resident, None))
+        phases.append(_forward_phase(cfg, plan, plan.values, shape, resident, None))
     if plan.critic is not None:
-        phases.append(_update_phase(cfg, plan.critic, shape, cluster, w, resident))
-    phases.append(_update_phase(cfg, plan.actor, shape, cluster, w, resident))
+        phases.append(_update_phase(cfg, plan, plan.critic, shape, cluster, w, resident))
+    phases.append(_update_phase(cfg, plan, plan.actor, shape, cluster, w, resident))
     return MemoryEstimate(shape, cluster, w, tuple(phases))

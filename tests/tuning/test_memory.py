@@ -199,3 +199,37 @@ def test_explain_rejects_bad_cluster_options(capsys):
 def test_starting_points_make_valid_plans(path):
     point = starting_point(ModelShape.from_path(path))
     assert check_starting_point(point, 8, lambda: build_config()) is None
+
+
+@pytest.mark.parametrize("micro", [4, 8, 16])
+def test_prefix_grouper_estimate_counts_what_the_grouper_computes(micro):
+    """With actor.use_prefix_grouper, a micro-batch's tokens are those the grouper's packed rows hold (each prompt
+    once), and its attention mask is within the estimate's bound; the critic's passes are unchanged."""
+    from posttrain.data.batch import build_rollout_batch
+    from posttrain.models.prefix_grouper import group_by_prompt, prefix_attention_mask
+
+    P, R, n = 6, 4, 8
+    base = [f"data.max_prompt_length={P}", f"data.max_response_length={R}", f"rollout.n={n}", "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", f"actor.ppo_micro_batch_size_per_gpu={micro}",
+            f"actor.log_prob_micro_batch_size_per_gpu={micro}", "algorithm.adv_estimator=gae",
+            f"critic.ppo_micro_batch_size_per_gpu={micro}", f"critic.forward_micro_batch_size_per_gpu={micro}"]  # fmt: skip
+    shape = ModelShape.from_path(QWEN_7B)
+    est = {}
+    for on in (False, True):
+        cfg = build_config(overrides=[*base, f"actor.use_prefix_grouper={str(on).lower()}"])
+        est[on] = estimate_memory(cfg, build_plan(cfg), shape)
+    # The micro-batch the trainer would form: `micro` consecutive max-length samples, n per prompt.
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (P,), generator=g).tolist() for _ in range(16 // n)]
+    rows = [prompts[i // n] for i in range(micro)]
+    responses = [torch.randint(3, 90, (R,), generator=g).tolist() for _ in range(micro)]
+    groups = group_by_prompt(build_rollout_batch(rows, responses, [i // n for i in range(micro)], pad_token_id=0))
+    computed = groups.input_ids.numel()  # every cell of the packed rows goes through the model
+    mask = prefix_attention_mask(groups, boolean=True, dtype=torch.float32)
+    for phase in ("actor_update", "old_log_prob"):
+        assert est[True].phase(phase).detail["micro_batch_tokens"] == computed
+        assert est[False].phase(phase).detail["micro_batch_tokens"] == micro * (P + R)
+        assert mask.numel() <= est[True].phase(phase).part("prefix-grouper mask")
+    for phase in ("critic_update", "values"):
+        assert est[True].phase(phase).total == est[False].phase(phase).total
+    assert est[True].phase("actor_update").detail["activations_gib"] < est[False].phase("actor_update").detail["activations_gib"]
