@@ -72,6 +72,24 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_tokens: int, eos: l
     return int((~after_eos).sum())
 
 
+def matmul_bound(model: torch.nn.Module, rows: int, repeats: int = 20) -> tuple[float, float]:
+    """(GFLOP of matrix multiplies per generated token, tokens/s of a decode step that did nothing but those
+    multiplies): every ``nn.Linear`` of the model (LM head included) timed here as ``[rows, in] @ [in, out]``.
+    No engine can decode faster than this on this machine at this batch size and dtype."""
+    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    seconds: dict[tuple[int, int], float] = {}
+    for out_features, in_features in set(shapes):
+        x, w = torch.randn(rows, in_features), torch.randn(in_features, out_features)
+        for _ in range(3):
+            x @ w
+        start = time.perf_counter()
+        for _ in range(repeats):
+            x @ w
+        seconds[(out_features, in_features)] = (time.perf_counter() - start) / repeats
+    flops = 2 * sum(o * i for o, i in shapes)
+    return flops / 1e9, rows / sum(seconds[s] for s in shapes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[8, 32, 128])
@@ -115,6 +133,13 @@ def main() -> None:
         variants["posttrain (compiled decode)"] = dict(enforce_eager=False)
     print(f"engine: max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}\n")
 
+    decode_rows = min(args.max_num_seqs, len(prompts) * args.n)
+    gflop, bound = matmul_bound(model, decode_rows)
+    print(
+        f"matrix multiplies: {gflop * 1e3:.2f} MFLOP per generated token; at the speed measured here for "
+        f"{decode_rows} rows ({gflop * bound:.0f} GFLOP/s) a decode step of nothing else would reach "
+        f"{bound:,.0f} tokens/s (the '% of matmul bound' column)\n"
+    )
     extra_eos = list(range(len(tokenizer) - args.ragged_eos, len(tokenizer)))
     scenarios = [(t, eos) for t in args.max_tokens] + [(t, eos + extra_eos) for t in args.ragged_max_tokens]
     rows = []
@@ -175,6 +200,7 @@ def main() -> None:
                     "generated tokens": int(statistics.median(tokens[name])),
                     "tokens/s": round(statistics.median(tokens[name]) / t),
                     "speed-up vs HF": round(reference / t, 2),
+                    "% of matmul bound": round(100 * statistics.median(tokens[name]) / t / bound),
                 }
             )
     print()
