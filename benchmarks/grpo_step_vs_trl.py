@@ -30,8 +30,8 @@ steps starting at a generation.
 
 Differences that could not be removed: the two sample with different random streams, so responses (and their
 lengths, printed) differ; with ``--model random`` untrained weights rarely emit eos, so nearly every response
-runs to ``--max-tokens`` on both sides. posttrain keeps a prompt's samples in one mini-batch and TRL shuffles samples across its two
-optimizer steps (same amount of work). posttrain's dual-clip (``actor.clip_ratio_c``) has no TRL counterpart
+runs to ``--max-tokens`` on both sides. posttrain keeps a prompt's samples in one mini-batch and TRL shuffles
+samples across its two optimizer steps (same amount of work). posttrain's dual-clip (``actor.clip_ratio_c``) has no TRL counterpart
 (a clamp; negligible compute).
 
 posttrain runs in the variants of ``VARIANTS`` (``--variants``): verl's defaults; with

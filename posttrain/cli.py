@@ -32,15 +32,10 @@ def _load(args: argparse.Namespace):
 
 
 def _what_if(args: argparse.Namespace, world_size: int):
+    from posttrain.config.plan import fsdp_group_size
     from posttrain.tuning.memory import WhatIf
 
-    fsdp = args.fsdp_size
-    if fsdp is not None:
-        fsdp = world_size if fsdp == -1 else fsdp
-        if fsdp < 1 or world_size % fsdp != 0:
-            raise ValueError(
-                f"--fsdp-size {args.fsdp_size} must divide the world size ({world_size}) (-1: shard over all GPUs)"
-            )
+    fsdp = None if args.fsdp_size is None else fsdp_group_size(args.fsdp_size, world_size, "--fsdp-size")
     return WhatIf(
         fsdp_size=fsdp, param_offload=args.param_offload, optimizer_offload=args.optimizer_offload,
         lora_rank=args.lora_rank, master_weights_fp32=args.master_weights_fp32, rollout_engine=args.rollout_engine,

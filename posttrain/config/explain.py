@@ -105,6 +105,9 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f}"
 
 
+STATES = ("weights", "optimizer")  # components that are model states (the rest is a phase's working memory)
+
+
 def estimate_table(estimate, advice: dict | None = None):
     """A rich Table of the per-GPU memory estimate (one row per phase), with OOM warnings and fixes."""
     from rich.table import Table
@@ -131,8 +134,6 @@ def estimate_table(estimate, advice: dict | None = None):
         table.caption, table.caption_justify = " | ".join(placed), "left"
     return table
 
-
-STATES = ("weights", "optimizer")
 
 
 def advice_lines(estimate, advice: dict) -> list[str]:
