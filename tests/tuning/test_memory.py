@@ -233,3 +233,24 @@ def test_prefix_grouper_estimate_counts_what_the_grouper_computes(micro):
     for phase in ("critic_update", "values"):
         assert est[True].phase(phase).total == est[False].phase(phase).total
     assert est[True].phase("actor_update").detail["activations_gib"] < est[False].phase("actor_update").detail["activations_gib"]
+
+
+def test_advice_offloads_parameters_then_shrinks_the_rollout_cache():
+    """A 7B run on 8 GPUs whose rollout (256 KV-cache slots) does not fit: the config's parameter offload key is
+    suggested first (it lowers the estimate on several GPUs), then the largest rollout.max_num_seqs that fits."""
+    cfg = build_config(overrides=GRPO_7B)
+    shape = ModelShape.from_path(QWEN_7B)
+
+    def advice_for(gib):
+        cluster = Cluster(1, 8, gib)
+        return advise(cfg, estimate_memory(cfg, build_plan(cfg, 8), shape, cluster), shape, cluster)["rollout"]
+
+    roomy = advice_for(40)
+    assert roomy.fits and roomy.overrides == {"actor.fsdp_config.param_offload": True}
+    tight = advice_for(30)
+    assert tight.fits and tight.overrides["actor.fsdp_config.param_offload"] is True
+    slots = tight.overrides["rollout.max_num_seqs"]
+    assert 1 <= slots < 256
+    bigger = build_config(overrides=[*GRPO_7B, "actor.fsdp_config.param_offload=true", f"rollout.max_num_seqs={slots + 1}"])
+    over = estimate_memory(bigger, build_plan(bigger, 8), shape, Cluster(1, 8, 30)).phase("rollout").total
+    assert over > 30 * GIB  # the largest that fits
