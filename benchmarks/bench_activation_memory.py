@@ -6,7 +6,7 @@ Setting: a Qwen2 with hidden 512, 8 layers, 8 heads (4 KV heads), intermediate 1
 vocabulary (random weights, fp32, sdpa attention; 56 M parameters); one micro-batch of ``--rows`` sequences of
 ``--seq-len`` tokens (a quarter prompt, the rest response). The loss is the trainer's own actor loss
 (``engine.roles.actor_loss_fn``: PPO clip + entropy bonus + KL loss) with the forward options and module
-preparation built from a config by ``posttrain.trainers.throughput``, exactly as ``posttrain train`` does.
+preparation built from a config by ``posttrain.models.prepare``, exactly as ``posttrain train`` does.
 
 Variants (config keys):
 
@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.algorithms.aggregation import LossNormalizer  # noqa: E402
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.data.batch import build_rollout_batch  # noqa: E402
-from posttrain.engine.roles import actor_loss_fn  # noqa: E402
-from posttrain.trainers.throughput import pass_options, prepare_policy  # noqa: E402
+from posttrain.forward.options import pass_options
+from posttrain.models.prepare import prepare_policy
+from posttrain.train.losses import actor_loss_fn
 
 VARIANTS = {
     "baseline": [],
@@ -76,10 +77,15 @@ def child(args: argparse.Namespace) -> None:
     cfg = build_config(overrides=VARIANTS[args.variant])
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=args.vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=args.seq_len,
+        vocab_size=args.vocab,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq_len,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").float().to(device)
     prepare_policy(model, cfg)
     model.train()
@@ -112,10 +118,22 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(args: argparse.Namespace, variant: str) -> dict:
     cmd = [
-        sys.executable, __file__, "--child", "--variant", variant, "--rows", str(args.rows),
-        "--seq-len", str(args.seq_len), "--vocab", str(args.vocab), "--threads", str(args.threads),
-        "--device", args.device,
-    ]  # fmt: skip
+        sys.executable,
+        __file__,
+        "--child",
+        "--variant",
+        variant,
+        "--rows",
+        str(args.rows),
+        "--seq-len",
+        str(args.seq_len),
+        "--vocab",
+        str(args.vocab),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"variant {variant} failed:\n{out.stderr[-2000:]}")
@@ -123,7 +141,9 @@ def run_child(args: argparse.Namespace, variant: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32_000)
@@ -148,7 +168,10 @@ def main() -> None:
         for variant in VARIANTS:  # alternated, so machine load hits every variant alike
             res = run_child(args, variant)
             results[variant].append(res)
-            print(f"  run {rep + 1}: {variant}: {res['growth'] / 2**20:.0f} MiB in {res['seconds']:.1f} s", flush=True)
+            print(
+                f"  run {rep + 1}: {variant}: {res['growth'] / 2**20:.0f} MiB in {res['seconds']:.1f} s",
+                flush=True,
+            )
     base = statistics.median(r["growth"] for r in results["baseline"])
     base_s = statistics.median(r["seconds"] for r in results["baseline"])
     header = ["variant", "peak growth MiB (min-max)", "vs baseline", "fwd+bwd s", "time vs baseline", "loss"]
@@ -157,10 +180,16 @@ def main() -> None:
         mib = [r["growth"] / 2**20 for r in runs]
         secs = statistics.median(r["seconds"] for r in runs)
         growth = statistics.median(r["growth"] for r in runs)
-        rows.append([
-            variant, f"{statistics.median(mib):,.0f} ({min(mib):,.0f}-{max(mib):,.0f})", f"{growth / base:.2f}x",
-            f"{secs:.1f}", f"{secs / base_s:.2f}x", f"{runs[0]['loss']:.6f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                variant,
+                f"{statistics.median(mib):,.0f} ({min(mib):,.0f}-{max(mib):,.0f})",
+                f"{growth / base:.2f}x",
+                f"{secs:.1f}",
+                f"{secs / base_s:.2f}x",
+                f"{runs[0]['loss']:.6f}",
+            ]
+        )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print()
     for r in [header, ["-" * w for w in widths], *rows]:

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posttrain.models.chunked_head import chunked_logprobs_entropy, naive_logprobs_entropy  # noqa: E402
+from posttrain.forward.chunked_head import chunked_logprobs_entropy, naive_logprobs_entropy  # noqa: E402
 
 
 def _peak_rss_bytes() -> int:

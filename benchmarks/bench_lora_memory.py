@@ -3,7 +3,7 @@
 Run: ``python benchmarks/bench_lora_memory.py`` (about three minutes on 2 CPU cores: one child process per row for
 the step measurement).
 
-Setting: the Qwen2 of tests/tuning/test_estimator_vs_measured.py (hidden 512, 4 layers, 8 heads / 4 KV heads,
+Setting: the Qwen2 of tests/tools/test_estimator_vs_measured.py (hidden 512, 4 layers, 8 heads / 4 KV heads,
 intermediate 1408, 4,096-token tied vocabulary; random fp32 weights, sdpa), one actor micro-batch of 8 samples of
 128 + 128 tokens, the trainer's own actor loss with a KL term (so a reference policy exists).
 
@@ -15,8 +15,8 @@ Columns:
 * ``reference copy``: bytes of the parameters of the reference policy the trainer builds (``setup.build_components``
   builds a ``deepcopy`` without LoRA, the actor with adapters disabled with LoRA: no parameters of its own).
 * ``step (RSS)``: the working memory of one actor micro-batch, high-water RSS minus the post-setup RSS, in a fresh
-  child (``posttrain.tuning.measure``), as tests/tuning/test_estimator_vs_measured.py measures it.
-* ``estimated``: ``posttrain.tuning.memory.estimate_memory`` for the same config (actor weights + optimizer +
+  child (``posttrain.tools.measure``), as tests/tools/test_estimator_vs_measured.py measures it.
+* ``estimated``: ``posttrain.tools.memory.estimate_memory`` for the same config (actor weights + optimizer +
   reference weights; and the update phase's gradients/activations + head).
 """
 
@@ -33,21 +33,35 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
 from posttrain.algorithms.aggregation import LossNormalizer  # noqa: E402
+from posttrain.batching.micro import micro_batch_rows
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.config.plan import build_plan  # noqa: E402
-from posttrain.engine.micro_batches import accumulate_and_step, micro_batch_rows  # noqa: E402
-from posttrain.engine.roles import Trainable, actor_loss_fn  # noqa: E402
 from posttrain.models.lora import apply_lora, is_lora_model, reference_policy  # noqa: E402
-from posttrain.tuning.measure import TrialSpec, run_trial_in_subprocess, synthetic_batch  # noqa: E402
-from posttrain.tuning.memory import estimate_memory  # noqa: E402
-from posttrain.tuning.shape import ModelShape  # noqa: E402
+from posttrain.tools.measure import TrialSpec, run_trial_in_subprocess, synthetic_batch  # noqa: E402
+from posttrain.tools.memory import estimate_memory  # noqa: E402
+from posttrain.tools.shape import ModelShape  # noqa: E402
+from posttrain.train.losses import actor_loss_fn
+from posttrain.train.trainable import Trainable
+from posttrain.train.update import accumulate_and_step
 
-MODEL = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)  # fmt: skip
+MODEL = Qwen2Config(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+)
 PROMPT = RESPONSE = 128
 MICRO = 8
-BASE = [f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}", "actor.use_kl_loss=true",
-        f"actor.ppo_micro_batch_size_per_gpu={MICRO}", f"actor.log_prob_micro_batch_size_per_gpu={MICRO}"]  # fmt: skip
+BASE = [
+    f"data.max_prompt_length={PROMPT}",
+    f"data.max_response_length={RESPONSE}",
+    "actor.use_kl_loss=true",
+    f"actor.ppo_micro_batch_size_per_gpu={MICRO}",
+    f"actor.log_prob_micro_batch_size_per_gpu={MICRO}",
+]
 ROWS = {"full fine-tuning": [], "LoRA r=8": ["model.lora_rank=8"], "LoRA r=32": ["model.lora_rank=32"]}
 MIB = 2**20
 
@@ -70,10 +84,20 @@ def measure_states(overrides: list[str]) -> dict[str, int]:
     batch = synthetic_batch(MICRO, PROMPT, RESPONSE, MODEL.vocab_size)
     normalizer = LossNormalizer.from_mask(batch.response_mask, float(RESPONSE))
     policy.train()
-    accumulate_and_step(policy, trainable.optimizer, None, batch, micro_batch_rows(batch, MICRO, None),
-                        actor_loss_fn(policy, cfg.actor, 1.0), normalizer, 0.0)  # fmt: skip
+    accumulate_and_step(
+        policy,
+        trainable.optimizer,
+        None,
+        batch,
+        micro_batch_rows(batch, MICRO, None),
+        actor_loss_fn(policy, cfg.actor, 1.0),
+        normalizer,
+        0.0,
+    )
     states = [t for s in trainable.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    loss, _ = actor_loss_fn(policy, cfg.actor, 1.0)(batch, normalizer)  # the step zeroed them: one more backward
+    loss, _ = actor_loss_fn(policy, cfg.actor, 1.0)(
+        batch, normalizer
+    )  # the step zeroed them: one more backward
     loss.backward()
     params = list(policy.parameters())
     return {
@@ -103,13 +127,23 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     print(__doc__.split("\n\n")[2])
-    header = ("| setting | params (trainable) | optimizer states | gradients | reference copy | step (RSS) |"
-              " estimated: weights / optimizer / reference / step |")  # fmt: skip
+    header = (
+        "| setting | params (trainable) | optimizer states | gradients | reference copy | step (RSS) |"
+        " estimated: weights / optimizer / reference / step |"
+    )
     print(header + "\n|" + "---|" * 7)
     for name, overrides in ROWS.items():
         m, e = measure_states(overrides), estimated(overrides)
-        spec = TrialSpec(role="actor", model_config=MODEL.to_dict(), overrides=tuple([*BASE, *overrides]),
-                         prompt_len=PROMPT, response_len=RESPONSE, rows=MICRO, micro_batch_size=MICRO, repeats=1)  # fmt: skip
+        spec = TrialSpec(
+            role="actor",
+            model_config=MODEL.to_dict(),
+            overrides=tuple([*BASE, *overrides]),
+            prompt_len=PROMPT,
+            response_len=RESPONSE,
+            rows=MICRO,
+            micro_batch_size=MICRO,
+            repeats=1,
+        )
         step = run_trial_in_subprocess(spec)
         step_text = f"{step.step_bytes / MIB:.0f} MiB" if step.status == "ok" else step.status
         print(

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.batching.packing import compute_tokens, pack_sequences  # noqa: E402
 from posttrain.batching.token_budget import plan_token_micro_batches  # noqa: E402
-from posttrain.models.packed_forward import packed_causal_lm_forward  # noqa: E402
+from posttrain.forward.packed import packed_causal_lm_forward  # noqa: E402
 
 
 def rl_lengths(rng: random.Random, n: int, prompt: tuple[int, int], mu: float, cap: int) -> list[int]:

@@ -3,7 +3,7 @@
 Run: ``python3 benchmarks/bench_prefix_grouper.py`` (about two minutes on 2 CPU cores).
 
 A micro-batch of ``--groups`` prompts x ``--n`` samples (GRPO's layout: a prompt's samples next to each other)
-goes through :func:`posttrain.models.forward.policy_logprobs` and the sum of the log-probs is backpropagated, on
+goes through :func:`posttrain.forward.passes.policy_logprobs` and the sum of the log-probs is backpropagated, on
 the built-in tiny Qwen2 (random weights, fp32, sdpa, one thread). Shapes: prompt and response lengths per row
 of the table (responses vary uniformly between half and all of the given length). Layouts:
 
@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.data.batch import RolloutBatch, build_rollout_batch  # noqa: E402
-from posttrain.models.forward import ForwardOptions, policy_logprobs  # noqa: E402
-from posttrain.models.prefix_grouper import group_by_prompt  # noqa: E402
+from posttrain.forward.passes import ForwardOptions, policy_logprobs  # noqa: E402
+from posttrain.forward.prefix_grouper import group_by_prompt  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 
@@ -41,7 +41,9 @@ LAYOUTS = {
 }
 
 
-def micro_batch(groups: int, n: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> RolloutBatch:
+def micro_batch(
+    groups: int, n: int, prompt_len: int, response_len: int, vocab: int, seed: int
+) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     prompts, responses, ids = [], [], []
     for k in range(groups):
@@ -76,9 +78,11 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument(
-        "--shapes", nargs="+", default=["17:8", "17:64", "128:32", "128:128"],
+        "--shapes",
+        nargs="+",
+        default=["17:8", "17:64", "128:32", "128:128"],
         help="prompt_len:max_response_len pairs, one table row group each",
-    )  # fmt: skip
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -98,11 +102,16 @@ def main() -> None:
         base = statistics.median(times["padded"])
         for name in LAYOUTS:
             t = statistics.median(times[name])
-            rows.append({
-                "prompt": prompt_len, "response": f"{response_len // 2}-{response_len}", "layout": name,
-                "tokens": computed_tokens(batch, name), "median CPU s": round(t, 3),
-                "speed-up vs padded": round(base / t, 2),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "prompt": prompt_len,
+                    "response": f"{response_len // 2}-{response_len}",
+                    "layout": name,
+                    "tokens": computed_tokens(batch, name),
+                    "median CPU s": round(t, 3),
+                    "speed-up vs padded": round(base / t, 2),
+                }
+            )
     print_table(
         f"forward+backward of {args.groups} prompts x n={args.n}, tiny Qwen2 fp32, 1 thread, "
         f"median of {args.repeats} alternated runs",

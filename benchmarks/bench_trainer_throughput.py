@@ -31,13 +31,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.config.plan import build_plan  # noqa: E402
 from posttrain.data.batch import RolloutBatch, build_rollout_batch  # noqa: E402
-from posttrain.engine.roles import Trainable, actor_loss_fn, run_update  # noqa: E402
-from posttrain.trainers.throughput import pass_options  # noqa: E402
+from posttrain.forward.options import pass_options
+from posttrain.train.losses import actor_loss_fn
+from posttrain.train.trainable import Trainable
+from posttrain.train.update import run_update
 
 BASE = [
-    "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.max_prompt_length=128",
-    "data.max_response_length=256", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01", "actor.optim.lr=1e-4",
-]  # fmt: skip
+    "data.train_batch_size=8",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=8",
+    "data.max_prompt_length=128",
+    "data.max_response_length=256",
+    "actor.use_kl_loss=true",
+    "actor.entropy_coeff=0.01",
+    "actor.optim.lr=1e-4",
+]
 
 
 def variants(budget: int, row_tokens: int) -> dict[str, list[str]]:
@@ -55,7 +63,9 @@ def rollout_like_batch(seed: int, vocab: int) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for _ in range(8):
-        prompt = torch.randint(3, vocab, (int(torch.randint(20, 121, (1,), generator=g)),), generator=g).tolist()
+        prompt = torch.randint(
+            3, vocab, (int(torch.randint(20, 121, (1,), generator=g)),), generator=g
+        ).tolist()
         for _sample in range(4):
             n = min(256, max(1, int(torch.empty(1).log_normal_(4.0, 1.0, generator=g))))
             prompts.append(prompt)
@@ -68,7 +78,9 @@ def rollout_like_batch(seed: int, vocab: int) -> RolloutBatch:
     return batch
 
 
-def run(model0: torch.nn.Module, batch: RolloutBatch, overrides: list[str], steps: int) -> tuple[float, float]:
+def run(
+    model0: torch.nn.Module, batch: RolloutBatch, overrides: list[str], steps: int
+) -> tuple[float, float]:
     cfg = build_config(overrides=[*BASE, *overrides])
     plan = build_plan(cfg).actor
     options = pass_options(cfg, torch.device("cpu")).actor
@@ -88,7 +100,9 @@ def run(model0: torch.nn.Module, batch: RolloutBatch, overrides: list[str], step
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
@@ -100,9 +114,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     model0 = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").float()
     batch = rollout_like_batch(1, config.vocab_size)
     valid = int(batch.attention_mask.sum())
@@ -130,11 +149,15 @@ def main() -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         tps = [valid * args.steps / t for t in ts]
-        rows.append([
-            name, f"{1000 * med / args.steps:,.0f}",
-            f"{statistics.median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f})", f"{base / med:.2f}x",
-            f"{losses[name]:.7f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{1000 * med / args.steps:,.0f}",
+                f"{statistics.median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f})",
+                f"{base / med:.2f}x",
+                f"{losses[name]:.7f}",
+            ]
+        )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print()
     for r in [header, ["-" * w for w in widths], *rows]:

@@ -38,7 +38,7 @@ posttrain runs in the variants of ``VARIANTS`` (``--variants``): verl's defaults
 ``actor.use_prefix_grouper`` (each prompt computed once for its samples); and with
 ``algorithm.rollout_correction.bypass_mode`` as well (the engine's log-probs serve as the old log-probs, so that
 pass is skipped). All three compute the same quantities (tests/models/test_prefix_grouper.py,
-tests/trainers/test_throughput_options.py). ``--model builtin`` (default) uses the model ``posttrain train``
+tests/rl/test_throughput_options.py). ``--model builtin`` (default) uses the model ``posttrain train``
 trains (the tiny Qwen2 after its SFT warm start: short answers, then eos); ``--model random`` the untrained one.
 
 Each round builds a fresh trainer of each kind, runs one untimed warm-up step, then ``--steps`` timed steps;
@@ -66,22 +66,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.config.load import build_config  # noqa: E402
+from posttrain.data.splits import load_splits
 from posttrain.data.tasks.arithmetic import arithmetic_reward  # noqa: E402
 from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
-from posttrain.trainers.builtin import builtin_model_dir  # noqa: E402
-from posttrain.trainers.common import load_splits, seed_everything  # noqa: E402
-from posttrain.trainers.setup import build_components  # noqa: E402
-from posttrain.trainers.step import train_step  # noqa: E402
+from posttrain.rl.build import build_components  # noqa: E402
+from posttrain.rl.step import train_step  # noqa: E402
+from posttrain.sft.builtin import builtin_model_dir  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 from posttrain.utils.metrics import PhaseTimer  # noqa: E402
+from posttrain.utils.seed import seed_everything
 
 # posttrain variants timed against TRL: name -> extra config overrides. Every variant computes the same
-# quantities (tests/models/test_prefix_grouper.py, tests/trainers/test_throughput_options.py).
+# quantities (tests/models/test_prefix_grouper.py, tests/rl/test_throughput_options.py).
 VARIANTS = {
     "posttrain": [],
     "posttrain +prefix grouper": ["actor.use_prefix_grouper=true"],
     "posttrain +prefix grouper +bypass": [
-        "actor.use_prefix_grouper=true", "algorithm.rollout_correction.bypass_mode=true"
+        "actor.use_prefix_grouper=true",
+        "algorithm.rollout_correction.bypass_mode=true",
     ],
 }
 
@@ -117,7 +119,7 @@ def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path, e
             "trainer.test_freq=0",
             f"trainer.run_dir={run_dir}",
             *extra,
-        ]  # fmt: skip
+        ]
     )
 
 
@@ -184,22 +186,48 @@ def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> list[tuple[
     samples = args.prompts * args.n
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-            num_generations=args.n, per_device_train_batch_size=samples // k,
-            gradient_accumulation_steps=1, steps_per_generation=k, num_iterations=1,
-            max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
-            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-            max_steps=k * (args.steps + 1), logging_steps=10_000, save_strategy="no", report_to="none",
-            disable_tqdm=True, seed=seed, dataloader_num_workers=0,
-        )  # fmt: skip
+            output_dir=out,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            num_generations=args.n,
+            per_device_train_batch_size=samples // k,
+            gradient_accumulation_steps=1,
+            steps_per_generation=k,
+            num_iterations=1,
+            max_completion_length=args.max_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=0.0,
+            epsilon=0.2,
+            loss_type="dapo",
+            scale_rewards="group",
+            max_steps=k * (args.steps + 1),
+            logging_steps=10_000,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            seed=seed,
+            dataloader_num_workers=0,
+        )
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         timer = StepTimes()
         trainer = GRPOTrainer(
-            model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
             callbacks=[timer],
-        )  # fmt: skip
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
@@ -222,14 +250,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--model", choices=("builtin", "random"), default="builtin",
+        "--model",
+        choices=("builtin", "random"),
+        default="builtin",
         help="builtin: the built-in job's warm-started tiny Qwen2 (answers, then stops: short, ragged responses); "
         "random: the same architecture with random weights (nearly every response runs to --max-tokens)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
+        "--variants",
+        nargs="+",
+        choices=sorted(VARIANTS),
+        default=list(VARIANTS),
         help="posttrain configurations to time (each against the same TRL runs)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.prompts % args.optimizer_steps:
         parser.error("--prompts must be a multiple of --optimizer-steps")
@@ -245,7 +278,10 @@ def main() -> None:
             model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
         print(f"model: {args.model} ({model_dir.name})")
         variants = {name: VARIANTS[name] for name in args.variants}
-        times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], **{name: [] for name in variants}}
+        times: dict[str, list[tuple[float, float]]] = {
+            "TRL GRPOTrainer": [],
+            **{name: [] for name in variants},
+        }
         phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         for round_ in range(args.rounds):
             trl_times = run_trl(args, model_dir, seed=round_)

@@ -52,8 +52,8 @@ from posttrain.data.tasks.arithmetic import make_arithmetic_splits  # noqa: E402
 from posttrain.models.hf import load_causal_lm, load_tokenizer  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from posttrain.rollout.base import SamplingParams  # noqa: E402
-from posttrain.rollout.native import NativeEngine, left_pad  # noqa: E402
-from posttrain.trainers.builtin import builtin_model_dir  # noqa: E402
+from posttrain.rollout.native.engine import NativeEngine, left_pad  # noqa: E402
+from posttrain.sft.builtin import builtin_model_dir  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 
 
@@ -62,9 +62,16 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_tokens: int, eos: l
     ids, mask = left_pad([p for p in prompts for _ in range(n)], pad, torch.device("cpu"))
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=pad,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
     new = out[:, ids.shape[1] :]
     # A row's tokens run up to and including its first eos; after it HF writes padding.
     is_eos = torch.isin(new, torch.tensor(eos))
@@ -100,10 +107,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--model", choices=("random", "builtin"), default="random",
+        "--model",
+        choices=("random", "builtin"),
+        default="random",
         help="random: untrained weights (samples rarely stop); builtin: the built-in job's warm-started model "
         "(answers, then stops: short, ragged responses, as in its RL steps)",
-    )  # fmt: skip
+    )
     parser.add_argument("--max-num-seqs", type=int, default=RolloutConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=RolloutConfig.max_num_batched_tokens)
     parser.add_argument(
@@ -152,7 +161,7 @@ def main() -> None:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 **kw,
-            )  # fmt: skip
+            )
             for name, kw in variants.items()
         }
 

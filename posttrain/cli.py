@@ -12,7 +12,19 @@ import json
 import sys
 from collections.abc import Callable
 
+from rich.console import Console
+
 from posttrain import __version__
+from posttrain.config.load import all_keys, build_config, field_info
+from posttrain.config.plan import build_plan, fsdp_group_size
+from posttrain.rl.eval_command import run_eval_command
+from posttrain.rl.loop import run_training
+from posttrain.sft.command import run_sft_command
+from posttrain.tools.advice import advise, starting_point
+from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
+from posttrain.tools.memory import Cluster, WhatIf, estimate_memory
+from posttrain.tools.shape import ModelShape, shape_for_model_path
+from posttrain.tools.tune import run_tune
 
 EXIT_CONFIG_ERROR = 2
 
@@ -25,26 +37,28 @@ def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _load(args: argparse.Namespace):
-    from posttrain.config.load import build_config
 
     yamls, overrides = _split_args(args.config)
     return build_config(yamls, overrides)
 
 
 def _what_if(args: argparse.Namespace, world_size: int):
-    from posttrain.config.plan import fsdp_group_size
-    from posttrain.tuning.memory import WhatIf
 
     fsdp = None if args.fsdp_size is None else fsdp_group_size(args.fsdp_size, world_size, "--fsdp-size")
     return WhatIf(
-        fsdp_size=fsdp, param_offload=args.param_offload, optimizer_offload=args.optimizer_offload,
-        lora_rank=args.lora_rank, master_weights_fp32=args.master_weights_fp32, rollout_engine=args.rollout_engine,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs, rollout_tp=args.rollout_tp,
-    )  # fmt: skip
+        fsdp_size=fsdp,
+        param_offload=args.param_offload,
+        optimizer_offload=args.optimizer_offload,
+        lora_rank=args.lora_rank,
+        master_weights_fp32=args.master_weights_fp32,
+        rollout_engine=args.rollout_engine,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        rollout_tp=args.rollout_tp,
+    )
 
 
 def _model_shape(cfg, model_config: str | None):
-    from posttrain.tuning.shape import ModelShape, shape_for_model_path
 
     if model_config:
         return ModelShape.from_path(model_config)
@@ -59,11 +73,6 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from posttrain.config.explain import advice_lines, estimate_table, plan_tree
-    from posttrain.config.load import all_keys, field_info
-    from posttrain.config.plan import build_plan
 
     if args.keys:
         for key in all_keys():
@@ -76,9 +85,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     plan = build_plan(cfg, world_size=world)
     estimate, advice, shape, point = None, {}, _model_shape(cfg, args.model_config), None
     if shape is not None:
-        from posttrain.tuning.advice import advise, starting_point
-        from posttrain.tuning.memory import Cluster, estimate_memory
-
         # --world-size, when given, replaces nodes x gpus-per-node (one node of that many GPUs).
         nodes, per_node = (args.nodes, args.gpus_per_node) if args.world_size is None else (1, world)
         cluster = Cluster(nodes, per_node, args.gpu_memory_gb)
@@ -91,10 +97,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
         mem = None
         if estimate is not None:
             mem = estimate.to_dict()
-            mem["advice"] = {k: {"overrides": a.overrides, "peak_gib": round(a.peak_bytes / 2**30, 3), "fits": a.fits,
-                                 "reason": a.reason} for k, a in advice.items()}  # fmt: skip
+            mem["advice"] = {
+                k: {
+                    "overrides": a.overrides,
+                    "peak_gib": round(a.peak_bytes / 2**30, 3),
+                    "fits": a.fits,
+                    "reason": a.reason,
+                }
+                for k, a in advice.items()
+            }
             if point is not None:
-                mem["starting_point"] = {"tier": point.tier, "source": point.source, "overrides": point.overrides}
+                mem["starting_point"] = {
+                    "tier": point.tier,
+                    "source": point.source,
+                    "overrides": point.overrides,
+                }
         out["memory_estimate"] = mem
         print(json.dumps(out, indent=2))
         return 0
@@ -104,40 +121,40 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console = Console(width=120)
     console.print(plan_tree(cfg, plan))
     if estimate is None:
-        console.print(f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)")
+        console.print(
+            f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"
+        )
         return 0
     console.print(estimate_table(estimate, advice))
     for line in advice_lines(estimate, advice):
         console.print(line)
     if point is not None:
-        args_text = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in point.overrides.items())
+        args_text = " ".join(
+            f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in point.overrides.items()
+        )
         console.print(f"starting point for a {point.tier} model ({point.source}):\n  {args_text}")
     return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from posttrain.tuning.cli_tune import run_tune
 
     yamls, overrides = _split_args(args.config)
     return run_tune(args, _load(args), overrides, yamls)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from posttrain.trainers.rl import run_training
 
     run_training(_load(args))
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from posttrain.trainers.sft import run_sft_command
 
     run_sft_command(_load(args))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from posttrain.trainers.evaluate import run_eval_command
 
     run_eval_command(_load(args), model_path=args.model)
     return 0
@@ -160,26 +177,54 @@ def build_parser() -> argparse.ArgumentParser:
     add("sft", cmd_sft, "Supervised fine-tuning on prompt/response data.")
     p = add("eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task.")
     p.add_argument("--model", default=None, help="Model directory or checkpoint (default: model.path)")
-    p = add("explain", cmd_explain, "Print the batch plan and the per-GPU memory estimate derived from a config.")
-    p.add_argument("--world-size", type=int, default=None, help="Number of GPUs/processes (default: nodes x gpus-per-node)")
+    p = add(
+        "explain", cmd_explain, "Print the batch plan and the per-GPU memory estimate derived from a config."
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="Number of GPUs/processes (default: nodes x gpus-per-node)",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON (stable keys)")
     p.add_argument("--keys", action="store_true", help="List every config key with its unit and help")
-    p.add_argument("--suggest", action="store_true", help="Also print the seeds' starting point for this model size")
+    p.add_argument(
+        "--suggest", action="store_true", help="Also print the seeds' starting point for this model size"
+    )
     _add_cluster_args(p)
-    p = add("tune", cmd_tune, "Measure micro-batch sizes / token budgets on this device; write a config overlay.")
-    p.add_argument("--memory-cap-gb", type=float, default=None,
-                   help="Memory a trial may use, GiB (default: the GPU's memory; on CPU the available RAM)")  # fmt: skip
+    p = add(
+        "tune", cmd_tune, "Measure micro-batch sizes / token budgets on this device; write a config overlay."
+    )
+    p.add_argument(
+        "--memory-cap-gb",
+        type=float,
+        default=None,
+        help="Memory a trial may use, GiB (default: the GPU's memory; on CPU the available RAM)",
+    )
     p.add_argument("--headroom", type=float, default=0.1, help="Fraction of the cap kept free (default 0.1)")
-    p.add_argument("--time-budget-s", type=float, default=300.0, help="Stop starting trials after this (0: no trials)")
+    p.add_argument(
+        "--time-budget-s", type=float, default=300.0, help="Stop starting trials after this (0: no trials)"
+    )
     p.add_argument("--max-trials", type=int, default=12, help="Most trials in total (default 12)")
-    p.add_argument("--roles", default=None, help="Comma list of actor,old_log_prob,critic,values (default: used ones)")
+    p.add_argument(
+        "--roles", default=None, help="Comma list of actor,old_log_prob,critic,values (default: used ones)"
+    )
     p.add_argument("--max-micro-batch", type=int, default=None, help="Largest micro-batch size to try")
-    p.add_argument("--rows", type=int, default=None, help="Samples per measured step (default: mini-batch per rank)")
-    p.add_argument("--repeats", type=int, default=2, help="Timed steps per trial; the fastest counts (default 2)")
+    p.add_argument(
+        "--rows", type=int, default=None, help="Samples per measured step (default: mini-batch per rank)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=2, help="Timed steps per trial; the fastest counts (default 2)"
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="Where to measure")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per trial (default 1)")
     p.add_argument("--output", default="tuned.yaml", help="Overlay YAML to write (default tuned.yaml)")
-    p.add_argument("--world-size", type=int, default=None, help="Number of GPUs/processes (default: nodes x gpus-per-node)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="Number of GPUs/processes (default: nodes x gpus-per-node)",
+    )
     _add_cluster_args(p)
     return parser
 
@@ -188,20 +233,46 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster and what-if inputs of the memory estimate (docs/tuning.md)")
     g.add_argument("--nodes", type=int, default=1, help="Nodes (default 1)")
     g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
-    g.add_argument("--gpu-memory-gb", type=float, default=None, help="Memory per GPU in GiB (enables OOM warnings)")
-    g.add_argument("--model-config", default=None, help="config.json (or its directory) giving the architecture")
+    g.add_argument(
+        "--gpu-memory-gb", type=float, default=None, help="Memory per GPU in GiB (enables OOM warnings)"
+    )
+    g.add_argument(
+        "--model-config", default=None, help="config.json (or its directory) giving the architecture"
+    )
     # The sharding what-ifs default to None: the config's <role>.fsdp_config keys, as the trainer applies them.
-    g.add_argument("--fsdp-size", type=int, default=None,
-                   help="What if every role were sharded over this many GPUs (-1: all; default: <role>.fsdp_config)")  # fmt: skip
-    g.add_argument("--param-offload", action="store_true", default=None,
-                   help="What if every role's parameters were offloaded to CPU (default: <role>.fsdp_config)")  # fmt: skip
-    g.add_argument("--optimizer-offload", action="store_true", default=None,
-                   help="What if optimizer states were offloaded to CPU (default: <role>.fsdp_config)")  # fmt: skip
-    g.add_argument("--lora-rank", type=int, default=0, help="What if only LoRA adapters of this rank were trained")
-    g.add_argument("--master-weights-fp32", action="store_true", default=None,
-                   help="What if fp32 master weights (default: as the trainer does, when sharded on several GPUs)")  # fmt: skip
-    g.add_argument("--rollout-engine", default="native", choices=("native", "vllm"), help="Rollout engine to model")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's reserved fraction (default 0.5)")
+    g.add_argument(
+        "--fsdp-size",
+        type=int,
+        default=None,
+        help="What if every role were sharded over this many GPUs (-1: all; default: <role>.fsdp_config)",
+    )
+    g.add_argument(
+        "--param-offload",
+        action="store_true",
+        default=None,
+        help="What if every role's parameters were offloaded to CPU (default: <role>.fsdp_config)",
+    )
+    g.add_argument(
+        "--optimizer-offload",
+        action="store_true",
+        default=None,
+        help="What if optimizer states were offloaded to CPU (default: <role>.fsdp_config)",
+    )
+    g.add_argument(
+        "--lora-rank", type=int, default=0, help="What if only LoRA adapters of this rank were trained"
+    )
+    g.add_argument(
+        "--master-weights-fp32",
+        action="store_true",
+        default=None,
+        help="What if fp32 master weights (default: as the trainer does, when sharded on several GPUs)",
+    )
+    g.add_argument(
+        "--rollout-engine", default="native", choices=("native", "vllm"), help="Rollout engine to model"
+    )
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.5, help="vLLM's reserved fraction (default 0.5)"
+    )
     g.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's concurrent sequences (default 256)")
     g.add_argument("--rollout-tp", type=int, default=1, help="vLLM's tensor-parallel size (default 1)")
 
@@ -215,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:
-        print(f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr)
+        print(
+            f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr
+        )
         return 130
 
 

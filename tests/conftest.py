@@ -16,9 +16,14 @@ def tiny_model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny_model")
     return create_tiny_model_dir(
-        path, seed=0, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        path,
+        seed=0,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         intermediate_size=128,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -39,8 +39,11 @@ def test_explain_tree_has_the_numbers(capsys):
 
 
 def test_explain_says_where_old_log_probs_come_from_and_how_prompts_are_grouped(capsys):
-    args = ["algorithm.rollout_correction.bypass_mode=true", "actor.use_prefix_grouper=true",
-            "actor.log_prob_micro_batch_size_per_gpu=60"]  # fmt: skip
+    args = [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "actor.use_prefix_grouper=true",
+        "actor.log_prob_micro_batch_size_per_gpu=60",
+    ]
     assert main(["explain", *args]) == 0
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # lines wrap inside the tree
     assert "old log-probs: the rollout engine's, no forward pass" in text
@@ -55,7 +58,16 @@ def test_explain_json_is_stable(capsys):
     assert plan["actor"]["optimizer_steps_per_step"] == 16
     assert plan["actor"]["grad_accum_steps"] == 64
     assert plan["actor"]["dp_size"] == 4
-    assert set(plan) >= {"world_size", "prompts_per_step", "n", "actor", "old_log_prob", "ref", "critic", "max_policy_lag"}
+    assert set(plan) >= {
+        "world_size",
+        "prompts_per_step",
+        "n",
+        "actor",
+        "old_log_prob",
+        "ref",
+        "critic",
+        "max_policy_lag",
+    }
 
 
 def test_explain_keys_lists_units(capsys):

@@ -50,7 +50,9 @@ def _float_mask(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) 
 def group_index(group_ids: GroupIds, batch_size: int, device: torch.device | None = None) -> torch.Tensor:
     """Map arbitrary per-sample group ids to contiguous ``[B]`` long indices ``0..G-1`` (first-seen order)."""
     if group_ids is None:
-        raise ValueError("group_ids is required by group-based estimators (grpo, drgrpo, rloo, ...); got None")
+        raise ValueError(
+            "group_ids is required by group-based estimators (grpo, drgrpo, rloo, ...); got None"
+        )
     ids = group_ids.reshape(-1).tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
     if len(ids) != batch_size:
         raise ValueError(f"group_ids has {len(ids)} entries but the batch has {batch_size} rows")
@@ -79,9 +81,16 @@ def group_stats(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor
 
 @torch.no_grad()
 def compute_gae_advantages(
-    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
-    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
-    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (PPO with a critic), as verl's ``gae``.
 
@@ -99,7 +108,9 @@ def compute_gae_advantages(
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values; got values=None")
     if values.shape != token_level_rewards.shape:
-        raise ValueError(f"values shape {tuple(values.shape)} != rewards shape {tuple(token_level_rewards.shape)}")
+        raise ValueError(
+            f"values shape {tuple(values.shape)} != rewards shape {tuple(token_level_rewards.shape)}"
+        )
     values = values.to(token_level_rewards.dtype)
     next_value = torch.zeros_like(token_level_rewards[:, 0])
     running = torch.zeros_like(next_value)
@@ -117,9 +128,16 @@ def compute_gae_advantages(
 
 @torch.no_grad()
 def compute_grpo_advantages(
-    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
-    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
-    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage, as verl's ``grpo``: ``(r_i - mean_g) / (std_g + epsilon)`` per group.
 
@@ -141,9 +159,16 @@ def compute_grpo_advantages(
 
 
 def compute_drgrpo_advantages(
-    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
-    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
-    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: :func:`compute_grpo_advantages` with ``norm_adv_by_std_in_grpo`` forced to False.
 
@@ -161,9 +186,16 @@ def compute_drgrpo_advantages(
 
 @torch.no_grad()
 def compute_rloo_advantages(
-    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
-    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
-    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO, as verl's ``rloo``: ``r_i - mean(r_j, j != i)`` = ``n / (n - 1) * (r_i - mean_g)``.
 
@@ -195,9 +227,16 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_advantages(
-    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
-    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
-    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++, as verl's ``reinforce_plus_plus``: discounted returns whitened over the whole batch.
 
@@ -212,9 +251,16 @@ def compute_reinforce_plus_plus_advantages(
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantages(
-    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
-    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
-    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline, as verl's ``reinforce_plus_plus_baseline``.
 
@@ -235,9 +281,16 @@ def compute_reinforce_plus_plus_baseline_advantages(
 
 @torch.no_grad()
 def compute_remax_advantages(
-    *, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds = None,
-    values: torch.Tensor | None = None, reward_baselines: torch.Tensor | None = None, gamma: float = 1.0,
-    lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax, as verl's ``remax``: undiscounted reward-to-go minus the greedy rollout's reward.
 
@@ -250,9 +303,13 @@ def compute_remax_advantages(
     mask = _float_mask(token_level_rewards, response_mask)
     if reward_baselines is None:
         raise ValueError("advantage estimator 'remax' needs reward_baselines (greedy rewards [B]); got None")
-    baselines = torch.as_tensor(reward_baselines, dtype=token_level_rewards.dtype, device=mask.device).reshape(-1)
+    baselines = torch.as_tensor(
+        reward_baselines, dtype=token_level_rewards.dtype, device=mask.device
+    ).reshape(-1)
     if baselines.shape[0] != mask.shape[0]:
-        raise ValueError(f"reward_baselines has {baselines.shape[0]} entries but the batch has {mask.shape[0]} rows")
+        raise ValueError(
+            f"reward_baselines has {baselines.shape[0]} entries but the batch has {mask.shape[0]} rows"
+        )
     returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1]) * mask
     advantages = returns - baselines.unsqueeze(-1) * mask
     return advantages, returns

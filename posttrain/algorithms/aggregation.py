@@ -42,7 +42,9 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 def check_loss_agg_mode(loss_agg_mode: str) -> None:
     """Raise ValueError naming ``loss_agg_mode`` and the valid modes if it is not one of :data:`LOSS_AGG_MODES`."""
     if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not supported; valid modes: {list(LOSS_AGG_MODES)}")
+        raise ValueError(
+            f"loss_agg_mode={loss_agg_mode!r} is not supported; valid modes: {list(LOSS_AGG_MODES)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,10 @@ class LossNormalizer:
         num_tokens = float(mask.sum().item())
         num_sequences = float((mask.sum(dim=-1) > 0).sum().item())
         return cls(
-            num_tokens=num_tokens, num_sequences=num_sequences, norm_constant=float(norm_constant), dp_size=dp_size
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+            norm_constant=float(norm_constant),
+            dp_size=dp_size,
         )
 
 

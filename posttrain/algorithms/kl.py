@@ -22,7 +22,13 @@ import torch
 from posttrain.algorithms.masked import masked_mean
 
 _BASE_ESTIMATORS: dict[str, str] = {
-    "k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3",
+    "k1": "k1",
+    "kl": "k1",
+    "abs": "abs",
+    "k2": "k2",
+    "mse": "k2",
+    "k3": "k3",
+    "low_var_kl": "k3",
 }
 KL_ESTIMATORS: list[str] = [*_BASE_ESTIMATORS, *(f"{name}+" for name in _BASE_ESTIMATORS)]
 """Every accepted ``kl_penalty`` / ``kl_loss_type`` name."""
@@ -124,8 +130,12 @@ def make_kl_controller(
 
 @torch.no_grad()
 def apply_kl_penalty(
-    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-    response_mask: torch.Tensor, kl_ctrl: KLController, kl_penalty: str = "kl",
+    token_level_scores: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_ctrl: KLController,
+    kl_penalty: str = "kl",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL in the reward (verl's ``apply_kl_penalty``): ``rewards = scores - beta * kl * mask``.
 

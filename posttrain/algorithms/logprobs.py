@@ -2,7 +2,7 @@
 
 The math runs in at least float32 (bf16/fp16 logits are upcast; float64 stays float64), so results do not depend
 on the model's compute dtype (verl's ``entropy_from_logits`` computes in the input dtype). The memory-bounded,
-chunked path the trainer uses for large vocabularies is posttrain.models.chunked_head.
+chunked path the trainer uses for large vocabularies is posttrain.forward.chunked_head.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
         ``[...]`` log-probs in float32 (float64 for float64 logits).
     """
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}"
+        )
     logits = logits.to(_compute_dtype(logits))
     picked = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)

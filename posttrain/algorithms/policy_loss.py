@@ -12,7 +12,7 @@ Every loss is called as::
 ``loss`` is this micro-batch's contribution to the mini-batch loss (see :mod:`posttrain.algorithms.aggregation`):
 backpropagate it as is. ``metrics`` holds detached scalar tensors named as in verl (without the ``actor/``
 prefix); like verl they are masked means over *this* micro-batch's tokens, so a trainer should average them
-weighted by the micro-batch token count (``posttrain.engine.micro_batches.accumulate_and_step`` does).
+weighted by the micro-batch token count (``posttrain.train.update.accumulate_and_step`` does).
 """
 
 from __future__ import annotations
@@ -33,8 +33,14 @@ GSPO_LOG_RATIO_MAX = 10.0
 """gspo: upper clamp of the token-level log importance ratio before ``exp`` (verl's value)."""
 
 
-def _check_inputs(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                  response_mask: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float) -> None:
+def _check_inputs(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> None:
     shape = log_prob.shape
     if log_prob.dim() != 2 or any(t.shape != shape for t in (old_log_prob, advantages, response_mask)):
         raise ValueError(
@@ -48,9 +54,16 @@ def _check_inputs(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages
 
 
 def compute_policy_loss_vanilla(
-    *, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
-    normalizer: LossNormalizer, loss_agg_mode: str,
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    normalizer: LossNormalizer,
+    loss_agg_mode: str,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clipping and dual-clip, as verl's ``vanilla`` policy loss.
 
@@ -88,17 +101,25 @@ def compute_policy_loss_vanilla(
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((clipped > unclipped).to(log_prob.dtype), response_mask),
-            "pg_clipfrac_lower": masked_mean(((pessimistic > dual_bound) & negative).to(log_prob.dtype),
-                                             response_mask),
+            "pg_clipfrac_lower": masked_mean(
+                ((pessimistic > dual_bound) & negative).to(log_prob.dtype), response_mask
+            ),
             "ppo_kl": masked_mean(-log_ratio, response_mask),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
 def compute_policy_loss_gspo(
-    *, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
-    normalizer: LossNormalizer, loss_agg_mode: str,
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    normalizer: LossNormalizer,
+    loss_agg_mode: str,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (sequence-level importance ratio), as verl's ``gspo`` policy loss.
 

@@ -9,8 +9,14 @@ from posttrain.algorithms.masked import masked_mean
 
 
 def compute_value_loss(
-    *, vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-    cliprange_value: float, normalizer: LossNormalizer, loss_agg_mode: str,
+    *,
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    normalizer: LossNormalizer,
+    loss_agg_mode: str,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO value loss ``0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2))``.
 

@@ -15,7 +15,7 @@ row layout, so the whole micro-batch can be one row (``max_row_tokens=None``): t
 ``cu_seqlens`` from the restarting position ids (it requires a single row for that).
 
 Transformers only applies the packed mask when ``attention_mask`` is None and no KV cache is created, so a
-packed forward must pass ``use_cache=False`` (see :mod:`posttrain.models.packed_forward`).
+packed forward must pass ``use_cache=False`` (see :mod:`posttrain.forward.packed`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ def field_info(key: str) -> tuple[dataclasses.Field, Any]:
         if i == len(parts) - 1:
             return fields[part], hint
         if not dataclasses.is_dataclass(hint):
-            raise ValueError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section: '{key}' is unknown")
+            raise ValueError(
+                f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section: '{key}' is unknown"
+            )
         cls = hint
     raise AssertionError("unreachable")
 

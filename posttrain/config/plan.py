@@ -138,7 +138,11 @@ def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan
     mini_samples = mini * n
     if mini_samples % dp != 0:
         valid = [m for m in _divisors(tbs) if (m * n) % dp == 0]
-        hint = f"{role}.ppo_mini_batch_size={_nearest(valid, mini)}" if valid else "a data.train_batch_size divisible by DP"
+        hint = (
+            f"{role}.ppo_mini_batch_size={_nearest(valid, mini)}"
+            if valid
+            else "a data.train_batch_size divisible by DP"
+        )
         raise ValueError(
             f"{role}.ppo_mini_batch_size ({mini}) x rollout.n ({n}) = {mini_samples} samples must split "
             f"evenly over {dp} data-parallel ranks (world {world_size} / SP {sp}), with at least one "
@@ -193,9 +197,16 @@ def _check_budget(cfg: PostTrainConfig, key: str, budget: int, sp: int) -> int:
 
 
 def _forward_plan(
-    cfg: PostTrainConfig, role: str, world_size: int, sp: int, sp_key: str,
-    dynamic: bool, micro: int, budget: int, budget_key: str,
-) -> ForwardPlan:  # fmt: skip
+    cfg: PostTrainConfig,
+    role: str,
+    world_size: int,
+    sp: int,
+    sp_key: str,
+    dynamic: bool,
+    micro: int,
+    budget: int,
+    budget_key: str,
+) -> ForwardPlan:
     dp = _dp_size(world_size, sp, sp_key)
     samples = cfg.data.train_batch_size * cfg.rollout.n
     if samples % dp != 0:
@@ -227,11 +238,20 @@ def build_sft_plan(cfg: PostTrainConfig, world_size: int = 1) -> UpdatePlan:
             f"sft.micro_batch_size_per_gpu={_nearest(_divisors(per_rank), micro)}"
         )
     return UpdatePlan(
-        role="sft", dp_size=world_size, sp_size=1, ppo_epochs=s.epochs, mini_batch_prompts=s.batch_size,
-        mini_batch_samples=s.batch_size, mini_batches_per_epoch=0, optimizer_steps_per_step=1,
-        mini_batch_samples_per_rank=per_rank, use_dynamic_bsz=False, micro_batch_size_per_rank=micro,
-        grad_accum_steps=per_rank // micro, max_token_len_per_rank=None,
-    )  # fmt: skip
+        role="sft",
+        dp_size=world_size,
+        sp_size=1,
+        ppo_epochs=s.epochs,
+        mini_batch_prompts=s.batch_size,
+        mini_batch_samples=s.batch_size,
+        mini_batches_per_epoch=0,
+        optimizer_steps_per_step=1,
+        mini_batch_samples_per_rank=per_rank,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_rank=micro,
+        grad_accum_steps=per_rank // micro,
+        max_token_len_per_rank=None,
+    )
 
 
 def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
@@ -259,16 +279,28 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
             fsdp_group_size(getattr(cfg, section).fsdp_config.fsdp_size, world_size, key)
     actor = _update_plan(cfg, "actor", world_size)
     old_lp = _forward_plan(
-        cfg, "old_log_prob", world_size, a.ulysses_sequence_parallel_size, "actor.ulysses_sequence_parallel_size",
-        a.use_dynamic_bsz, a.log_prob_micro_batch_size_per_gpu, a.log_prob_max_token_len_per_gpu,
+        cfg,
+        "old_log_prob",
+        world_size,
+        a.ulysses_sequence_parallel_size,
+        "actor.ulysses_sequence_parallel_size",
+        a.use_dynamic_bsz,
+        a.log_prob_micro_batch_size_per_gpu,
+        a.log_prob_max_token_len_per_gpu,
         "actor.log_prob_max_token_len_per_gpu",
-    )  # fmt: skip
+    )
     ref = (
         _forward_plan(
-            cfg, "ref", world_size, r.ulysses_sequence_parallel_size, "ref.ulysses_sequence_parallel_size",
-            a.use_dynamic_bsz, r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu,
+            cfg,
+            "ref",
+            world_size,
+            r.ulysses_sequence_parallel_size,
+            "ref.ulysses_sequence_parallel_size",
+            a.use_dynamic_bsz,
+            r.log_prob_micro_batch_size_per_gpu,
+            r.log_prob_max_token_len_per_gpu,
             "ref.log_prob_max_token_len_per_gpu",
-        )  # fmt: skip
+        )
         if uses_ref
         else None
     )
@@ -277,17 +309,30 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         c = cfg.critic
         critic = _update_plan(cfg, "critic", world_size)
         values = _forward_plan(
-            cfg, "values", world_size, c.ulysses_sequence_parallel_size, "critic.ulysses_sequence_parallel_size",
-            c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu,
+            cfg,
+            "values",
+            world_size,
+            c.ulysses_sequence_parallel_size,
+            "critic.ulysses_sequence_parallel_size",
+            c.use_dynamic_bsz,
+            c.forward_micro_batch_size_per_gpu,
+            c.forward_max_token_len_per_gpu,
             "critic.forward_max_token_len_per_gpu",
-        )  # fmt: skip
+        )
     rm = None
     if cfg.reward.model.enable:
         m = cfg.reward.model
         rm = _forward_plan(
-            cfg, "reward_model", world_size, 1, "", m.use_dynamic_bsz, m.micro_batch_size_per_gpu,
-            m.forward_max_token_len_per_gpu, "reward.model.forward_max_token_len_per_gpu",
-        )  # fmt: skip
+            cfg,
+            "reward_model",
+            world_size,
+            1,
+            "",
+            m.use_dynamic_bsz,
+            m.micro_batch_size_per_gpu,
+            m.forward_max_token_len_per_gpu,
+            "reward.model.forward_max_token_len_per_gpu",
+        )
     tbs = cfg.data.train_batch_size
     chunk = min(cfg.rollout.chunk_size, tbs)
     return BatchPlan(

@@ -28,9 +28,21 @@ ADV_ESTIMATORS = (
 POLICY_LOSSES = ("vanilla", "gspo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = (
-    "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
-    "k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+",
-)  # fmt: skip
+    "k1",
+    "kl",
+    "abs",
+    "k2",
+    "mse",
+    "k3",
+    "low_var_kl",
+    "k1+",
+    "kl+",
+    "abs+",
+    "k2+",
+    "mse+",
+    "k3+",
+    "low_var_kl+",
+)
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -194,9 +206,7 @@ class OptimConfig:
     weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
     betas: list[float] = knob(default_factory=lambda: [0.9, 0.999], help="AdamW betas.")
     warmup_steps: int = knob(0, "Linear warm-up length.", unit="optimizer steps", min=0)
-    lr_schedule: str = knob(
-        "constant", "Schedule after warm-up.", choices=("constant", "cosine", "linear")
-    )
+    lr_schedule: str = knob("constant", "Schedule after warm-up.", choices=("constant", "cosine", "linear"))
     min_lr_ratio: float = knob(0.0, "Final lr / peak lr for cosine and linear schedules.", min=0.0, max=1.0)
     grad_clip: float = knob(1.0, "Clip the global gradient norm to this value (0 disables).", min=0.0)
 
@@ -307,7 +317,9 @@ class ActorConfig:
         3.0, "Dual-clip bound on the loss of negative-advantage tokens (> 1).", min=1.0
     )
     loss_agg_mode: str = knob(
-        "token-mean", "How token losses become one number (global over the mini-batch).", choices=LOSS_AGG_MODES
+        "token-mean",
+        "How token losses become one number (global over the mini-batch).",
+        choices=LOSS_AGG_MODES,
     )
     entropy_coeff: float = knob(0.0, "Entropy bonus weight (subtracted from the loss).")
     use_kl_loss: bool = knob(False, "Add a KL(policy || reference) term to the loss (GRPO style).")
@@ -388,7 +400,8 @@ class CriticConfig:
         "model.remove_padding_max_row_tokens. Same numbers, less compute; needs a verified architecture.",
     )
     enable_gradient_checkpointing: bool = knob(
-        False, "Recompute the critic backbone's decoder-layer activations in backward instead of keeping them."
+        False,
+        "Recompute the critic backbone's decoder-layer activations in backward instead of keeping them.",
     )
     enable_activation_offload: bool = knob(
         False,
@@ -438,7 +451,9 @@ class RewardConfig:
 class KLControlConfig:
     """The coefficient of the in-reward KL penalty."""
 
-    type: str = knob("fixed", "Fixed or adaptive (PPO-style target KL) coefficient.", choices=("fixed", "adaptive"))
+    type: str = knob(
+        "fixed", "Fixed or adaptive (PPO-style target KL) coefficient.", choices=("fixed", "adaptive")
+    )
     kl_coef: float = knob(0.001, "(Initial) KL penalty coefficient.", min=0.0)
     target_kl: float = knob(0.1, "Adaptive controller's target KL per token.", min=0.0)
     horizon: int = knob(10000, "Adaptive controller's horizon.", unit="samples", min=1)
@@ -481,7 +496,9 @@ class TrainerConfig:
     run_dir: str = knob("runs/latest", "Directory for metrics, the resolved config, plots and checkpoints.")
     resume: str = knob("auto", "'auto' (latest checkpoint in run_dir), 'disable', or a checkpoint path.")
     seed: int = knob(1, "Seed for data order, sampling and the built-in model.")
-    device: str = knob("auto", "'auto' (CUDA when present), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda"))
+    device: str = knob(
+        "auto", "'auto' (CUDA when present), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda")
+    )
     loggers: list[str] = knob(
         default_factory=lambda: ["console", "jsonl"], help="Metric sinks: console, jsonl, tensorboard, wandb."
     )
@@ -516,7 +533,9 @@ class SFTConfig:
         64, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1
     )
     epochs: int = knob(1, "Passes over the training examples.", unit="epochs", min=1)
-    max_steps: int = knob(0, "Stop after this many optimizer steps (0: run all epochs).", unit="optimizer steps", min=0)
+    max_steps: int = knob(
+        0, "Stop after this many optimizer steps (0: run all epochs).", unit="optimizer steps", min=0
+    )
     output_dir: str = knob("", "Where `posttrain sft` saves the model; empty: <trainer.run_dir>/sft_model.")
     optim: OptimConfig = section(OptimConfig)
 

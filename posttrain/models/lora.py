@@ -18,6 +18,7 @@ The reference policy is not a copy: :class:`AdaptersDisabled` runs the same modu
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import warnings
 from collections.abc import Iterator
@@ -26,8 +27,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
-from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema import ModelConfig, PostTrainConfig
+from posttrain.models.hf import save_hf
 from posttrain.utils.console import warn_once
 
 ALL_LINEAR = "all-linear"
@@ -93,9 +96,12 @@ def lora_settings(cfg: PostTrainConfig) -> LoraSettings | None:
     targets = data.get("target_modules") or []
     targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
     return LoraSettings(
-        int(data["r"]), float(data.get("lora_alpha", data["r"])), targets, float(data.get("lora_dropout", 0.0)),
+        int(data["r"]),
+        float(data.get("lora_alpha", data["r"])),
+        targets,
+        float(data.get("lora_dropout", 0.0)),
         m.lora_adapter_path,
-    )  # fmt: skip
+    )
 
 
 def check_lora_config(cfg: PostTrainConfig, model_config=None) -> None:
@@ -158,8 +164,6 @@ def check_lora_config(cfg: PostTrainConfig, model_config=None) -> None:
 
 def _check_adapter_matches(cfg: PostTrainConfig, s: LoraSettings) -> None:
     """The adapter defines rank, alpha, targets and dropout; a config value that contradicts it is a mistake."""
-    from posttrain.config.schema import ModelConfig
-
     m = cfg.model
     if m.lora_rank not in (0, s.rank):
         raise ValueError(
@@ -188,8 +192,6 @@ def _check_adapter_matches(cfg: PostTrainConfig, s: LoraSettings) -> None:
 
 def linear_module_names(model_config) -> list[str] | None:
     """Dotted names of the linear layers of the architecture (built on the meta device); None if it cannot be."""
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -217,7 +219,6 @@ def _check_targets_exist(targets: tuple[str, ...], model_config, key: str) -> No
 
 
 def _require_peft() -> None:
-    import importlib.util
 
     if importlib.util.find_spec("peft") is None:
         raise ValueError(
@@ -247,9 +248,13 @@ def apply_lora(model: nn.Module, cfg: PostTrainConfig) -> nn.Module:
             policy = PeftModel.from_pretrained(model, settings.adapter_path, is_trainable=True)
         else:
             config = LoraConfig(
-                r=settings.rank, lora_alpha=settings.alpha, target_modules=settings.peft_targets,
-                lora_dropout=settings.dropout, bias="none", task_type="CAUSAL_LM",
-            )  # fmt: skip
+                r=settings.rank,
+                lora_alpha=settings.alpha,
+                target_modules=settings.peft_targets,
+                lora_dropout=settings.dropout,
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
             policy = get_peft_model(model, config)
     if hasattr(policy.get_output_embeddings(), "get_base_layer"):  # e.g. an adapter's targets named the head
         raise ValueError(
@@ -420,8 +425,6 @@ def export_policy(model: nn.Module, tokenizer, path: str | Path, merge: bool = F
     adapter (adapter_config.json + adapter_model.safetensors) for ``PeftModel.from_pretrained(base, path)``.
     The tokenizer is saved alongside either way.
     """
-    from posttrain.models.hf import save_hf
-
     path = Path(path)
     if not is_lora_model(model):
         return save_hf(model, tokenizer, path), "loads with AutoModelForCausalLM"
@@ -468,10 +471,14 @@ def lora_memory(model: nn.Module, uses_reference: bool) -> LoraMemory:
             base += p.numel()
             base_bytes += p.numel() * p.element_size()
     return LoraMemory(
-        total_params=base + trainable, trainable_params=trainable, base_bytes=base_bytes,
-        trainable_bytes=trainable_bytes, optimizer_bytes=2 * trainable_bytes, full_optimizer_bytes=2 * base_bytes,
+        total_params=base + trainable,
+        trainable_params=trainable,
+        base_bytes=base_bytes,
+        trainable_bytes=trainable_bytes,
+        optimizer_bytes=2 * trainable_bytes,
+        full_optimizer_bytes=2 * base_bytes,
         reference_shared_bytes=base_bytes if uses_reference else 0,
-    )  # fmt: skip
+    )
 
 
 def lora_memory_summary(model: nn.Module, uses_reference: bool) -> str:

@@ -6,6 +6,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from posttrain.batching.packing import pack_sequences
+from posttrain.batching.token_budget import plan_token_micro_batches
+from posttrain.models.registry import check_packing_supported
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,7 +46,6 @@ class RewardModelScorer:
         remove_padding: bool = False,
         max_row_tokens: int = 512,
     ) -> None:
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
@@ -82,8 +86,6 @@ class RewardModelScorer:
         self.remove_padding = remove_padding
         self.max_row_tokens = max_row_tokens
         if remove_padding:
-            from posttrain.models.registry import check_packing_supported
-
             check_packing_supported(self.model.config)
             if not isinstance(getattr(self.model, "score", None), torch.nn.Linear):
                 raise ValueError(
@@ -129,8 +131,6 @@ class RewardModelScorer:
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Fixed-size groups of similar lengths, or token-budget groups (hard cap) when max_tokens is set."""
         if self.max_tokens is not None:
-            from posttrain.batching.token_budget import plan_token_micro_batches
-
             return plan_token_micro_batches(lengths, self.max_tokens)
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         return [order[s : s + self.micro_batch_size] for s in range(0, len(order), self.micro_batch_size)]
@@ -153,18 +153,19 @@ class RewardModelScorer:
     def _forward_packed(self, batch: list[list[int]]) -> list[float]:
         """Pack the sequences into rows (no pad tokens computed) and read the head at each sequence's
         last token; the same scores as the padded forward (tested)."""
-        from posttrain.batching.packing import pack_sequences
-
         longest = max(len(ids) for ids in batch)
         packed = pack_sequences(
-            [torch.tensor(ids, dtype=torch.long) for ids in batch], max(self.max_row_tokens, longest),
+            [torch.tensor(ids, dtype=torch.long) for ids in batch],
+            max(self.max_row_tokens, longest),
             pad_token_id=self.tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
         # No attention mask and no cache: transformers then reads sequence boundaries from position_ids.
         hidden = self.model.base_model(
-            input_ids=packed.input_ids.to(self.device), position_ids=packed.position_ids.to(self.device),
-            attention_mask=None, use_cache=False,
-        ).last_hidden_state  # fmt: skip
+            input_ids=packed.input_ids.to(self.device),
+            position_ids=packed.position_ids.to(self.device),
+            attention_mask=None,
+            use_cache=False,
+        ).last_hidden_state
         rows = torch.tensor(packed.seq_rows)
         last = torch.tensor(packed.seq_starts) + torch.tensor(packed.seq_lens) - 1
         return self.model.score(hidden[rows, last])[:, 0].float().cpu().tolist()

@@ -1,6 +1,6 @@
 """The rollout engine interface: token ids in, sampled token ids and their log-probs out.
 
-Engines know nothing about text, chat templates or rewards. The native engine (``posttrain.rollout.native``)
+Engines know nothing about text, chat templates or rewards. The native engine (``posttrain.rollout.native.engine``)
 implements this in-process over a Hugging Face model; an engine in another process or one backed by vLLM
 implements the same protocol, so the trainer does not change.
 """

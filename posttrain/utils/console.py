@@ -182,7 +182,9 @@ def print_table(title: str, rows: Sequence[Mapping[str, Any]], *, console: Conso
     console.print(table)
 
 
-_WARNED: set[str] = set()  # keys already warned about in this process (a run checks the policy twice: RL, SFT)
+_WARNED: set[str] = (
+    set()
+)  # keys already warned about in this process (a run checks the policy twice: RL, SFT)
 
 
 def warn_once(key: str, message: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:
@@ -191,4 +193,3 @@ def warn_once(key: str, message: str, category: type[Warning] = UserWarning, sta
         return
     _WARNED.add(key)
     warnings.warn(message, category, stacklevel=stacklevel + 1)
-

@@ -103,7 +103,9 @@ def test_grpo_hand_computed_values():
     adv, _ = call("grpo", np.array([[1.0], [0.0], [1.0], [3.0]]), mask=mask, group_ids=[0, 0, 1, 2])
     # group 0: mean 0.5, unbiased std sqrt(0.5); groups 1 and 2 are singletons: mean 0, std 1
     s = np.sqrt(0.5)
-    np.testing.assert_allclose(adv[:, 0], [0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 1 / (1 + 1e-6), 3 / (1 + 1e-6)])
+    np.testing.assert_allclose(
+        adv[:, 0], [0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 1 / (1 + 1e-6), 3 / (1 + 1e-6)]
+    )
 
 
 @pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"])
@@ -189,10 +191,15 @@ def test_remax_requires_baselines():
 
 def full_kwargs(seed=0):
     return dict(
-        token_level_rewards=torch.tensor(dense_rewards(seed)), response_mask=torch.tensor(MASK).bool(),
-        group_ids=np.array(["x", "y", "x", "y", "x", "z"]), values=torch.tensor(dense_rewards(seed + 1)),
-        reward_baselines=torch.zeros(B, dtype=torch.float64), gamma=0.99, lam=0.95,
-        norm_adv_by_std_in_grpo=True, epsilon=1e-6,
+        token_level_rewards=torch.tensor(dense_rewards(seed)),
+        response_mask=torch.tensor(MASK).bool(),
+        group_ids=np.array(["x", "y", "x", "y", "x", "z"]),
+        values=torch.tensor(dense_rewards(seed + 1)),
+        reward_baselines=torch.zeros(B, dtype=torch.float64),
+        gamma=0.99,
+        lam=0.95,
+        norm_adv_by_std_in_grpo=True,
+        epsilon=1e-6,
     )
 
 
@@ -219,7 +226,13 @@ def test_group_estimators_require_group_ids(name):
 
 def test_registry_and_critic_helpers():
     assert set(ADVANTAGE_ESTIMATORS) == {
-        "gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
+        "gae",
+        "grpo",
+        "drgrpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
     }
     assert set(ESTIMATORS_NEEDING_CRITIC) == {"gae"}
     assert needs_critic("gae") and not needs_critic("grpo")

@@ -117,8 +117,10 @@ def test_dp_ranks_averaged_equal_whole(mode):
     whole = aggregate_loss(loss, mask, mode, LossNormalizer.from_mask(mask, T))
     local = [LossNormalizer.from_mask(mask[s], T) for s in (slice(0, 2), slice(2, 6))]
     glob = LossNormalizer(
-        num_tokens=sum(n.num_tokens for n in local), num_sequences=sum(n.num_sequences for n in local),
-        norm_constant=T, dp_size=2,
+        num_tokens=sum(n.num_tokens for n in local),
+        num_sequences=sum(n.num_sequences for n in local),
+        norm_constant=T,
+        dp_size=2,
     )
     ranks = [aggregate_loss(loss[s], mask[s], mode, glob) for s in (slice(0, 2), slice(2, 6))]
     torch.testing.assert_close((ranks[0] + ranks[1]) / 2, whole, rtol=0, atol=1e-12)
@@ -131,9 +133,13 @@ def test_unknown_mode_error_lists_valid_modes():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(num_tokens=-1, num_sequences=1, norm_constant=1), dict(num_tokens=1, num_sequences=1,
-               norm_constant=0), dict(num_tokens=1, num_sequences=-2, norm_constant=1),
-               dict(num_tokens=1, num_sequences=1, norm_constant=1, dp_size=0)]
+    "kwargs",
+    [
+        dict(num_tokens=-1, num_sequences=1, norm_constant=1),
+        dict(num_tokens=1, num_sequences=1, norm_constant=0),
+        dict(num_tokens=1, num_sequences=-2, norm_constant=1),
+        dict(num_tokens=1, num_sequences=1, norm_constant=1, dp_size=0),
+    ],
 )
 def test_normalizer_validation(kwargs):
     with pytest.raises(ValueError):

@@ -34,7 +34,9 @@ def test_logprobs_batched_shape_and_fp32_math_for_bf16():
     labels = torch.randint(0, 9, (3, 4), generator=torch.Generator().manual_seed(0))
     got = logprobs_from_logits(z.to(torch.bfloat16), labels)
     assert got.shape == (3, 4) and got.dtype == torch.float32
-    expected = np.take_along_axis(np_log_softmax(z.to(torch.bfloat16).double().numpy()), labels.numpy()[..., None], -1)
+    expected = np.take_along_axis(
+        np_log_softmax(z.to(torch.bfloat16).double().numpy()), labels.numpy()[..., None], -1
+    )
     np.testing.assert_allclose(got.numpy(), expected[..., 0], rtol=1e-5, atol=1e-5)
 
 

@@ -28,8 +28,13 @@ def run(name, old, new, adv, mask=MASK, mode="token-mean", **kw):
     args.update(kw)
     norm = LossNormalizer.from_mask(mask, norm_constant=mask.shape[1])
     return POLICY_LOSSES[name](
-        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, normalizer=norm,
-        loss_agg_mode=mode, **args,
+        old_log_prob=old,
+        log_prob=new,
+        advantages=adv,
+        response_mask=mask,
+        normalizer=norm,
+        loss_agg_mode=mode,
+        **args,
     )
 
 
@@ -74,7 +79,9 @@ def one_token(new, a, name="vanilla", **kw):
 def test_vanilla_hand_computed_cases():
     # A > 0, ratio 1.5 above 1 + high: clipped at 1.28, no gradient
     loss, grad, m = one_token(1.5, 2.0)
-    assert loss == pytest.approx(-2.0 * 1.28) and grad == 0.0 and m["pg_clipfrac"].item() == pytest.approx(1.0)
+    assert (
+        loss == pytest.approx(-2.0 * 1.28) and grad == 0.0 and m["pg_clipfrac"].item() == pytest.approx(1.0)
+    )
     # clip-higher: ratio 1.25 is inside (1 - 0.2, 1 + 0.28): unclipped, d(-A r)/d log r = -A r
     loss, grad, m = one_token(1.25, 2.0)
     assert loss == pytest.approx(-2.5) and grad == pytest.approx(-2.5) and m["pg_clipfrac"].item() == 0.0

@@ -14,8 +14,13 @@ CLIP = 0.2
 def run(vpreds, returns, values, mask=MASK, mode="token-mean", clip=CLIP):
     norm = LossNormalizer.from_mask(mask, norm_constant=mask.shape[1])
     return compute_value_loss(
-        vpreds=vpreds, returns=returns, values=values, response_mask=mask, cliprange_value=clip,
-        normalizer=norm, loss_agg_mode=mode,
+        vpreds=vpreds,
+        returns=returns,
+        values=values,
+        response_mask=mask,
+        cliprange_value=clip,
+        normalizer=norm,
+        loss_agg_mode=mode,
     )
 
 

@@ -1,8 +1,8 @@
 """Gradient accumulation over micro-batches equals one step on the whole mini-batch.
 
 This checks the loss-normalisation contract of posttrain.algorithms.aggregation exactly (float64) on a toy model;
-tests/trainers/test_throughput_equivalence.py checks the trainer's own accumulation loop
-(posttrain.engine.micro_batches.accumulate_and_step) on a real model.
+tests/rl/test_throughput_equivalence.py checks the trainer's own accumulation loop
+(posttrain.train.update.accumulate_and_step) on a real model.
 
 A tiny prefix-mixing LM with a value head (float64) is trained on a mini-batch whose rows have different lengths
 (right/left padding, a single-token row, a fully masked row, a gap). For every aggregation mode and every loss
@@ -17,16 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.algorithms import (
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    LossNormalizer,
-    aggregate_loss,
-    compute_value_loss,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-)
+from posttrain.algorithms import LOSS_AGG_MODES, POLICY_LOSSES
+from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
+from posttrain.algorithms.kl import kl_penalty
+from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from posttrain.algorithms.value_loss import compute_value_loss
 
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[MicroBatch, LossNormalizer], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]

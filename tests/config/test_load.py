@@ -35,7 +35,11 @@ def test_yaml_then_overrides(tmp_path):
     cfg = build_config([path], ["rollout.n=2"])
     assert cfg.data.train_batch_size == 8
     assert cfg.rollout.n == 2
-    assert diff_from_defaults(cfg) == {"data.train_batch_size": 8, "rollout.n": 2, "actor.ppo_mini_batch_size": 8}
+    assert diff_from_defaults(cfg) == {
+        "data.train_batch_size": 8,
+        "rollout.n": 2,
+        "actor.ppo_mini_batch_size": 8,
+    }
 
 
 def test_config_objects_are_not_shared():

@@ -86,29 +86,56 @@ def test_sequence_parallel_sets_dp_size():
 
 
 def test_fsdp_size_must_divide_the_world_size():
-    base = ["data.train_batch_size=64", "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=2"]
-    with pytest.raises(ValueError, match=r"actor.fsdp_config.fsdp_size=3 must divide the world size \(8\).*2 or 4"):
+    base = [
+        "data.train_batch_size=64",
+        "rollout.n=4",
+        "actor.ppo_mini_batch_size=16",
+        "actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    with pytest.raises(
+        ValueError, match=r"actor.fsdp_config.fsdp_size=3 must divide the world size \(8\).*2 or 4"
+    ):
         build_plan(build_config(overrides=[*base, "actor.fsdp_config.fsdp_size=3"]), world_size=8)
-    build_plan(build_config(overrides=[*base, "actor.fsdp_config.fsdp_size=4"]), world_size=8)  # 2 HSDP groups
+    build_plan(
+        build_config(overrides=[*base, "actor.fsdp_config.fsdp_size=4"]), world_size=8
+    )  # 2 HSDP groups
     # Roles the step does not use are not checked: no critic without gae, no reference without a KL term.
-    build_plan(build_config(overrides=[*base, "critic.fsdp_config.fsdp_size=3", "ref.fsdp_config.fsdp_size=3"]), 8)
+    build_plan(
+        build_config(overrides=[*base, "critic.fsdp_config.fsdp_size=3", "ref.fsdp_config.fsdp_size=3"]), 8
+    )
     with pytest.raises(ValueError, match="critic.fsdp_config.fsdp_size=3"):
-        build_plan(build_config(overrides=[*base, "critic.fsdp_config.fsdp_size=3", "algorithm.adv_estimator=gae",
-                                           "critic.ppo_micro_batch_size_per_gpu=2"]), 8)  # fmt: skip
+        build_plan(
+            build_config(
+                overrides=[
+                    *base,
+                    "critic.fsdp_config.fsdp_size=3",
+                    "algorithm.adv_estimator=gae",
+                    "critic.ppo_micro_batch_size_per_gpu=2",
+                ]
+            ),
+            8,
+        )
 
 
 def test_rollout_token_budget_must_hold_one_token_per_slot():
-    with pytest.raises(ValueError, match=r"rollout.max_num_batched_tokens \(128\) must be >= rollout.max_num_seqs \(256\)"):
+    with pytest.raises(
+        ValueError, match=r"rollout.max_num_batched_tokens \(128\) must be >= rollout.max_num_seqs \(256\)"
+    ):
         build_plan(cfg_of(8, 4, 4, 1, rollout__max_num_batched_tokens=128))
     build_plan(cfg_of(8, 4, 4, 1, rollout__max_num_batched_tokens=128, rollout__max_num_seqs=128))
 
 
 def test_dynamic_budget_must_fit_longest_sample():
     cfg = cfg_of(
-        32, 4, 8, 1,
-        actor__use_dynamic_bsz=True, actor__ppo_max_token_len_per_gpu=70,
-        data__max_prompt_length=64, data__max_response_length=16,
-    )  # fmt: skip
+        32,
+        4,
+        8,
+        1,
+        actor__use_dynamic_bsz=True,
+        actor__ppo_max_token_len_per_gpu=70,
+        data__max_prompt_length=64,
+        data__max_response_length=16,
+    )
     with pytest.raises(ValueError) as info:
         build_plan(cfg)
     assert "actor.ppo_max_token_len_per_gpu (70)" in str(info.value) and "= 80" in str(info.value)
@@ -124,10 +151,16 @@ def test_dynamic_budget_must_fit_longest_sample():
 
 def test_critic_and_forward_roles():
     cfg = cfg_of(
-        32, 4, 8, 4,
-        algorithm__adv_estimator="gae", critic__ppo_mini_batch_size=16, critic__ppo_micro_batch_size_per_gpu=8,
-        critic__forward_micro_batch_size_per_gpu=48, actor__use_kl_loss=True,
-    )  # fmt: skip
+        32,
+        4,
+        8,
+        4,
+        algorithm__adv_estimator="gae",
+        critic__ppo_mini_batch_size=16,
+        critic__ppo_micro_batch_size_per_gpu=8,
+        critic__forward_micro_batch_size_per_gpu=48,
+        actor__use_kl_loss=True,
+    )
     plan = build_plan(cfg, world_size=2)
     assert plan.critic.optimizer_steps_per_step == 2 and plan.critic.grad_accum_steps == 4
     assert plan.values.samples_per_rank == 64 and plan.values.passes_per_rank == 2

@@ -8,7 +8,7 @@ from posttrain.data.tasks.arithmetic import (
     arithmetic_reward,
     make_arithmetic_splits,
 )
-from posttrain.rewards import REWARD_FUNCTIONS
+from posttrain.rewards.functions import REWARD_FUNCTIONS
 
 
 def test_deterministic_and_seed_dependent():

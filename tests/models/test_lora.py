@@ -12,9 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.config.load import build_config
 from posttrain.data.batch import build_rollout_batch
-from posttrain.engine.checkpoint import load_checkpoint, save_checkpoint
-from posttrain.engine.roles import Trainable
-from posttrain.models.forward import ForwardOptions, policy_logprobs
+from posttrain.forward.passes import ForwardOptions, policy_logprobs
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import (
     adapter_parameters,
@@ -29,10 +27,12 @@ from posttrain.models.lora import (
     policy_weights,
     reference_policy,
 )
+from posttrain.models.prepare import enable_gradient_checkpointing, read_model_config
 from posttrain.rollout.base import SamplingParams
-from posttrain.rollout.native import NativeEngine
-from posttrain.trainers.throughput import enable_gradient_checkpointing, read_model_config
-from posttrain.tuning.shape import ModelShape
+from posttrain.rollout.native.engine import NativeEngine
+from posttrain.tools.shape import ModelShape
+from posttrain.train.checkpoint import load_checkpoint, save_checkpoint
+from posttrain.train.trainable import Trainable
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:model.lora_rank=.*ranks below 32:UserWarning"),
@@ -113,8 +113,12 @@ def test_forward_paths_agree_with_adapters(tiny_model_dir):
     """Padded, packed and chunked-head passes of the PeftModel give the same log-probs and adapter gradients;
     so does gradient checkpointing (HF's, through the wrapper)."""
     results = {}
-    for name, options, ckpt in [("padded", PADDED, False), ("packed", PACKED, False),
-                                ("chunked", CHUNKED, False), ("checkpointed", PADDED, True)]:  # fmt: skip
+    for name, options, ckpt in [
+        ("padded", PADDED, False),
+        ("packed", PACKED, False),
+        ("chunked", CHUNKED, False),
+        ("checkpointed", PADDED, True),
+    ]:
         _, policy = lora_policy(tiny_model_dir)
         if ckpt:
             enable_gradient_checkpointing(policy)
@@ -219,11 +223,13 @@ def test_adapter_path_starts_from_a_saved_adapter(tiny_model_dir, tmp_path):
 
 
 def test_checkpoint_holds_adapters_only_and_round_trips(tiny_model_dir, tmp_path):
-    from posttrain.engine.sharded_state import saved_shapes
+    from posttrain.train.sharded_state import saved_shapes
 
     _, policy = lora_policy(tiny_model_dir)
     ckpt = save_checkpoint(tmp_path, 1, modules={"actor": policy})
-    stored = {n.removeprefix("actor.model.") for n in saved_shapes(ckpt / "state") if n.startswith("actor.model.")}
+    stored = {
+        n.removeprefix("actor.model.") for n in saved_shapes(ckpt / "state") if n.startswith("actor.model.")
+    }
     adapters = {n for n, _ in adapter_parameters(policy)}
     # Frozen base weights come back from model.path. DCP keeps the second name of a tied weight (the tiny
     # model's output head shares the embedding), so that one frozen tensor is stored too.
@@ -286,8 +292,10 @@ def test_unknown_target_module_suggests_the_architectures_names(tiny_model_dir):
     cfg = build_config(overrides=["model.lora_rank=32", "model.target_modules=[q_prj,v_proj]"])
     with pytest.raises(ValueError, match=r"\['q_prj'\] match no linear layer.*did you mean \['q_proj'\]"):
         check_lora_config(cfg, read_model_config(str(tiny_model_dir)))
-    check_lora_config(build_config(overrides=["model.lora_rank=32", "model.target_modules=[q_proj,v_proj]"]),
-                      read_model_config(str(tiny_model_dir)))  # fmt: skip
+    check_lora_config(
+        build_config(overrides=["model.lora_rank=32", "model.target_modules=[q_proj,v_proj]"]),
+        read_model_config(str(tiny_model_dir)),
+    )
 
 
 def test_small_rank_warns_about_convergence(monkeypatch):
@@ -302,7 +310,7 @@ def test_small_rank_warns_about_convergence(monkeypatch):
 
 
 def test_lora_errors_come_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
-    from posttrain.trainers import setup
+    from posttrain.rl import build as setup
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tests.distributed.conftest import free_port
+from tests.parallel.conftest import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -26,9 +26,14 @@ def build_base():
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.rewards import REWARD_FUNCTIONS, exact_match_reward, resolve_reward_function
+from posttrain.rewards.functions import REWARD_FUNCTIONS, exact_match_reward, resolve_reward_function
 
 USER_FILE = """
 import math

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from posttrain.rewards import RewardInput, RewardRunner, resolve_reward_function
+from posttrain.rewards.functions import resolve_reward_function
+from posttrain.rewards.runner import RewardInput, RewardRunner
 
 
 def reward(prompt, response, ground_truth, extra):

@@ -16,16 +16,21 @@ from transformers import (
 )
 
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-from posttrain.rollout import graphs
 from posttrain.rollout.base import SamplingParams
-from posttrain.rollout.native import NativeEngine
+from posttrain.rollout.native import graphs
+from posttrain.rollout.native.engine import NativeEngine
 
 PAD = 0
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "tie_word_embeddings": False}
 ARCH = dict(
-    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=128, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +46,13 @@ def model(tokenizer):
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     texts = [
-        "What is 1 + 2?", "Hi", "The quick brown fox jumps over the lazy dog and then", "7",
-        "Count: 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22", "Hello there",
-    ]  # fmt: skip
+        "What is 1 + 2?",
+        "Hi",
+        "The quick brown fox jumps over the lazy dog and then",
+        "7",
+        "Count: 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22",
+        "Hello there",
+    ]
     return [tokenizer.encode(t) for t in texts]  # ragged: 1 to ~30 tokens
 
 

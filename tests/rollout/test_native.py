@@ -8,7 +8,7 @@ import torch
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 from posttrain.rollout import native
 from posttrain.rollout.base import RolloutEngine, SamplingParams
-from posttrain.rollout.native import NativeEngine, left_pad
+from posttrain.rollout.native.engine import NativeEngine, left_pad
 
 EOS, PAD = 2, 0
 # Untied embeddings: a random tied model greedily repeats its last input token, which would make tests weak.

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain.rollout.sampling import (
+from posttrain.rollout.native.sampling import (
     exponential_noise,
     filter_top_k_top_p,
     mix64,
@@ -54,9 +54,15 @@ def test_samples_follow_the_filtered_softmax(temperature, top_k, top_p, chi_squa
     logits = torch.randn(40, generator=torch.Generator().manual_seed(0)) * 2
     rows = 60_000
     tokens, logprobs = sample_tokens(
-        logits.expand(rows, -1), greedy=False, temperature=temperature, top_k=top_k, top_p=top_p, seed=5,
-        sample_ids=torch.arange(rows), steps=torch.zeros(rows, dtype=torch.long),
-    )  # fmt: skip
+        logits.expand(rows, -1),
+        greedy=False,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=5,
+        sample_ids=torch.arange(rows),
+        steps=torch.zeros(rows, dtype=torch.long),
+    )
     filtered = filter_top_k_top_p((logits / temperature)[None], top_k, top_p)[0]
     probs = filtered.softmax(-1)
     counts = torch.bincount(tokens, minlength=40)
@@ -70,9 +76,15 @@ def test_samples_follow_the_filtered_softmax(temperature, top_k, top_p, chi_squa
 def test_greedy_is_argmax_with_temperature_one_logprobs():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])
     tokens, logprobs = sample_tokens(
-        logits, greedy=True, temperature=0.3, top_k=-1, top_p=1.0, seed=0, sample_ids=torch.arange(2),
+        logits,
+        greedy=True,
+        temperature=0.3,
+        top_k=-1,
+        top_p=1.0,
+        seed=0,
+        sample_ids=torch.arange(2),
         steps=torch.zeros(2, dtype=torch.long),
-    )  # fmt: skip
+    )
     assert tokens.tolist() == [1, 0]  # first index on ties
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[torch.arange(2), tokens])
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.rollout.scheduler import Scheduler
+from posttrain.rollout.native.scheduler import Scheduler
 
 EOS = 0
 
@@ -15,9 +15,15 @@ def _fake_token(sample_id: int, step: int) -> int:
 def simulate(prompts, *, n, max_tokens, max_num_seqs, max_num_batched_tokens, chunked=True, in_flight=64):
     """Drive the scheduler like the engine does, checking its invariants at every step."""
     sched = Scheduler(
-        prompts, n=n, max_tokens=max_tokens, eos_token_ids={EOS}, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked, max_prompts_in_flight=in_flight,
-    )  # fmt: skip
+        prompts,
+        n=n,
+        max_tokens=max_tokens,
+        eos_token_ids={EOS},
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        chunked_prefill=chunked,
+        max_prompts_in_flight=in_flight,
+    )
     prefilled = {p: [] for p in range(len(prompts))}  # chunks seen per prompt
     slot_owner: dict[int, int] = {}  # slot -> prompt whose keys are in positions [0, len(prompt))
     steps = 0
@@ -86,9 +92,14 @@ PROMPTS = [[5] * length for length in (3, 1, 17, 8, 30, 2, 9, 4)]
 )
 def test_scheduler_respects_limits_and_completes(n, max_num_seqs, budget, chunked, in_flight):
     sched, _ = simulate(
-        PROMPTS, n=n, max_tokens=6, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked=chunked,
+        PROMPTS,
+        n=n,
+        max_tokens=6,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        chunked=chunked,
         in_flight=in_flight,
-    )  # fmt: skip
+    )
     for index, sample in enumerate(sched.samples):
         assert sample.index == index and sample.prompt == index // n and sample.sample_id == index
         assert sample.tokens == _expected(sample.sample_id, 6)
@@ -104,20 +115,39 @@ def test_more_slots_means_fewer_steps():
 
 def test_prompt_offset_sets_global_sample_ids():
     sched = Scheduler(
-        [[1, 2]], n=3, max_tokens=2, eos_token_ids={EOS}, max_num_seqs=4, max_num_batched_tokens=8,
-        chunked_prefill=True, max_prompts_in_flight=4, prompt_offset=5,
-    )  # fmt: skip
+        [[1, 2]],
+        n=3,
+        max_tokens=2,
+        eos_token_ids={EOS},
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        chunked_prefill=True,
+        max_prompts_in_flight=4,
+        prompt_offset=5,
+    )
     assert sched.first_sample_ids(0) == [15, 16, 17]
 
 
 def test_scheduler_rejects_impossible_budgets():
     with pytest.raises(ValueError, match="max_num_batched_tokens=2 is below max_num_seqs=4"):
         Scheduler(
-            [[1]], n=1, max_tokens=1, eos_token_ids={EOS}, max_num_seqs=4, max_num_batched_tokens=2,
-            chunked_prefill=True, max_prompts_in_flight=1,
-        )  # fmt: skip
+            [[1]],
+            n=1,
+            max_tokens=1,
+            eos_token_ids={EOS},
+            max_num_seqs=4,
+            max_num_batched_tokens=2,
+            chunked_prefill=True,
+            max_prompts_in_flight=1,
+        )
     with pytest.raises(ValueError, match="chunked prefill is off"):
         Scheduler(
-            [[1] * 10], n=1, max_tokens=1, eos_token_ids={EOS}, max_num_seqs=4, max_num_batched_tokens=8,
-            chunked_prefill=False, max_prompts_in_flight=1,
-        )  # fmt: skip
+            [[1] * 10],
+            n=1,
+            max_tokens=1,
+            eos_token_ids={EOS},
+            max_num_seqs=4,
+            max_num_batched_tokens=8,
+            chunked_prefill=False,
+            max_prompts_in_flight=1,
+        )

@@ -161,4 +161,6 @@ def load_arithmetic(
     max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Task-registry entry point: :func:`make_arithmetic_splits` with task defaults."""
-    return make_arithmetic_splits(seed, n_train, n_val, min_digits, max_digits, ops, allow_negative, max_operand)
+    return make_arithmetic_splits(
+        seed, n_train, n_val, min_digits, max_digits, ops, allow_negative, max_operand
+    )

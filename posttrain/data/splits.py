@@ -1,0 +1,52 @@
+"""A run's training and validation records and the reward they are scored with: the user's files, GSM8K-format
+files, or the generated built-in task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.schema import PostTrainConfig
+from posttrain.data.datasets import load_records
+from posttrain.data.records import PromptRecord
+from posttrain.data.tasks import get_task, load_task
+from posttrain.data.tasks.gsm8k import load_gsm8k
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: list[PromptRecord]
+    val: list[PromptRecord]
+    reward_spec: str  # a built-in reward name or 'file.py:fn'
+
+
+def load_splits(cfg: PostTrainConfig) -> Splits:
+    """Training and validation records: GSM8K-format files (data.task=gsm8k), other prompt files
+    (data.train_files with a reward.function), or the generated arithmetic task."""
+    d = cfg.data
+    reward = cfg.reward.function
+    if d.task == "gsm8k":
+        if not d.train_files:
+            raise ValueError(
+                "data.task=gsm8k reads your own GSM8K-format files (question, answer ending in '#### 42'): "
+                "set data.train_files=[train.jsonl] (and data.val_files=[test.jsonl])"
+            )
+        train = [r for f in d.train_files for r in load_gsm8k(f)]
+        val = [r for f in d.val_files for r in load_gsm8k(f)]
+        return Splits(train, val, reward or "gsm8k")
+    if d.train_files:
+        train = [r for f in d.train_files for r in load_records(f, d.prompt_key, d.answer_key)]
+        val = [r for f in d.val_files for r in load_records(f, d.prompt_key, d.answer_key)]
+        if not reward:
+            raise ValueError(
+                "reward.function is empty but data.train_files are given: name a reward, e.g. "
+                "reward.function=exact_match, reward.function=gsm8k or reward.function=path/to/file.py:fn"
+            )
+        return Splits(train, val, reward)
+    train, val = load_task(
+        d.task,
+        cfg.trainer.seed,
+        n_train=d.num_train_examples,
+        n_val=d.num_val_examples,
+        max_operand=d.max_operand,
+    )
+    return Splits(train, val, reward or get_task(d.task).default_reward)

@@ -1,0 +1,72 @@
+"""How each pass of a run computes its forward: the config's throughput switches mapped to
+:class:`ForwardOptions` once (docs/throughput.md has the table of keys and where each acts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.config.schema import PostTrainConfig
+from posttrain.forward.packed import preferred_attn_implementation
+from posttrain.forward.passes import ForwardOptions
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """The :class:`ForwardOptions` of every pass of a run, built once from the config."""
+
+    actor: ForwardOptions  # actor update (forward + backward)
+    old_log_prob: ForwardOptions  # forward-only, the actor's module
+    ref: ForwardOptions  # forward-only, the reference copy
+    critic: ForwardOptions  # critic update and the values pass
+    sft: ForwardOptions  # SFT (the policy model, like the actor)
+
+
+def _chunk(enabled: bool, size: int) -> int | None:
+    return size if enabled else None
+
+
+def pass_options(cfg: PostTrainConfig, device: torch.device) -> PassOptions:
+    """Map the config's switches to each pass's forward options (see the module table)."""
+    m, a, r, c = cfg.model, cfg.actor, cfg.ref, cfg.critic
+    rows = m.remove_padding_max_row_tokens
+    offload_policy = m.enable_activation_offload and device.type == "cuda"
+    offload_critic = c.enable_activation_offload and device.type == "cuda"
+    actor_chunk = _chunk(a.entropy_from_logits_with_chunking, a.entropy_from_logits_chunk_size)
+    grouped = a.use_prefix_grouper
+    return PassOptions(
+        actor=ForwardOptions(
+            remove_padding=m.use_remove_padding,
+            max_row_tokens=rows,
+            logprob_chunk_size=actor_chunk,
+            chunk_checkpoint=a.entropy_checkpointing,
+            offload_activations=offload_policy,
+            prefix_grouper=grouped,
+        ),
+        old_log_prob=ForwardOptions(
+            remove_padding=m.use_remove_padding,
+            max_row_tokens=rows,
+            logprob_chunk_size=actor_chunk,
+            prefix_grouper=grouped,
+        ),
+        ref=ForwardOptions(
+            remove_padding=m.use_remove_padding,
+            max_row_tokens=rows,
+            logprob_chunk_size=_chunk(r.entropy_from_logits_with_chunking, r.entropy_from_logits_chunk_size),
+            prefix_grouper=grouped,
+        ),
+        critic=ForwardOptions(
+            remove_padding=c.use_remove_padding, max_row_tokens=rows, offload_activations=offload_critic
+        ),
+        sft=ForwardOptions(
+            remove_padding=m.use_remove_padding, max_row_tokens=rows, offload_activations=offload_policy
+        ),
+    )
+
+
+def attn_implementation(use_remove_padding: bool, device: torch.device, prefix_grouper: bool = False) -> str:
+    """flash-attention 2 for packed passes on CUDA when ``flash_attn`` is installed (one row per micro-batch,
+    varlen kernel), otherwise sdpa (padded batches, packed rows with a block-diagonal mask, and the prefix
+    grouper's 4-D mask, which flash-attention cannot take)."""
+    return preferred_attn_implementation(device) if use_remove_padding and not prefix_grouper else "sdpa"

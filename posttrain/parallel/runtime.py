@@ -1,0 +1,136 @@
+"""The process group a run lives in: who am I, how many are we, and the few collectives the trainer uses.
+
+A run launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) joins the default process group: NCCL
+on CUDA, gloo on CPU. A plain ``posttrain train`` is a world of one and never touches torch.distributed.
+Every collective here is a no-op for a world of one, so the trainer is written once.
+
+Data parallel (DP) and sequence parallel (SP) ranks: ranks ``[d * sp, (d + 1) * sp)`` form DP rank ``d``'s
+SP group; they see the same samples and each holds a slice of every sequence (posttrain.parallel.ulysses).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.config.schema import PostTrainConfig
+
+log = logging.getLogger("posttrain")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job.
+
+    Attributes:
+        rank, world_size: global rank and number of processes (1 when not launched by torchrun).
+        local_rank: rank on this node (selects the CUDA device).
+        device: where this rank computes.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs, metrics, checkpoints' small files and exports."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def dp_rank(self, sp_size: int) -> int:
+        """Data-parallel rank of this process when SP groups have ``sp_size`` ranks."""
+        return self.rank // sp_size
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (pickled; for small things: results, metrics, lists)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks of a list of floats (float64 on this rank's device)."""
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+
+def select_device(cfg: PostTrainConfig) -> torch.device:
+    """trainer.device: 'auto' picks CUDA when present; asking for CUDA without one is an error."""
+    want = cfg.trainer.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "trainer.device='cuda' but no CUDA device is visible; use trainer.device=cpu or auto"
+        )
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(want)
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE from the environment (set by torchrun), 1 otherwise."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
+    """Join the job's process group when launched by torchrun; otherwise a world of one.
+
+    ``timeout_s`` bounds every collective: a dead or hung rank makes the others fail with an error after
+    that long instead of waiting forever (torchrun then stops the whole job). With NCCL the watchdog needs
+    async error handling, which torch enables by default.
+    """
+    world = launched_world_size()
+    if world == 1:
+        return DistContext(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    if dist.get_world_size() != world:
+        raise RuntimeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")
+    if rank != 0:
+        # One voice per job: other ranks only report warnings and errors.
+        logging.getLogger("posttrain").setLevel(logging.WARNING)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[lo, hi) of the contiguous slice of ``n`` items rank ``rank`` handles (sizes differ by at most one)."""
+    return rank * n // world_size, (rank + 1) * n // world_size

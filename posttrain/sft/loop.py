@@ -1,0 +1,176 @@
+"""Supervised fine-tuning: loss on response tokens only, on the same batch machinery as RL.
+
+An SFT example is a prompt (chat template applied) and a target response followed by EOS. It is
+laid out like a rollout sample, so micro-batching, global loss normalisation and the optimizer
+code are the RL trainer's own (`engine.micro_batches`, `engine.roles`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
+from posttrain.batching.micro import micro_batch_rows
+from posttrain.config.plan import UpdatePlan, build_sft_plan
+from posttrain.config.schema import PostTrainConfig
+from posttrain.data.batch import RolloutBatch, build_rollout_batch
+from posttrain.data.datasets import encode_prompt, load_records
+from posttrain.data.records import PromptRecord
+from posttrain.forward.options import pass_options
+from posttrain.forward.passes import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
+from posttrain.models.prepare import check_policy_switches, prepare_policy
+from posttrain.train.trainable import Trainable
+from posttrain.train.update import accumulate_and_step
+from posttrain.utils.console import TrainingDisplay
+
+log = logging.getLogger("posttrain.sft")
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int, max_response_length: int):
+    """Tokenize (prompt, ground-truth response) pairs; responses end with EOS so the model learns to stop."""
+    template = bool(getattr(tokenizer, "chat_template", None))
+    examples = []
+    for i, rec in enumerate(records):
+        if rec.ground_truth is None:
+            raise ValueError(f"SFT example {i} has no response (ground truth); every example needs one")
+        prompt = encode_prompt(rec.prompt, tokenizer, template, where=f"row {i}")
+        response = tokenizer(str(rec.ground_truth), add_special_tokens=False)["input_ids"]
+        response = (list(response) + [tokenizer.eos_token_id])[:max_response_length]
+        if len(prompt) <= max_prompt_length:
+            examples.append(SFTExample(prompt, response))
+    if not examples:
+        raise ValueError(f"no SFT example fits data.max_prompt_length={max_prompt_length}; raise it")
+    return examples
+
+
+def _sft_loss(model: nn.Module, options: ForwardOptions = DEFAULT_OPTIONS):
+    def loss_fn(mb: RolloutBatch, normalizer: LossNormalizer):
+        logprobs, _ = policy_logprobs(model, mb, options=options)
+        nll = aggregate_loss(-logprobs, mb.response_mask, "token-mean", normalizer)
+        return nll, {
+            "sft/token_nll": (-(logprobs * mb.response_mask).sum() / mb.response_mask.sum()).detach()
+        }
+
+    return loss_fn
+
+
+def train_sft(
+    model: nn.Module,
+    examples: list[SFTExample],
+    plan: UpdatePlan,
+    trainable: Trainable,
+    *,
+    seed: int,
+    pad_token_id: int,
+    max_steps: int = 0,
+    display: TrainingDisplay | None = None,
+    options: ForwardOptions = DEFAULT_OPTIONS,
+) -> list[dict[str, float]]:
+    """Epochs over shuffled examples; one optimizer step per `plan.mini_batch_samples` examples.
+
+    ``options``: how the forward runs (packing, activation offload), from the model section of the config.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    history: list[dict[str, float]] = []
+    steps_per_epoch = len(examples) // plan.mini_batch_samples
+    total = (
+        steps_per_epoch * plan.ppo_epochs
+        if not max_steps
+        else min(max_steps, steps_per_epoch * plan.ppo_epochs)
+    )
+    loss_fn = _sft_loss(model, options)
+    model.train()
+    for _epoch in range(plan.ppo_epochs):
+        order = torch.randperm(len(examples), generator=gen).tolist()
+        for s in range(steps_per_epoch):
+            if len(history) >= total:
+                return history
+            chunk = [
+                examples[i] for i in order[s * plan.mini_batch_samples : (s + 1) * plan.mini_batch_samples]
+            ]
+            mini = build_rollout_batch(
+                [e.prompt_ids for e in chunk],
+                [e.response_ids for e in chunk],
+                list(range(len(chunk))),
+                pad_token_id,
+            )
+            normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=mini.response_width)
+            rows = micro_batch_rows(mini, plan.micro_batch_size_per_rank, None)
+            metrics = accumulate_and_step(
+                model,
+                trainable.optimizer,
+                trainable.scheduler,
+                mini,
+                rows,
+                loss_fn,
+                normalizer,
+                trainable.grad_clip,
+            )
+            metrics = {
+                "sft/loss": metrics["loss"],
+                "sft/grad_norm": metrics["grad_norm"],
+                "sft/lr": trainable.lr,
+            }
+            history.append(metrics)
+            if display is not None:
+                display.update(len(history), metrics)
+    return history
+
+
+def sft_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[PromptRecord]:
+    """sft.train_files (prompt under data.prompt_key, target under sft.response_key) or `fallback`."""
+    if not cfg.sft.train_files:
+        return fallback
+    return [
+        r for f in cfg.sft.train_files for r in load_records(f, cfg.data.prompt_key, cfg.sft.response_key)
+    ]
+
+
+def run_sft(
+    cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[PromptRecord], quiet: bool = False
+):
+    """SFT `model` in place on `records` with the `sft` section's settings; returns the metric history.
+
+    The model section's switches apply as for the actor (model.use_remove_padding, enable_gradient_checkpointing,
+    enable_activation_offload, use_liger), checked before any step runs.
+    """
+    device = next(model.parameters()).device
+    check_policy_switches(cfg, device, model.config)
+    prepare_policy(model, cfg)
+    options = pass_options(cfg, device).sft
+    examples = make_examples(records, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
+    plan = build_sft_plan(cfg, world_size=1)
+    if len(examples) < plan.mini_batch_samples:
+        raise ValueError(
+            f"sft.batch_size ({cfg.sft.batch_size}) exceeds the {len(examples)} usable SFT examples; lower it"
+        )
+    steps = (len(examples) // plan.mini_batch_samples) * plan.ppo_epochs
+    if cfg.sft.max_steps:
+        steps = min(steps, cfg.sft.max_steps)
+    trainable = Trainable.create(model, cfg.sft.optim, steps)
+    display = TrainingDisplay(total_steps=max(steps, 1), description="sft", disable=quiet, every=10)
+    display.start()
+    try:
+        return train_sft(
+            model,
+            examples,
+            plan,
+            trainable,
+            seed=cfg.trainer.seed,
+            pad_token_id=tokenizer.pad_token_id,
+            max_steps=cfg.sft.max_steps,
+            display=display,
+            options=options,
+        )
+    finally:
+        display.stop()

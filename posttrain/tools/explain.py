@@ -1,0 +1,191 @@
+"""Render a BatchPlan as a tree (the shape of SkyRL's batch diagram, filled in with real numbers)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.tree import Tree
+
+from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan
+from posttrain.config.schema import PostTrainConfig
+
+
+def _micro_line(p: UpdatePlan, key_prefix: str) -> str:
+    if p.use_dynamic_bsz:
+        return (
+            f"micro-batches by token budget: <= {p.max_token_len_per_rank} tokens per DP rank "
+            f"({key_prefix}.ppo_max_token_len_per_gpu); count varies with lengths"
+        )
+    return (
+        f"micro-batch {p.micro_batch_size_per_rank} samples per DP rank → "
+        f"{p.grad_accum_steps} gradient-accumulation steps per mini-batch"
+    )
+
+
+def _update_branch(tree: Tree, p: UpdatePlan, title: str, key_prefix: str) -> None:
+    node = tree.add(f"[bold]{title}[/] (DP {p.dp_size} = world / SP {p.sp_size})")
+    node.add(
+        f"mini-batch {p.mini_batch_prompts} prompts = {p.mini_batch_samples} samples "
+        f"({key_prefix}.ppo_mini_batch_size)"
+    )
+    node.add(
+        f"{p.mini_batches_per_epoch} mini-batches × ppo_epochs {p.ppo_epochs} = "
+        f"[bold]{p.optimizer_steps_per_step} optimizer steps per step[/]"
+    )
+    node.add(f"per DP rank: {p.mini_batch_samples_per_rank} samples per mini-batch")
+    node.add(_micro_line(p, key_prefix))
+
+
+def _forward_branch(tree: Tree, p: ForwardPlan, title: str, key: str) -> None:
+    if p.use_dynamic_bsz:
+        how = f"token budget {p.max_token_len_per_rank} per pass ({key})"
+    else:
+        how = f"micro-batch {p.micro_batch_size_per_rank} samples → {p.passes_per_rank} passes per DP rank ({key})"
+    tree.add(f"[bold]{title}[/] forward-only, DP {p.dp_size}: {p.samples_per_rank} samples per rank; {how}")
+
+
+def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
+    """A rich Tree of the plan, one branch per role, plus the derived facts users ask about."""
+    root = Tree(
+        f"[bold]data.train_batch_size {plan.prompts_per_step} prompts per step[/] "
+        f"× rollout.n {plan.n} = [bold]{plan.samples_per_step} samples per step[/] "
+        f"(world size {plan.world_size})"
+    )
+    root.add(
+        f"[bold]rollout[/]: {plan.rollout_chunks_per_step} engine call(s) of ≤ {plan.rollout_chunk_prompts} prompts "
+        f"(rollout.chunk_size) × n {plan.n}; sequences ≤ {plan.max_seq_len} tokens "
+        f"({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
+    )
+    forward_passes = (
+        (
+            plan.old_log_prob,
+            "old log-probs (actor)",
+            "actor.log_prob_max_token_len_per_gpu",
+            "actor.log_prob_micro_batch_size_per_gpu",
+        ),
+        (
+            plan.ref,
+            "reference log-probs",
+            "ref.log_prob_max_token_len_per_gpu",
+            "ref.log_prob_micro_batch_size_per_gpu",
+        ),
+        (
+            plan.values,
+            "values (critic)",
+            "critic.forward_max_token_len_per_gpu",
+            "critic.forward_micro_batch_size_per_gpu",
+        ),
+        (
+            plan.reward_model,
+            "reward model",
+            "reward.model.forward_max_token_len_per_gpu",
+            "reward.model.micro_batch_size_per_gpu",
+        ),
+    )
+    for p, title, budget_key, micro_key in forward_passes:
+        if p is plan.old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
+            root.add(
+                "[bold]old log-probs[/]: the rollout engine's, no forward pass "
+                "(algorithm.rollout_correction.bypass_mode)"
+            )
+        elif p is not None:
+            _forward_branch(root, p, title, budget_key if p.use_dynamic_bsz else micro_key)
+    if plan.critic is not None:
+        _update_branch(root, plan.critic, "critic update", "critic")
+    _update_branch(root, plan.actor, "actor update", "actor")
+    facts = root.add("[bold]derived[/]")
+    a = plan.actor
+    facts.add(f"optimizer steps per rollout: {a.optimizer_steps_per_step}")
+    if cfg.actor.use_prefix_grouper:
+        split = [
+            key
+            for key in ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu")
+            if getattr(cfg.actor, key) % plan.n
+        ]
+        note = (
+            (
+                f"; actor.{' and actor.'.join(split)} not a multiple of rollout.n, so some prompts are split "
+                "over micro-batches (exact, less saved)"
+            )
+            if split
+            else ""
+        )
+        if cfg.actor.use_dynamic_bsz:
+            note = "; token-budget micro-batches pack whole prompt groups"
+        facts.add(f"prefix grouper: each prompt runs once for its samples in a micro-batch{note}")
+    if plan.max_policy_lag == 0:
+        facts.add("fully on-policy: the single mini-batch is updated by the policy that generated it")
+    else:
+        facts.add(
+            f"off-policy lag: mini-batch k of epoch e is updated by a policy e×{a.mini_batches_per_epoch}+k "
+            f"optimizer steps newer than the rollout policy; the last one lags {plan.max_policy_lag} steps "
+            f"(PPO's ratio clip corrects for this; ppo_mini_batch_size = train_batch_size removes it)"
+        )
+    return root
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f}"
+
+
+STATES = ("weights", "optimizer")  # components that are model states (the rest is a phase's working memory)
+
+
+def estimate_table(estimate, advice: dict | None = None):
+    """A rich Table of the per-GPU memory estimate (one row per phase), with OOM warnings and fixes."""
+    c = estimate.cluster
+    limit = c.gpu_memory_gb
+    m = estimate.model
+    title = (
+        f"Estimated peak memory per GPU (GiB): {m.name or 'model'}, {_count(m.num_params())} params, "
+        f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s)" + (f" x {limit:g} GiB" if limit else "")
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("phase")
+    table.add_column("total", justify="right")
+    table.add_column("components")
+    table.add_column("fits?")
+    for p in estimate.phases:
+        parts = ", ".join(f"{x.name} {_gib(x.bytes)}" for x in p.components if x.bytes)
+        fits = "-" if limit is None else ("yes" if p.total <= limit * 2**30 else "[bold red]NO (OOM)[/]")
+        table.add_row(p.phase, _gib(p.total), parts, fits)
+    # Where the model states sit (sharding, master weights, offload) is the same in every phase.
+    placed = [
+        f"{x.name}: {x.note}" for x in estimate.phases[0].components if x.note and x.name.endswith(STATES)
+    ]
+    if placed:
+        table.caption, table.caption_justify = " | ".join(placed), "left"
+    return table
+
+
+def advice_lines(estimate, advice: dict) -> list[str]:
+    """One warning per phase predicted over the GPU's memory, with the cheapest fix in the seeds' order."""
+    lines = []
+    limit = estimate.cluster.gpu_memory_gb
+    for phase, a in advice.items():
+        head = (
+            f"[bold red]warning[/]: {phase} is predicted to need {_gib(estimate.phase(phase).total)} GiB per GPU, "
+            f"more than the {limit:g} GiB a GPU has (out of memory)"
+        )
+        if a.fits:
+            lines.append(f"{head}; cheapest fix ({a.reason}): {a.as_args()} -> {_gib(a.peak_bytes)} GiB")
+            continue
+        tail = (
+            "the model states alone exceed the GPU: they need sharding or offload (<role>.fsdp_config.fsdp_size, "
+            "param_offload, optimizer_offload under torchrun; LoRA: model.lora_rank), more GPUs, or GPUs with more "
+            "memory"
+        )
+        copy = estimate.phase(phase).part("rollout weights")
+        if copy * 2 > limit * 2**30:
+            tail += (
+                f"; note that {_gib(copy)} GiB of it is each GPU's unsharded rollout copy of the policy (the native "
+                "engine decodes with a whole copy on every GPU), which no sharding key shrinks"
+            )
+        if a.overrides:
+            lines.append(f"{head}; the config's knobs reach {_gib(a.peak_bytes)} GiB ({a.as_args()}); {tail}")
+        else:
+            lines.append(f"{head}; no config key fixes it: {tail}")
+    return lines

@@ -1,0 +1,179 @@
+"""The package layering of docs/architecture.md, enforced: imports only point down, no package or module cycles,
+and function-local imports only for optional dependencies."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "posttrain"
+
+LAYERS = [
+    {"utils", "config"},
+    {"algorithms", "data"},
+    {"batching"},
+    {"models", "parallel"},
+    {"forward"},
+    {"rollout", "rewards"},
+    {"train"},
+    {"sft"},
+    {"rl"},
+    {"tools"},
+    {"cli", "__main__", "__init__"},
+]
+LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+# Imported inside functions on purpose: optional extras (or heavy libraries only some commands need).
+OPTIONAL = {
+    "peft",
+    "liger_kernel",
+    "vllm",
+    "ray",
+    "datasets",
+    "pyarrow",
+    "tensorboard",
+    "wandb",
+    "flash_attn",
+    "trl",
+    "matplotlib",
+    "torch.utils.tensorboard",
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(imported module, at module level?, line) for every import of posttrain or an optional library."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    for node in tree.body:  # `if TYPE_CHECKING:` blocks and try/except at module level count as module level
+        for child in ast.walk(node):
+            top_level.add(id(child))
+    nested = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            nested.update(id(n) for n in ast.walk(fn) if n is not fn)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            out.append((name, id(node) not in nested, node.lineno))
+    return out
+
+
+def edges() -> list[tuple[str, str, bool, int]]:
+    mods = modules()
+    out = []
+    for name, path in mods.items():
+        for target, module_level, line in imports(path):
+            if target in mods and target != name:
+                out.append((name, target, module_level, line))
+    return out
+
+
+def test_imports_only_point_down():
+    upward = [
+        f"{src} (layer {LAYER_OF[package(src)]}) imports {dst} (layer {LAYER_OF[package(dst)]}) at line {line}"
+        for src, dst, _, line in edges()
+        if LAYER_OF[package(dst)] > LAYER_OF[package(src)]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_every_package_has_a_layer():
+    assert {package(m) for m in modules()} <= set(LAYER_OF)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of size > 1 (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_package_cycle():
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, _ in edges():
+        if package(src) != package(dst):
+            graph.setdefault(package(src), set()).add(package(dst))
+    assert not _cycles(graph)
+
+
+def test_no_module_cycle():
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, _ in edges():
+        # `from posttrain.x import y` where y is a module: the edge is to y, not to the package's __init__.
+        graph.setdefault(src, set()).add(dst)
+    inits = {m for m, p in modules().items() if p.name == "__init__.py"}
+    for src in graph:
+        graph[src] -= inits  # a package's __init__ only re-exports; importing it is importing its modules
+    assert not _cycles(graph)
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_function_local_imports_only_for_optional_dependencies(name):
+    path = modules()[name]
+    local = [
+        f"line {line}: {target}"
+        for target, module_level, line in imports(path)
+        if not module_level and target.startswith("posttrain")
+    ]
+    tree = ast.parse(path.read_text())
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                roots = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                roots = [node.module]
+            else:
+                continue
+            for root in roots:
+                if not root.startswith("posttrain") and not any(
+                    root == o or root.startswith(o + ".") for o in OPTIONAL
+                ):
+                    local.append(f"line {node.lineno}: {root}")
+    assert not local, f"{name} imports inside functions (hoist them, or list an optional extra): {local}"

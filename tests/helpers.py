@@ -1,0 +1,118 @@
+"""Helpers shared by several test modules: small run configs, reading a run's metrics, a crash-and-resume
+scenario, gradient capture. (Fixtures live in conftest.py.)"""
+
+import json
+
+import pytest
+import torch
+
+from posttrain.config.load import build_config
+from posttrain.rl import loop as rl
+from posttrain.rl.loop import run_training
+from posttrain.train.checkpoint import list_checkpoints
+
+REWARD_FILE = """
+def varied(prompt, response, ground_truth, extra):
+    # An untrained model is never right; reward something it varies in, so every group has signal.
+    return float(len(response) % 3) + (1.0 if ground_truth and ground_truth in response else 0.0)
+"""
+
+
+def small_config(model_dir, run_dir, *extra):
+    reward = run_dir.parent / "varied_reward.py"
+    reward.write_text(REWARD_FILE)
+    return build_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"trainer.run_dir={run_dir}",
+            "trainer.loggers=jsonl",
+            "trainer.total_steps=2",
+            "trainer.test_freq=0",
+            "data.num_train_examples=64",
+            "data.num_val_examples=8",
+            "data.train_batch_size=4",
+            "data.max_response_length=6",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_micro_batch_size_per_gpu=4",
+            "actor.log_prob_micro_batch_size_per_gpu=5",
+            "actor.optim.lr=1e-3",
+            "critic.ppo_mini_batch_size=2",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "critic.forward_micro_batch_size_per_gpu=7",
+            "critic.optim.lr=1e-3",
+            "reward.timeout_s=0",
+            f"reward.function={reward}:varied",
+            *extra,
+        ]
+    )
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def crash_and_resume(model_dir, tmp_path, monkeypatch, extra, keys):
+    """A 4-step run in ``full``; the same run in ``resumed`` crashing at step 3 (after the step-2 checkpoint) and
+    started again. Steps 3-4 must report the same ``keys``. Returns the resumed run's config."""
+    extra = (*extra, "trainer.total_steps=4", "trainer.save_freq=2", "actor.optim.lr_schedule=cosine")
+    run_training(small_config(model_dir, tmp_path / "full", *extra), quiet=True)
+    original = rl.train_step
+
+    def crash_at_3(c, step, timer):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+        return original(c, step, timer)
+
+    monkeypatch.setattr(rl, "train_step", crash_at_3)
+    cfg = small_config(model_dir, tmp_path / "resumed", *extra)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_training(cfg, quiet=True)
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed")] == ["step_000002"]
+    monkeypatch.setattr(rl, "train_step", original)
+    run_training(cfg, quiet=True)
+    full = {m["step"]: m for m in read_metrics(tmp_path / "full")}
+    resumed = {m["step"]: m for m in read_metrics(tmp_path / "resumed")}
+    for step in (3, 4):
+        for key in keys:
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-6, abs=1e-7), (step, key)
+    return cfg
+
+
+def sft_config(model_dir, tmp_path, *extra):
+    rows = [{"prompt": f"What is {i} + 1?", "response": str(i + 1)} for i in range(16)]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    return build_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"sft.train_files=[{data}]",
+            "sft.batch_size=8",
+            "sft.micro_batch_size_per_gpu=4",
+            "sft.epochs=3",
+            "sft.optim.lr=3e-3",
+            *extra,
+        ]
+    )
+
+
+class GradCapture(torch.optim.Optimizer):
+    """An optimizer whose step records the accumulated gradient (and leaves the weights alone)."""
+
+    def __init__(self, params):
+        super().__init__(list(params), {})
+        self.grads: list[torch.Tensor] = []
+
+    def step(self, closure=None):
+        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+
+
+def assert_grads_equal(grads, ref, what):
+    assert any(float(g.abs().max()) > 1e-4 for g in ref), (
+        "reference gradient is zero: the test would be vacuous"
+    )
+    for i, (g, r) in enumerate(zip(grads, ref)):
+        scale = float(r.abs().max()) + 1e-12
+        err = float((g - r).abs().max())
+        assert err <= 2e-5 * scale + 1e-7, f"{what}: parameter {i} differs by {err:.3g} (scale {scale:.3g})"
