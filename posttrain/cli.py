@@ -2,7 +2,8 @@
 
 Every subcommand takes optional YAML files and dotted overrides, in any order:
     posttrain train my.yaml actor.ppo_mini_batch_size=16 trainer.total_steps=20
-A configuration error prints one message and exits with code 2, before any heavy work.
+A user error (posttrain.config.errors.ConfigError: a key, value, file or row) prints one message and exits
+with code 2, before any heavy work; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from posttrain import __version__
+from posttrain.config.errors import ConfigError
 from posttrain.config.load import all_keys, build_config, field_info
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.rl.eval_command import run_eval_command
@@ -68,7 +70,7 @@ def _model_shape(cfg, model_config: str | None):
 def _world_size(args: argparse.Namespace) -> int:
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+            raise ConfigError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     return args.world_size if args.world_size is not None else args.nodes * args.gpus_per_node
 
 
@@ -281,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as exc:
-        # User errors (config, data, paths): one clear message, no traceback.
+    except ConfigError as exc:
+        # User errors (config, data, paths, checkpoints): one clear message, no traceback. Anything else is a
+        # bug and keeps its traceback.
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
 _NONE_WORDS = {"null", "none", "~"}
@@ -42,12 +43,12 @@ def field_info(key: str) -> tuple[dataclasses.Field, Any]:
     for i, part in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         if part not in fields:
-            raise ValueError(_unknown_key_message(".".join(parts[: i + 1]), cls, ".".join(parts[:i])))
+            raise ConfigError(_unknown_key_message(".".join(parts[: i + 1]), cls, ".".join(parts[:i])))
         hint = typing.get_type_hints(cls)[part]
         if i == len(parts) - 1:
             return fields[part], hint
         if not dataclasses.is_dataclass(hint):
-            raise ValueError(
+            raise ConfigError(
                 f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section: '{key}' is unknown"
             )
         cls = hint
@@ -81,17 +82,17 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
             text = value.strip()
             value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v]
         if not isinstance(value, list | tuple):
-            raise ValueError(f"config key '{key}' expects a list, got {value!r}")
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
         return [coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if hint is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in _TRUE_WORDS | _FALSE_WORDS:
             return value.lower() in _TRUE_WORDS
-        raise ValueError(f"config key '{key}' expects true or false, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects true or false, got {value!r}")
     if hint is int:
         if isinstance(value, bool):
-            raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+            raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -101,10 +102,10 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
                 return int(value.replace("_", ""))
             except ValueError:
                 pass
-        raise ValueError(f"config key '{key}' expects an integer, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
     if hint is float:
         if isinstance(value, bool):
-            raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+            raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
         if isinstance(value, int | float):
             return float(value)
         if isinstance(value, str):
@@ -112,12 +113,12 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ValueError(f"config key '{key}' expects a number, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
     if hint is str:
         if isinstance(value, bool | int | float):
             return str(value)
         if not isinstance(value, str):
-            raise ValueError(f"config key '{key}' expects a string, got {value!r}")
+            raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
         return value
     raise TypeError(f"unsupported type {hint!r} for config key '{key}'")
 
@@ -128,13 +129,13 @@ def _check_bounds(key: str, value: Any, field: dataclasses.Field) -> None:
     if choices is not None and value not in choices:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(
+        raise ConfigError(
             f"config key '{key}' = {value!r} is not one of {', '.join(map(repr, choices))}{hint}"
         )
     if lo is not None and isinstance(value, int | float) and value < lo:
-        raise ValueError(f"config key '{key}' = {value!r} must be >= {lo:g} (for example {lo:g})")
+        raise ConfigError(f"config key '{key}' = {value!r} must be >= {lo:g} (for example {lo:g})")
     if hi is not None and isinstance(value, int | float) and value > hi:
-        raise ValueError(f"config key '{key}' = {value!r} must be <= {hi:g} (for example {hi:g})")
+        raise ConfigError(f"config key '{key}' = {value!r} must be <= {hi:g} (for example {hi:g})")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -155,7 +156,7 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(
+            raise ConfigError(
                 f"override {item!r} is not of the form key=value (example: actor.ppo_mini_batch_size=64)"
             )
         out[key.strip()] = value.strip()
@@ -166,13 +167,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML overrides file (a mapping of sections), with errors naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"config file '{p}' does not exist")
+        raise ConfigError(f"config file '{p}' does not exist")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(f"config file '{p}' is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file '{p}' is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file '{p}' must hold a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(f"config file '{p}' must hold a mapping of sections, got {type(data).__name__}")
     return data
 
 

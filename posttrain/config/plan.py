@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
@@ -103,7 +104,7 @@ def _nearest(candidates: list[int], target: int, k: int = 2) -> str:
 def _dp_size(world_size: int, sp: int, key: str) -> int:
     if world_size % sp != 0:
         valid = _nearest(_divisors(world_size), sp)
-        raise ValueError(
+        raise ConfigError(
             f"{key}={sp} must divide the world size ({world_size}): each data-parallel rank is a group "
             f"of {key} GPUs. Nearest valid: {key}={valid}"
         )
@@ -116,7 +117,7 @@ def fsdp_group_size(fsdp_size: int, world_size: int, key: str) -> int:
         return world_size
     if fsdp_size < 1 or world_size % fsdp_size != 0:
         valid = _nearest(_divisors(world_size), max(fsdp_size, 1))
-        raise ValueError(
+        raise ConfigError(
             f"{key}={fsdp_size} must divide the world size ({world_size}): the ranks form groups of {key} GPUs "
             f"that each shard one copy of the model. Use -1 (shard over all ranks) or {key}={valid}"
         )
@@ -130,7 +131,7 @@ def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan
     dp = _dp_size(world_size, sp, f"{role}.ulysses_sequence_parallel_size")
     mini = rc.ppo_mini_batch_size
     if mini > tbs or tbs % mini != 0:
-        raise ValueError(
+        raise ConfigError(
             f"data.train_batch_size ({tbs}) must be a multiple of {role}.ppo_mini_batch_size ({mini}) "
             f"(both count prompts; each step splits into whole mini-batches). Nearest valid: "
             f"{role}.ppo_mini_batch_size={_nearest(_divisors(tbs), mini)}"
@@ -143,7 +144,7 @@ def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan
             if valid
             else "a data.train_batch_size divisible by DP"
         )
-        raise ValueError(
+        raise ConfigError(
             f"{role}.ppo_mini_batch_size ({mini}) x rollout.n ({n}) = {mini_samples} samples must split "
             f"evenly over {dp} data-parallel ranks (world {world_size} / SP {sp}), with at least one "
             f"sample each. Nearest valid: {hint}"
@@ -156,7 +157,7 @@ def _update_plan(cfg: PostTrainConfig, role: str, world_size: int) -> UpdatePlan
     else:
         micro = rc.ppo_micro_batch_size_per_gpu
         if micro > per_rank or per_rank % micro != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"{role}.ppo_micro_batch_size_per_gpu ({micro}) must divide the mini-batch per DP rank "
                 f"({per_rank} samples = {role}.ppo_mini_batch_size {mini} x rollout.n {n} / DP {dp}) so "
                 f"that gradient accumulation covers it exactly. Nearest valid: "
@@ -187,7 +188,7 @@ def _check_budget(cfg: PostTrainConfig, key: str, budget: int, sp: int) -> int:
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     if budget * sp < need:
         per_gpu = -(-need // sp)
-        raise ValueError(
+        raise ConfigError(
             f"{key} ({budget}) x ulysses_sequence_parallel_size ({sp}) must be at least data.max_prompt_length "
             f"+ data.max_response_length ({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = "
             f"{need}) so that the longest sample fits one micro-batch. Set {key}={per_gpu} or more (verl's "
@@ -210,7 +211,7 @@ def _forward_plan(
     dp = _dp_size(world_size, sp, sp_key)
     samples = cfg.data.train_batch_size * cfg.rollout.n
     if samples % dp != 0:
-        raise ValueError(
+        raise ConfigError(
             f"data.train_batch_size ({cfg.data.train_batch_size}) x rollout.n ({cfg.rollout.n}) = {samples} "
             f"samples must split evenly over {dp} data-parallel ranks for the {role} pass"
         )
@@ -225,14 +226,14 @@ def build_sft_plan(cfg: PostTrainConfig, world_size: int = 1) -> UpdatePlan:
     """SFT's plan: sft.batch_size examples per optimizer step over DP ranks, fixed micro-batches."""
     s = cfg.sft
     if s.batch_size % world_size != 0:
-        raise ValueError(
+        raise ConfigError(
             f"sft.batch_size ({s.batch_size}) must split evenly over {world_size} data-parallel ranks. "
             f"Nearest valid: sft.batch_size={_nearest([m * world_size for m in range(1, s.batch_size + 1)], s.batch_size)}"
         )
     per_rank = s.batch_size // world_size
     micro = s.micro_batch_size_per_gpu
     if micro > per_rank or per_rank % micro != 0:
-        raise ValueError(
+        raise ConfigError(
             f"sft.micro_batch_size_per_gpu ({micro}) must divide the examples per DP rank per step "
             f"({per_rank} = sft.batch_size {s.batch_size} / DP {world_size}). Nearest valid: "
             f"sft.micro_batch_size_per_gpu={_nearest(_divisors(per_rank), micro)}"
@@ -257,17 +258,17 @@ def build_sft_plan(cfg: PostTrainConfig, world_size: int = 1) -> UpdatePlan:
 def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
     """Derive the frozen BatchPlan; raises ValueError on any inconsistent setting."""
     if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
     est, n = cfg.algorithm.adv_estimator, cfg.rollout.n
     if est in GROUP_ESTIMATORS and n < 2:
-        raise ValueError(
+        raise ConfigError(
             f"algorithm.adv_estimator={est} compares samples of the same prompt, so rollout.n ({n}) must be "
             f"at least 2 (typical: 4-16); with n=1 use reinforce_plus_plus, remax or gae"
         )
     a, r = cfg.actor, cfg.ref
     ro = cfg.rollout
     if ro.max_num_batched_tokens < ro.max_num_seqs:
-        raise ValueError(
+        raise ConfigError(
             f"rollout.max_num_batched_tokens ({ro.max_num_batched_tokens}) must be >= rollout.max_num_seqs "
             f"({ro.max_num_seqs}): each decoding sequence adds one token to every forward. Raise it to "
             f"rollout.max_num_batched_tokens={ro.max_num_seqs} or lower rollout.max_num_seqs"

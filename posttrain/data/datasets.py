@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.errors import DataError, MissingPathError
 from posttrain.data.records import PromptRecord
 
 _SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -37,10 +38,10 @@ def load_records(
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"prompt data file not found: {path}")
+        raise MissingPathError(f"prompt data file not found: {path}")
     records = [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in _iter_rows(path)]
     if not records:
-        raise ValueError(f"{path}: no rows found; a prompt data file needs at least one row")
+        raise DataError(f"{path}: no rows found; a prompt data file needs at least one row")
     return records
 
 
@@ -55,7 +56,7 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     elif path.suffix == ".parquet":
         yield from _iter_parquet(path)
     else:
-        raise ValueError(
+        raise DataError(
             f"{path}: unsupported prompt file type {path.suffix!r}; use one of {', '.join(_SUFFIXES)} "
             "or a directory saved with datasets' save_to_disk"
         )
@@ -71,7 +72,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: {where}: invalid JSON: {exc.msg} at column {exc.colno}") from exc
+                raise DataError(f"{path}: {where}: invalid JSON: {exc.msg} at column {exc.colno}") from exc
             row += 1
 
 
@@ -79,9 +80,9 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+        raise DataError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
     if not isinstance(data, list):
-        raise ValueError(
+        raise DataError(
             f"{path}: a .json prompt file must hold a list of objects, got {type(data).__name__}; "
             "use .jsonl for one object per line"
         )
@@ -110,18 +111,18 @@ def _iter_saved_dataset(path: Path) -> Iterator[tuple[str, Any]]:
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         splits = ", ".join(str(path / name) for name in loaded)
-        raise ValueError(f"{path} holds several splits; point to one split directory: {splits}")
+        raise DataError(f"{path} holds several splits; point to one split directory: {splits}")
     for i, row in enumerate(loaded):
         yield f"row {i}", row
 
 
 def _row_to_record(row: Any, where: str, path: Path, prompt_key: str, answer_key: str) -> PromptRecord:
     if not isinstance(row, dict):
-        raise ValueError(
+        raise DataError(
             f"{path}: {where}: expected an object with a {prompt_key!r} field, got {type(row).__name__}"
         )
     if prompt_key not in row:
-        raise ValueError(
+        raise DataError(
             f"{path}: {where}: missing field {prompt_key!r}; available fields: {sorted(row)}. "
             "Set prompt_key to the field that holds the prompt"
         )
@@ -136,7 +137,7 @@ def _check_prompt(value: Any, where: str) -> str | list[dict[str, str]]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value:
-        raise ValueError(
+        raise DataError(
             f"{where}: a prompt must be a string or a non-empty list of {{'role', 'content'}} messages, "
             f"got {type(value).__name__}"
         )
@@ -147,7 +148,7 @@ def _check_prompt(value: Any, where: str) -> str | list[dict[str, str]]:
             and isinstance(message.get("role"), str)
             and isinstance(message.get("content"), str)
         ):
-            raise ValueError(
+            raise DataError(
                 f"{where}: message {i} must be a dict with string 'role' and 'content', got {message!r}"
             )
         # Parquet/datasets may add null columns of sibling messages; keep only the chat fields.
@@ -162,7 +163,7 @@ def _check_answer(value: Any, where: str) -> str | None:
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise ValueError(f"{where}: the answer must be a string or a number, got {type(value).__name__}")
+    raise DataError(f"{where}: the answer must be a string or a number, got {type(value).__name__}")
 
 
 # --------------------------------------------------------------------------- tokenizing
@@ -197,16 +198,16 @@ def tokenize_prompts(
     it, the string is encoded with the tokenizer's own special tokens (e.g. BOS).
     """
     if overlong not in _OVERLONG_MODES:
-        raise ValueError(f"overlong={overlong!r} is not supported; use one of {_OVERLONG_MODES}")
+        raise DataError(f"overlong={overlong!r} is not supported; use one of {_OVERLONG_MODES}")
     if max_prompt_length < 1:
-        raise ValueError(f"max_prompt_length={max_prompt_length} must be >= 1, e.g. 512")
+        raise DataError(f"max_prompt_length={max_prompt_length} must be >= 1, e.g. 512")
     if not records:
-        raise ValueError("records is empty; tokenize_prompts needs at least one prompt")
+        raise DataError("records is empty; tokenize_prompts needs at least one prompt")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if apply_chat_template is None:
         apply_chat_template = has_template
     elif apply_chat_template and not has_template:
-        raise ValueError(
+        raise DataError(
             "apply_chat_template=True but the tokenizer has no chat_template; "
             "set apply_chat_template=False or use a tokenizer with a chat template"
         )
@@ -219,12 +220,12 @@ def tokenize_prompts(
             kept_ids.append(ids)
             kept.append(record)
         elif overlong == "error":
-            raise ValueError(
+            raise DataError(
                 f"row {row}: prompt is {len(ids)} tokens, longer than max_prompt_length={max_prompt_length}; "
                 "raise max_prompt_length or set overlong='filter' to drop such prompts"
             )
     if not kept:
-        raise ValueError(
+        raise DataError(
             f"all {len(records)} prompts are longer than max_prompt_length={max_prompt_length}; raise it"
         )
     return TokenizedPrompts(prompt_ids=kept_ids, records=kept, n_filtered=len(records) - len(kept))
@@ -242,10 +243,10 @@ def encode_prompt(
     elif isinstance(prompt, str):
         ids = tokenizer(prompt)["input_ids"]
     else:
-        raise ValueError(
+        raise DataError(
             f"{where}: the prompt is a list of chat messages but no chat template is applied; "
             "use a tokenizer with a chat_template or plain-string prompts"
         )
     if not ids:
-        raise ValueError(f"{where}: the prompt encodes to zero tokens; remove empty prompts from the data")
+        raise DataError(f"{where}: the prompt encodes to zero tokens; remove empty prompts from the data")
     return list(ids)

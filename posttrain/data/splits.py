@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posttrain.config.errors import DataError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import load_records
 from posttrain.data.records import PromptRecord
@@ -26,7 +27,7 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
     reward = cfg.reward.function
     if d.task == "gsm8k":
         if not d.train_files:
-            raise ValueError(
+            raise DataError(
                 "data.task=gsm8k reads your own GSM8K-format files (question, answer ending in '#### 42'): "
                 "set data.train_files=[train.jsonl] (and data.val_files=[test.jsonl])"
             )
@@ -37,7 +38,7 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
         train = [r for f in d.train_files for r in load_records(f, d.prompt_key, d.answer_key)]
         val = [r for f in d.val_files for r in load_records(f, d.prompt_key, d.answer_key)]
         if not reward:
-            raise ValueError(
+            raise DataError(
                 "reward.function is empty but data.train_files are given: name a reward, e.g. "
                 "reward.function=exact_match, reward.function=gsm8k or reward.function=path/to/file.py:fn"
             )

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from posttrain.config.errors import ConfigError
+
 __all__ = ["chunked_logprobs_entropy", "naive_logprobs_entropy"]
 
 
@@ -50,7 +52,7 @@ def _check(
             f"labels {tuple(labels.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"lm_head bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
+        raise ConfigError(f"lm_head bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
 
 
 def _chunk(

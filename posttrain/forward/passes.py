@@ -35,6 +35,7 @@ from torch import nn
 
 from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from posttrain.batching.packing import PackedBatch, pack_sequences
+from posttrain.config.errors import ConfigError
 from posttrain.data.batch import RolloutBatch
 from posttrain.forward.chunked_head import chunked_logprobs_entropy
 from posttrain.forward.packed import _uses_flash_attention, packed_causal_lm_forward
@@ -215,7 +216,7 @@ def _grouped_layout(model: nn.Module, batch: RolloutBatch, options: ForwardOptio
     for eager; other attention back-ends take no custom mask)."""
     impl = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
     if impl not in ("sdpa", "eager"):
-        raise ValueError(
+        raise ConfigError(
             f"actor.use_prefix_grouper=true needs sdpa or eager attention (a 4-D mask), the model uses {impl!r}; "
             "load it with attn_implementation='sdpa' or set actor.use_prefix_grouper=false"
         )
@@ -256,7 +257,7 @@ def check_plain_lm_head(config, key: str = "actor.entropy_from_logits_with_chunk
     entry = PACKING_VERIFIED.get(model_type)
     if transforms or (entry is not None and not entry.plain_lm_head):
         what = ", ".join(transforms) or "registered with plain_lm_head=False"
-        raise ValueError(
+        raise ConfigError(
             f"{key}=true computes log-probs from hidden states and the LM head weight, but "
             f"model_type={model_type!r} transforms its logits after the projection ({what}), so the result "
             f"would be wrong. Set {key}=false for this model"
@@ -273,7 +274,7 @@ def chunked_head_parameters(
     check_plain_lm_head(model.config, key)
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
-        raise ValueError(
+        raise ConfigError(
             f"{key}=true needs a linear output embedding; model_type={model.config.model_type!r} has none"
         )
     return head.weight, getattr(head, "bias", None)
@@ -388,7 +389,9 @@ def _sp_response_outputs(
     """
     group = options.sp_group
     if options.prefix_grouper:
-        raise ValueError("actor.use_prefix_grouper=true cannot be combined with Ulysses sequence parallelism")
+        raise ConfigError(
+            "actor.use_prefix_grouper=true cannot be combined with Ulysses sequence parallelism"
+        )
     if options.remove_padding:
         check_packing_supported(body.config)
         layout = _packed_layout(body, batch, options)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.batching.packing import plan_rows
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch
 
@@ -79,7 +80,7 @@ def group_by_prompt(batch: RolloutBatch) -> PrefixGroups:
     prompt_lens = real[:, :p].sum(-1)
     resp_lens = real[:, p:].sum(-1)
     if bool(((prompt_lens == 0) & (resp_lens > 0)).any()):
-        raise ValueError("a row has response tokens but no prompt token: nothing predicts its first token")
+        raise ConfigError("a row has response tokens but no prompt token: nothing predicts its first token")
     # Left-padded prompts of one batch share their width, so equal rows of this key mean equal prompt tokens.
     keys = ids[:, :p].masked_fill(~real[:, :p], -1)
     _, group_of = torch.unique(keys, dim=0, return_inverse=True)
@@ -182,7 +183,7 @@ def check_prefix_grouper(cfg: PostTrainConfig, model_config) -> None:
     sp = {"actor": cfg.actor.ulysses_sequence_parallel_size, "ref": cfg.ref.ulysses_sequence_parallel_size}
     for role, size in sp.items():
         if size > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"actor.use_prefix_grouper=true cannot be combined with {role}.ulysses_sequence_parallel_size="
                 f"{size} (the shared-prompt mask is not split across ranks); set one of them back "
                 f"(use_prefix_grouper=false, or ulysses_sequence_parallel_size=1)"
@@ -194,7 +195,7 @@ def check_prefix_grouper(cfg: PostTrainConfig, model_config) -> None:
         getattr(model_config, "use_sliding_window", False) and getattr(model_config, "sliding_window", None)
     )
     if windowed:
-        raise ValueError(
+        raise ConfigError(
             f"actor.use_prefix_grouper=true: model_type={model_config.model_type!r} uses sliding-window "
             "attention, which the shared-prompt mask does not reproduce; set actor.use_prefix_grouper=false"
         )

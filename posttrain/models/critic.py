@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
+from posttrain.config.errors import ConfigError
 from posttrain.models.hf import check_model_dir, resolve_dtype
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -110,7 +111,7 @@ class CriticModel(nn.Module):
 def _init_value_head(head: nn.Linear, init_std: float) -> None:
     """Zero bias; weight zeros (``init_std == 0``) or N(0, init_std^2)."""
     if init_std < 0:
-        raise ValueError(f"init_std={init_std} must be >= 0 (0 gives a zero-initialised value head)")
+        raise ConfigError(f"init_std={init_std} must be >= 0 (0 gives a zero-initialised value head)")
     with torch.no_grad():
         head.bias.zero_()
         if init_std == 0:

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.config.errors import ConfigError, MissingPathError
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -17,7 +19,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
 
 
 def check_model_dir(path: str | Path, need: str = "config.json") -> Path:
@@ -27,12 +29,12 @@ def check_model_dir(path: str | Path, need: str = "config.json") -> Path:
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"model path {str(path)!r} does not exist or is not a directory; pass a local Hugging Face model "
             "directory (e.g. one made by posttrain.models.tiny.create_tiny_model_dir); nothing is downloaded"
         )
     if not (path / need).is_file():
-        raise ValueError(
+        raise ConfigError(
             f"model path {str(path)!r} is not a Hugging Face model directory: it has no {need}; "
             "save one with save_hf(model, tokenizer, path) or model.save_pretrained(path)"
         )
@@ -48,7 +50,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer in {str(path)!r} has neither a pad token nor an eos token; add one")
+            raise ConfigError(f"tokenizer in {str(path)!r} has neither a pad token nor an eos token; add one")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer

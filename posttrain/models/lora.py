@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import ModelConfig, PostTrainConfig
 from posttrain.models.hf import save_hf
 from posttrain.utils.console import warn_once
@@ -70,7 +71,7 @@ def read_adapter_config(path: str) -> dict:
     """adapter_config.json of a saved PEFT adapter; ValueError naming ``model.lora_adapter_path`` otherwise."""
     file = Path(path) / "adapter_config.json"
     if not file.is_file():
-        raise ValueError(
+        raise ConfigError(
             f"model.lora_adapter_path={path!r} is not a PEFT adapter directory (no adapter_config.json); give a "
             "directory written by PeftModel.save_pretrained, e.g. the final_model of a LoRA run with "
             "trainer.export_merged=false, or model.lora_adapter_path= to start a fresh adapter"
@@ -78,7 +79,7 @@ def read_adapter_config(path: str) -> dict:
     data = json.loads(file.read_text())
     if data.get("peft_type") != "LORA" or data.get("use_dora"):
         kind = "DoRA" if data.get("use_dora") else data.get("peft_type")
-        raise ValueError(
+        raise ConfigError(
             f"model.lora_adapter_path={path!r} holds a {kind} adapter; posttrain trains plain LoRA adapters "
             "(peft_type LORA, use_dora false). Give a LoRA adapter or model.lora_adapter_path= to start fresh"
         )
@@ -113,7 +114,7 @@ def check_lora_config(cfg: PostTrainConfig, model_config=None) -> None:
     m, t = cfg.model, cfg.trainer
     if not lora_enabled(cfg):
         if t.export_merged:
-            raise ValueError(
+            raise ConfigError(
                 "trainer.export_merged=true merges LoRA adapters into the base weights at export, but LoRA is off "
                 "(model.lora_rank=0, no model.lora_adapter_path); set model.lora_rank=32 (for example) or "
                 "trainer.export_merged=false"
@@ -122,29 +123,29 @@ def check_lora_config(cfg: PostTrainConfig, model_config=None) -> None:
     _require_peft()
     targets = list(m.target_modules)
     if not targets:
-        raise ValueError(
+        raise ConfigError(
             "model.target_modules=[] gives LoRA no layer to adapt; use model.target_modules=all-linear or a list "
             "such as [q_proj,k_proj,v_proj,o_proj]"
         )
     if ALL_LINEAR in targets and len(targets) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"model.target_modules={targets} mixes 'all-linear' with module names; use either "
             f"model.target_modules=all-linear or the names alone ({[n for n in targets if n != ALL_LINEAR]})"
         )
     refused = [n for n in targets if n.rsplit(".", 1)[-1] in _EMBEDDING_NAMES]
     if refused:
-        raise ValueError(
+        raise ConfigError(
             f"model.target_modules={targets} includes {refused}: posttrain reads the LM head and embedding weights "
             "directly (chunked log-prob head, tied embeddings), so they cannot carry adapters. Adapt the decoder's "
             "linear layers: model.target_modules=all-linear"
         )
     if m.lora_alpha <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"model.lora_alpha={m.lora_alpha:g} must be > 0 (the adapter's output is scaled by lora_alpha / "
             f"lora_rank, so 0 freezes the policy); for example model.lora_alpha={max(m.lora_rank, 16)}"
         )
     if m.lora_dropout >= 1.0:
-        raise ValueError(
+        raise ConfigError(
             f"model.lora_dropout={m.lora_dropout:g} must be < 1 (1 drops every adapter input); for example "
             "model.lora_dropout=0.0 or 0.05"
         )
@@ -166,7 +167,7 @@ def _check_adapter_matches(cfg: PostTrainConfig, s: LoraSettings) -> None:
     """The adapter defines rank, alpha, targets and dropout; a config value that contradicts it is a mistake."""
     m = cfg.model
     if m.lora_rank not in (0, s.rank):
-        raise ValueError(
+        raise ConfigError(
             f"model.lora_rank={m.lora_rank} differs from the rank r={s.rank} of the adapter at "
             f"model.lora_adapter_path={m.lora_adapter_path!r}; set model.lora_rank={s.rank} (or 0: take the "
             "adapter's rank)"
@@ -184,7 +185,7 @@ def _check_adapter_matches(cfg: PostTrainConfig, s: LoraSettings) -> None:
     # Only a value the user set (not the schema default) can contradict the adapter.
     differing = [f"{k}={v!r} (adapter: {a!r})" for k, (v, d, a) in ours.items() if v != d and v != a]
     if differing:
-        raise ValueError(
+        raise ConfigError(
             f"model.lora_adapter_path={m.lora_adapter_path!r} defines the adapter's settings, but "
             f"{', '.join(differing)}; drop these keys (the adapter's values apply) or set them to the adapter's"
         )
@@ -211,7 +212,7 @@ def _check_targets_exist(targets: tuple[str, ...], model_config, key: str) -> No
     if unknown:
         close = [c for u in unknown for c in difflib.get_close_matches(u, leaves, n=1)]
         hint = f" (did you mean {close}?)" if close else ""
-        raise ValueError(
+        raise ConfigError(
             f"{key}={list(targets)}: {unknown} match no linear layer of the decoder of model_type="
             f"{getattr(model_config, 'model_type', '?')!r}{hint}; its linear layers are {leaves} (the LM head "
             f"cannot carry an adapter). Use names from that list or {key}=all-linear"
@@ -221,7 +222,7 @@ def _check_targets_exist(targets: tuple[str, ...], model_config, key: str) -> No
 def _require_peft() -> None:
 
     if importlib.util.find_spec("peft") is None:
-        raise ValueError(
+        raise ConfigError(
             "model.lora_rank > 0 (or model.lora_adapter_path) needs Hugging Face PEFT: pip install 'posttrain[lora]' "
             "(or pip install peft), or set model.lora_rank=0"
         )
@@ -257,7 +258,7 @@ def apply_lora(model: nn.Module, cfg: PostTrainConfig) -> nn.Module:
             )
             policy = get_peft_model(model, config)
     if hasattr(policy.get_output_embeddings(), "get_base_layer"):  # e.g. an adapter's targets named the head
-        raise ValueError(
+        raise ConfigError(
             "the LoRA targets include the LM head, whose weight posttrain reads directly (chunked log-prob head, "
             "tied embeddings); adapt the decoder's linear layers only: model.target_modules=all-linear"
         )
@@ -411,7 +412,7 @@ def policy_weights(model: nn.Module, mode: str = "merged") -> Iterator[tuple[str
     elif mode == "merged":
         yield from merged_state(model)
     else:
-        raise ValueError(f"weight sync mode {mode!r} must be 'merged' or 'adapter'")
+        raise ConfigError(f"weight sync mode {mode!r} must be 'merged' or 'adapter'")
 
 
 # --------------------------------------------------------------------------- checkpoints and export

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, Qwen2Config
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.lora import check_lora_config, hf_model
 from posttrain.models.registry import check_packing_supported
@@ -31,7 +32,7 @@ def check_packing(key: str, model_config) -> None:
     try:
         check_packing_supported(model_config)
     except ValueError as err:
-        raise ValueError(f"{key}=true: {err}") from None
+        raise ConfigError(f"{key}=true: {err}") from None
 
 
 def warn_offload_on_cpu(key: str, device: torch.device) -> None:
@@ -56,12 +57,12 @@ def check_liger(device: torch.device, model_config) -> None:
     if importlib.util.find_spec("liger_kernel") is None:
         missing.append("the liger-kernel package (pip install liger-kernel)")
     if missing:
-        raise ValueError(f"model.use_liger=true needs {' and '.join(missing)}; set model.use_liger=false")
+        raise ConfigError(f"model.use_liger=true needs {' and '.join(missing)}; set model.use_liger=false")
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     model_type = getattr(model_config, "model_type", None)
     if model_config is not None and model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise ValueError(
+        raise ConfigError(
             f"model.use_liger=true: liger-kernel has no kernels for model_type={model_type!r} (supported: "
             f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set model.use_liger=false"
         )

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.config.errors import ConfigError
+
 __all__ = [
     "PACKING_VERIFIED",
     "ArchitectureSupport",
@@ -54,7 +56,7 @@ def _model_type(model_config: Any) -> str:
         return model_config
     model_type = getattr(model_config, "model_type", None)
     if not model_type:
-        raise ValueError(
+        raise ConfigError(
             f"cannot tell the architecture of {type(model_config).__name__}: it has no model_type"
         )
     return str(model_type)
@@ -75,7 +77,7 @@ def check_packing_supported(model_config: Any) -> ArchitectureSupport:
     entry = PACKING_VERIFIED.get(model_type)
     if entry is None:
         verified = ", ".join(sorted(PACKING_VERIFIED))
-        raise ValueError(
+        raise ConfigError(
             f"sequence packing (remove padding) is not verified for model_type={model_type!r} "
             f"(verified: {verified}). To verify it, add a tiny config of this architecture to TINY_CONFIGS in "
             f"tests/models/test_packing_equivalence.py, run "
@@ -90,5 +92,5 @@ def check_packing_supported(model_config: Any) -> ArchitectureSupport:
 def register_packing_support(model_type: str, *, plain_lm_head: bool = True) -> None:
     """Mark an architecture as verified (after its equivalence test passed)."""
     if not model_type:
-        raise ValueError("model_type must be a non-empty string")
+        raise ConfigError("model_type must be a non-empty string")
     PACKING_VERIFIED[model_type] = ArchitectureSupport(model_type, plain_lm_head=plain_lm_head)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.plan import fsdp_group_size
 from posttrain.config.schema import ShardingConfig
 from posttrain.parallel.runtime import DistContext
@@ -60,7 +61,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
-        raise ValueError(f"{type(model).__name__} has no decoder layers to shard (no ModuleList found)")
+        raise ConfigError(f"{type(model).__name__} has no decoder layers to shard (no ModuleList found)")
     biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
     return list(biggest)
 

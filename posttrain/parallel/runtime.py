@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
 log = logging.getLogger("posttrain")
@@ -84,7 +85,7 @@ def select_device(cfg: PostTrainConfig) -> torch.device:
     """trainer.device: 'auto' picks CUDA when present; asking for CUDA without one is an error."""
     want = cfg.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise ConfigError(
             "trainer.device='cuda' but no CUDA device is visible; use trainer.device=cpu or auto"
         )
     if want == "auto":

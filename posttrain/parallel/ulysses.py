@@ -44,6 +44,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from posttrain.config.errors import ConfigError
+
 __all__ = [
     "KWARG",
     "UlyssesCall",
@@ -76,7 +78,7 @@ def new_sequence_parallel_group(sp_size: int) -> ProcessGroup | None:
     """
     world = dist.get_world_size()
     if sp_size < 1 or world % sp_size:
-        raise ValueError(
+        raise ConfigError(
             f"ulysses_sequence_parallel_size={sp_size} must divide the world size ({world}); e.g. 1 or {world}"
         )
     if sp_size == 1:
@@ -97,7 +99,7 @@ def new_sequence_parallel_group(sp_size: int) -> ProcessGroup | None:
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     sp = dist.get_world_size(group)
     if x.shape[scatter_dim] % sp:
-        raise ValueError(f"all_to_all: dim {scatter_dim} of {tuple(x.shape)} is not divisible by {sp} ranks")
+        raise ConfigError(f"all_to_all: dim {scatter_dim} of {tuple(x.shape)} is not divisible by {sp} ranks")
     # Chunk i goes to rank i; chunk j of the result came from rank j (the ranks' slices in rank order).
     send = torch.stack(x.chunk(sp, dim=scatter_dim)).contiguous()
     recv = torch.empty_like(send)
@@ -262,23 +264,23 @@ def check_sequence_parallel_supported(config: Any, sp_size: int) -> None:
         return
     impl = str(getattr(config, "_attn_implementation", None))
     if impl != "sdpa" and not impl.startswith("flash_attention"):
-        raise ValueError(
+        raise ConfigError(
             f"ulysses_sequence_parallel_size={sp_size} needs attn_implementation 'sdpa' or "
             f"'flash_attention_2'/'_3', the model uses {impl!r}; load it with attn_implementation='sdpa'"
         )
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % sp_size:
-        raise ValueError(
+        raise ConfigError(
             f"ulysses_sequence_parallel_size={sp_size} must divide the model's num_attention_heads={heads}"
         )
     if kv_heads % sp_size and sp_size % kv_heads:
-        raise ValueError(
+        raise ConfigError(
             f"ulysses_sequence_parallel_size={sp_size} must divide num_key_value_heads={kv_heads} or be a "
             f"multiple of it (then KV heads are replicated)"
         )
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        raise ValueError(
+        raise ConfigError(
             f"ulysses_sequence_parallel_size={sp_size}: layers with sliding-window or other non-full "
             f"attention ({sorted(set(config.layer_types))}) are not supported; set it to 1"
         )
@@ -373,7 +375,7 @@ def _sp_attention(
     inner: Callable, call: UlyssesCall, module: torch.nn.Module, query, key, value, **kwargs
 ) -> tuple[torch.Tensor, Any]:
     if kwargs.get("sliding_window") is not None:
-        raise ValueError("Ulysses sequence parallelism does not support sliding-window attention layers")
+        raise ConfigError("Ulysses sequence parallelism does not support sliding-window attention layers")
     sp = dist.get_world_size(call.group)
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % sp or (kv_heads % sp and sp % kv_heads):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.errors import ConfigError
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
 
@@ -27,7 +28,7 @@ RewardFn = Callable[[str, str, "str | None", dict[str, Any]], float]
 def exact_match_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
     """1.0 when ``response`` equals ``ground_truth`` after stripping surrounding whitespace, else 0.0."""
     if ground_truth is None:
-        raise ValueError("the exact_match reward needs a ground_truth answer; the record has none")
+        raise ConfigError("the exact_match reward needs a ground_truth answer; the record has none")
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
@@ -48,7 +49,7 @@ def resolve_reward_function(spec: str | RewardFn) -> RewardFn:
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
     if ":" not in spec:
-        raise ValueError(
+        raise ConfigError(
             f"reward function {spec!r} is neither a built-in ({sorted(REWARD_FUNCTIONS)}) "
             "nor a user function written as 'path/to/file.py:function_name'"
         )
@@ -63,19 +64,19 @@ def resolve_reward_function(spec: str | RewardFn) -> RewardFn:
             and not name.startswith("_")
             and getattr(value, "__module__", None) == module.__name__
         )
-        raise ValueError(
+        raise ConfigError(
             f"reward function {spec!r}: {file_part} defines no {fn_name!r}; functions defined there: {callables}"
         )
     fn = getattr(module, fn_name)
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: {fn_name!r} is a {type(fn).__name__}, not a function")
+        raise ConfigError(f"reward function {spec!r}: {fn_name!r} is a {type(fn).__name__}, not a function")
     _check_signature(fn, spec)
     return fn
 
 
 def _load_module(path: Path, spec: str) -> Any:
     if not path.is_file():
-        raise ValueError(f"reward function {spec!r}: file {str(path)!r} not found")
+        raise ConfigError(f"reward function {spec!r}: file {str(path)!r} not found")
     resolved = path.resolve()
     # A unique, stable module name per file, registered in sys.modules so that dataclasses, pickling
     # and repeated resolution of the same file behave as for a normal import.
@@ -85,14 +86,14 @@ def _load_module(path: Path, spec: str) -> Any:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, resolved)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward function {spec!r}: cannot import {str(path)!r}; is it a .py file?")
+        raise ConfigError(f"reward function {spec!r}: cannot import {str(path)!r}; is it a .py file?")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise ValueError(f"reward function {spec!r}: importing {str(path)!r} failed: {exc!r}") from exc
+        raise ConfigError(f"reward function {spec!r}: importing {str(path)!r} failed: {exc!r}") from exc
     return module
 
 
@@ -105,7 +106,7 @@ def _check_signature(fn: Callable[..., Any], spec: str) -> None:
     try:
         signature.bind("prompt", "response", "ground_truth", {})
     except TypeError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"reward function {spec!r} has signature {signature}; it must accept "
             "(prompt, response, ground_truth, extra)"
         ) from exc

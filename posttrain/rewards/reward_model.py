@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from posttrain.batching.packing import pack_sequences
 from posttrain.batching.token_budget import plan_token_micro_batches
+from posttrain.config.errors import ConfigError
 from posttrain.models.registry import check_packing_supported
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,20 +49,20 @@ class RewardModelScorer:
     ) -> None:
 
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+            raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
         if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+            raise ConfigError(f"micro_batch_size={micro_batch_size} must be >= 1")
         if max_length is not None and max_length < 1:
-            raise ValueError(f"max_length={max_length} must be >= 1, or None for no truncation")
+            raise ConfigError(f"max_length={max_length} must be >= 1, or None for no truncation")
         if max_tokens is not None and max_length is not None and max_tokens < max_length:
-            raise ValueError(
+            raise ConfigError(
                 f"max_tokens={max_tokens} (token budget per forward pass) must be >= max_length={max_length}"
             )
         config = AutoConfig.from_pretrained(path)
         # Checked before loading weights: a classifier with several labels would load fine and then
         # silently score with label 0.
         if config.num_labels != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"reward model {path} has num_labels={config.num_labels}; a reward model needs num_labels=1 "
                 "(a single scalar head)"
             )
@@ -70,7 +71,7 @@ class RewardModelScorer:
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token_id is None:
             if self.tokenizer.eos_token is None:
-                raise ValueError(
+                raise ConfigError(
                     f"reward model tokenizer in {path} has neither a pad nor an eos token; add one"
                 )
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -88,7 +89,7 @@ class RewardModelScorer:
         if remove_padding:
             check_packing_supported(self.model.config)
             if not isinstance(getattr(self.model, "score", None), torch.nn.Linear):
-                raise ValueError(
+                raise ConfigError(
                     f"reward model {path} ({type(self.model).__name__}) has no linear `score` head, so packed "
                     "scoring cannot read it; set reward.model.use_remove_padding=false"
                 )
@@ -100,7 +101,7 @@ class RewardModelScorer:
             messages.append({"role": "assistant", "content": response})
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
         if not isinstance(prompt, str):
-            raise ValueError(
+            raise ConfigError(
                 "the reward model tokenizer has no chat_template, so chat-message prompts cannot be "
                 "rendered; use plain-string prompts or a reward model with a chat template"
             )
@@ -118,7 +119,7 @@ class RewardModelScorer:
     def score(self, prompts: Sequence[str | list[dict[str, str]]], responses: Sequence[str]) -> list[float]:
         """One scalar reward per (prompt, response) pair, in input order."""
         if len(prompts) != len(responses):
-            raise ValueError(
+            raise ConfigError(
                 f"got {len(prompts)} prompts but {len(responses)} responses; pass one per sample"
             )
         encoded = [self._encode(self.format(p, r)) for p, r in zip(prompts, responses)]

@@ -18,6 +18,7 @@ import yaml
 from torch import nn
 
 from posttrain.algorithms.kl import KLController, make_kl_controller
+from posttrain.config.errors import ConfigError
 from posttrain.config.load import to_dict
 from posttrain.config.plan import BatchPlan, build_plan
 from posttrain.config.schema import PostTrainConfig
@@ -172,7 +173,7 @@ def build_components(
         offload_optimizer_state(critic.optimizer, device, cfg.critic.fsdp_config.optimizer_offload)
     train_prompts, val_prompts = _tokenize(cfg, splits, tokenizer)
     if len(train_prompts.prompt_ids) < cfg.data.train_batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"data.train_batch_size ({cfg.data.train_batch_size}) exceeds the {len(train_prompts.prompt_ids)} "
             "training prompts available; lower it or add data"
         )
@@ -200,7 +201,7 @@ def build_components(
     if cfg.reward.model.enable:
         m = cfg.reward.model
         if not m.path:
-            raise ValueError(
+            raise ConfigError(
                 "reward.model.enable=true needs reward.model.path (a sequence-classification model dir)"
             )
         rm = RewardModelScorer(

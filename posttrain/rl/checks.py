@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.forward.passes import check_plain_lm_head
 from posttrain.forward.prefix_grouper import check_prefix_grouper
@@ -23,7 +24,7 @@ def check_rl_switches(cfg: PostTrainConfig, device: torch.device, uses_ref: bool
     """
     a = cfg.actor
     if a.entropy_checkpointing and not a.entropy_from_logits_with_chunking:
-        raise ValueError(
+        raise ConfigError(
             "actor.entropy_checkpointing=true recomputes the chunked log-prob head's logits in backward, so it "
             "needs actor.entropy_from_logits_with_chunking=true; set both, or drop actor.entropy_checkpointing"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import tokenize_prompts
@@ -26,7 +27,7 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     seed_everything(cfg.trainer.seed)
     path = Path(model_path) if model_path else None
     if path is not None and not path.exists():
-        raise ValueError(f"--model {path} does not exist")
+        raise ConfigError(f"--model {path} does not exist")
     if path is not None and (path / "config.json").exists():
         tokenizer, model = load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device)
     else:
@@ -41,7 +42,7 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
             load_checkpoint_policy(path, model)
     splits = load_splits(cfg)
     if not splits.val:
-        raise ValueError("no validation prompts: set data.val_files (or use a built-in task)")
+        raise ConfigError("no validation prompts: set data.val_files (or use a built-in task)")
     prompts = tokenize_prompts(splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts)
     r = cfg.rollout
     engine = NativeEngine(

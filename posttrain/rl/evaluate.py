@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
@@ -21,7 +22,7 @@ CORRECT_THRESHOLD = 1.0
 def validation_params(cfg: PostTrainConfig, seed: int) -> SamplingParams:
     r = cfg.rollout
     if r.val_greedy and r.val_n > 1:
-        raise ValueError(
+        raise ConfigError(
             f"rollout.val_n={r.val_n} samples per prompt with rollout.val_greedy=true would repeat one answer; "
             "set rollout.val_greedy=false to sample, or rollout.val_n=1"
         )

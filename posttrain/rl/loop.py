@@ -13,6 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import save_hf
@@ -164,7 +165,7 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     start = maybe_resume(c, run_dir)
     if start >= t.total_steps:
         c.close()
-        raise ValueError(
+        raise ConfigError(
             f"{run_dir} already holds a finished run (checkpoint at step {start}, trainer.total_steps="
             f"{t.total_steps}); to train again use a new trainer.run_dir, trainer.resume=disable, or raise "
             "trainer.total_steps to continue it"

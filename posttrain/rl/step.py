@@ -10,6 +10,7 @@ import torch
 
 from posttrain.algorithms.advantages import get_advantage_estimator
 from posttrain.algorithms.kl import apply_kl_penalty
+from posttrain.config.errors import ConfigError
 from posttrain.config.plan import ForwardPlan
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.forward.passes import critic_values, policy_logprobs
@@ -134,7 +135,7 @@ def rollout_log_probs(result: RolloutResult, batch: RolloutBatch) -> torch.Tenso
     out = torch.zeros_like(batch.response_mask)
     for i, (ids, logprobs) in enumerate(zip(result.response_ids, result.response_logprobs)):
         if len(logprobs) != len(ids):
-            raise ValueError(
+            raise ConfigError(
                 f"algorithm.rollout_correction.bypass_mode=true needs the rollout engine's log-prob of every "
                 f"sampled token, but sample {i} has {len(ids)} tokens and {len(logprobs)} log-probs; set "
                 "algorithm.rollout_correction.bypass_mode=false to recompute them with the actor"

@@ -22,6 +22,7 @@ import random
 import shutil
 from pathlib import Path
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.splits import load_splits
@@ -137,7 +138,7 @@ def resolve_model_path(cfg: PostTrainConfig, quiet: bool = False) -> Path:
         return builtin_model_dir(cfg, quiet=quiet)
     path = Path(cfg.model.path)
     if not (path / "config.json").exists():
-        raise ValueError(
+        raise ConfigError(
             f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json); "
             "give a local directory saved with save_pretrained, or model.path=builtin:tiny"
         )

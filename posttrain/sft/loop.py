@@ -15,6 +15,7 @@ from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
 from posttrain.batching.micro import micro_batch_rows
+from posttrain.config.errors import ConfigError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
@@ -42,14 +43,14 @@ def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int
     examples = []
     for i, rec in enumerate(records):
         if rec.ground_truth is None:
-            raise ValueError(f"SFT example {i} has no response (ground truth); every example needs one")
+            raise ConfigError(f"SFT example {i} has no response (ground truth); every example needs one")
         prompt = encode_prompt(rec.prompt, tokenizer, template, where=f"row {i}")
         response = tokenizer(str(rec.ground_truth), add_special_tokens=False)["input_ids"]
         response = (list(response) + [tokenizer.eos_token_id])[:max_response_length]
         if len(prompt) <= max_prompt_length:
             examples.append(SFTExample(prompt, response))
     if not examples:
-        raise ValueError(f"no SFT example fits data.max_prompt_length={max_prompt_length}; raise it")
+        raise ConfigError(f"no SFT example fits data.max_prompt_length={max_prompt_length}; raise it")
     return examples
 
 
@@ -151,7 +152,7 @@ def run_sft(
     examples = make_examples(records, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
     plan = build_sft_plan(cfg, world_size=1)
     if len(examples) < plan.mini_batch_samples:
-        raise ValueError(
+        raise ConfigError(
             f"sft.batch_size ({cfg.sft.batch_size}) exceeds the {len(examples)} usable SFT examples; lower it"
         )
     steps = (len(examples) // plan.mini_batch_samples) * plan.ppo_epochs

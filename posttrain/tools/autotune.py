@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.plan import BatchPlan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.tools.measure import TrialResult, TrialSpec, run_trial_in_subprocess
@@ -117,7 +118,7 @@ def tune_targets(
             )
         elif role in ("critic", "values"):
             if plan.critic is None:
-                raise ValueError(
+                raise ConfigError(
                     f"--roles {role}: this config trains no critic (algorithm.adv_estimator="
                     f"{cfg.algorithm.adv_estimator}); use algorithm.adv_estimator=gae or drop {role}"
                 )
@@ -136,7 +137,7 @@ def tune_targets(
                     "critic.forward_max_token_len_per_gpu",
                 )
         else:
-            raise ValueError(f"--roles {role!r}: choose from actor, old_log_prob, critic, values")
+            raise ConfigError(f"--roles {role!r}: choose from actor, old_log_prob, critic, values")
     return out
 
 
@@ -163,7 +164,7 @@ def autotune(
     value)`` (bytes, optional) lets the search skip candidates predicted above ``SKIP_FACTOR`` x the cap.
     """
     if not 0 <= headroom < 1:
-        raise ValueError(f"--headroom ({headroom}) must be in [0, 1): the fraction of the cap kept free")
+        raise ConfigError(f"--headroom ({headroom}) must be in [0, 1): the fraction of the cap kept free")
     limit = int(memory_cap_bytes * (1 - headroom))
     result = TuneResult()
     start = time.monotonic()

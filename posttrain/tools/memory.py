@@ -27,6 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan, fsdp_group_size
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.lora import lora_settings
@@ -73,13 +74,13 @@ class WhatIf:
 
     def __post_init__(self) -> None:
         if self.fsdp_size is not None and self.fsdp_size < 1:
-            raise ValueError(f"fsdp size ({self.fsdp_size}) must be >= 1 (1: no sharding)")
+            raise ConfigError(f"fsdp size ({self.fsdp_size}) must be >= 1 (1: no sharding)")
         if self.lora_rank < 0:
-            raise ValueError(f"LoRA rank ({self.lora_rank}) must be >= 0 (0: full fine-tuning)")
+            raise ConfigError(f"LoRA rank ({self.lora_rank}) must be >= 0 (0: full fine-tuning)")
         if self.rollout_engine not in ("native", "vllm"):
-            raise ValueError(f"rollout engine {self.rollout_engine!r} must be 'native' or 'vllm'")
+            raise ConfigError(f"rollout engine {self.rollout_engine!r} must be 'native' or 'vllm'")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
+            raise ConfigError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.models.tiny import build_tiny_tokenizer, tiny_config
 
 GIB = 1024**3
@@ -102,7 +103,7 @@ class ModelShape:
             if get(k) is None
         ]
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"model config {name!r} lacks {', '.join(missing)}: the memory estimator needs a decoder-only "
                 "Llama/Qwen2-style config.json (hidden_size, num_hidden_layers, num_attention_heads, "
                 "intermediate_size, vocab_size)"
@@ -129,7 +130,7 @@ class ModelShape:
         p = Path(path)
         file = p / "config.json" if p.is_dir() else p
         if not file.is_file():
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"no config.json at {str(path)!r}: pass a Hugging Face model directory or a config.json file "
                 "(examples/model_configs/ has some)"
             )

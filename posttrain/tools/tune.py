@@ -11,6 +11,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values, build_config, flatten, to_dict
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
@@ -36,7 +37,7 @@ def model_config_dict(cfg: PostTrainConfig, model_config: str | None) -> dict:
         return builtin_tiny_hf_config().to_dict()
     p = Path(cfg.model.path) / "config.json"
     if not p.is_file():
-        raise ValueError(
+        raise ConfigError(
             f"model.path={cfg.model.path!r} has no config.json; give a model directory or --model-config"
         )
     return json.loads(p.read_text())
@@ -45,7 +46,7 @@ def model_config_dict(cfg: PostTrainConfig, model_config: str | None) -> dict:
 def _device(choice: str) -> str:
 
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available; use --device cpu or auto")
+        raise ConfigError("--device cuda: no CUDA device is available; use --device cpu or auto")
     return (
         "cuda" if choice == "auto" and torch.cuda.is_available() else ("cpu" if choice == "auto" else choice)
     )
@@ -59,7 +60,7 @@ def default_cap_bytes(device: str) -> int:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    raise ValueError("cannot read the available memory; pass --memory-cap-gb")
+    raise ConfigError("cannot read the available memory; pass --memory-cap-gb")
 
 
 def _estimator(cfg: PostTrainConfig, world: int, shape: ModelShape):
@@ -125,9 +126,11 @@ def _estimated_overlay(cfg, targets, estimate, limit: int) -> dict:
 def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str], yamls: list[str]) -> int:
 
     if not 0 <= args.headroom < 1:
-        raise ValueError(f"--headroom ({args.headroom}) must be in [0, 1): the fraction of the cap kept free")
+        raise ConfigError(
+            f"--headroom ({args.headroom}) must be in [0, 1): the fraction of the cap kept free"
+        )
     if args.max_trials < 0 or args.time_budget_s < 0:
-        raise ValueError(
+        raise ConfigError(
             "--max-trials and --time-budget-s must be >= 0 (0 budget: estimates only, no trials)"
         )
     world = args.world_size if args.world_size is not None else args.nodes * args.gpus_per_node

@@ -47,6 +47,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from posttrain.config.errors import CheckpointError
 from posttrain.train.sharded_state import (
     load_module_state,
     load_state,
@@ -144,7 +145,9 @@ def find_checkpoint(run_dir: str | os.PathLike, resume: str) -> Path | None:
     if resume == "auto":
         return latest_checkpoint(run_dir)
     if not isinstance(resume, str) or not resume:
-        raise ValueError(f"resume={resume!r} is not valid; use one of {RESUME_MODES} or a checkpoint path")
+        raise CheckpointError(
+            f"resume={resume!r} is not valid; use one of {RESUME_MODES} or a checkpoint path"
+        )
     candidate = Path(resume).expanduser()
     if not candidate.exists() and not candidate.is_absolute():
         candidate = checkpoint_root(run_dir) / resume
@@ -154,7 +157,7 @@ def find_checkpoint(run_dir: str | os.PathLike, resume: str) -> Path | None:
         "does not exist" if not candidate.exists() else "is not a complete checkpoint (interrupted save?)"
     )
     available = [p.name for p in list_checkpoints(run_dir)] or "none"
-    raise ValueError(
+    raise CheckpointError(
         f"resume={resume!r}: {candidate} {reason}. Available checkpoints in "
         f"{checkpoint_root(run_dir)}: {available}. Use resume=auto for the latest one or "
         "resume=disable to start fresh."
@@ -186,7 +189,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     """
     missing = {"python", "numpy", "torch"} - set(state)
     if missing:
-        raise ValueError(f"RNG state is missing {sorted(missing)}; pass a dict from capture_rng_state()")
+        raise CheckpointError(f"RNG state is missing {sorted(missing)}; pass a dict from capture_rng_state()")
     random.setstate(state["python"])
     name, key, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(key, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
@@ -300,9 +303,9 @@ def _check_save_args(
     if not _is_int(step) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int, e.g. step=12")
     if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
-        raise ValueError(f"keep_last={keep_last!r} must be None (keep all) or an int >= 1")
+        raise CheckpointError(f"keep_last={keep_last!r} must be None (keep all) or an int >= 1")
     if not modules:
-        raise ValueError("modules is empty; pass at least one module, e.g. modules={'policy': model}")
+        raise CheckpointError("modules is empty; pass at least one module, e.g. modules={'policy': model}")
     for kind, mapping in (("modules", modules), ("optimizers", optimizers), ("schedulers", schedulers)):
         bad = [key for key in mapping if not isinstance(key, str) or not _KEY_RE.match(key)]
         if bad:
@@ -324,7 +327,7 @@ def _encode_trainer_state(trainer_state: Mapping[str, Any] | None) -> str:
     """Serialise before touching the disk, so a bad value fails without leaving anything behind."""
     trainer_state = {} if trainer_state is None else trainer_state
     if not isinstance(trainer_state, Mapping):
-        raise ValueError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
+        raise CheckpointError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     try:
         return json.dumps(dict(trainer_state), indent=2, sort_keys=True)
     except (TypeError, ValueError) as err:
@@ -464,13 +467,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete checkpoint; ValueError for partial or foreign directories."""
     path = Path(path)
     if not is_complete_checkpoint(path):
-        raise ValueError(
+        raise CheckpointError(
             f"path={path} is not a complete checkpoint (no {COMPLETE_FILENAME} marker or manifest); "
             "pick one with find_checkpoint(run_dir, 'auto')"
         )
     manifest = json.loads((path / MANIFEST_FILENAME).read_text(encoding="utf-8"))
     if manifest.get("layout") != LAYOUT or manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} has layout={manifest.get('layout')!r}, "
             f"format_version={manifest.get('format_version')!r}; this loader reads layout={LAYOUT!r} "
             f"up to format_version={FORMAT_VERSION}"
@@ -520,12 +523,12 @@ def _torch_load(path: Path, map_location: str | torch.device) -> Any:
 def _check_keys(path: Path, kind: str, saved: list[str], given: Mapping[str, Any]) -> None:
     for key in given:
         if key not in saved:
-            raise ValueError(
+            raise CheckpointError(
                 f"{kind}[{key!r}]: checkpoint {path} has no state for this key; it holds {kind} {saved}"
             )
     extra = sorted(set(saved) - set(given))
     if extra:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} holds {kind} {extra} that were not passed to load_checkpoint; pass them "
             f"too (the load is strict so that a resumed run continues exactly)"
         )
@@ -536,7 +539,7 @@ def _check_file_sizes(path: Path, files: Mapping[str, int]) -> None:
     for rel, size in files.items():
         file = path / rel
         if not file.is_file() or file.stat().st_size != size:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} is damaged: {rel} is missing or not {size} bytes as recorded"
             )
 
@@ -556,7 +559,7 @@ def _check_module_weights(path: Path, stored: Mapping[str, tuple], key: str, mod
     found = {"missing": missing, "unexpected": unexpected, "shape mismatch": mismatched}
     problems = "; ".join(f"{label}: {items[:5]}" for label, items in found.items() if items)
     if problems:
-        raise ValueError(
+        raise CheckpointError(
             f"modules[{key!r}]: weights in {path} do not match the module ({problems}); "
             "was the checkpoint written for a different model or config?"
         )
@@ -569,6 +572,8 @@ def load_module_weights(
     path = Path(path)
     manifest = read_manifest(path)
     if key not in manifest["modules"]:
-        raise ValueError(f"checkpoint {path} has no module {key!r}; it holds modules {manifest['modules']}")
+        raise CheckpointError(
+            f"checkpoint {path} has no module {key!r}; it holds modules {manifest['modules']}"
+        )
     _check_module_weights(path, saved_shapes(path / STATE_DIRNAME), key, module)
     load_module_state(path / STATE_DIRNAME, key, module)

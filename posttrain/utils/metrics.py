@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+from posttrain.config.errors import ConfigError
+
 METRICS_FILENAME = "metrics.jsonl"
 BACKENDS = ("jsonl", "tensorboard", "wandb")
 
@@ -37,7 +39,7 @@ def to_float(key: str, value: Any) -> float:
         return float(value.item())
     if hasattr(value, "size") and hasattr(value, "item"):  # numpy scalar or array
         if value.size != 1:
-            raise ValueError(f"metric {key!r} is an array with {value.size} elements; log a scalar")
+            raise ConfigError(f"metric {key!r} is an array with {value.size} elements; log a scalar")
         return float(value.item())
     if isinstance(value, (int, float)):  # bool is an int: logged as 0.0 / 1.0
         return float(value)
@@ -168,7 +170,7 @@ class MetricsLogger:
         backends = list(backends)
         for name in backends:
             if name not in BACKENDS:
-                raise ValueError(f"metrics backend {name!r} is unknown; valid backends: {list(BACKENDS)}")
+                raise ConfigError(f"metrics backend {name!r} is unknown; valid backends: {list(BACKENDS)}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILENAME
@@ -185,9 +187,9 @@ class MetricsLogger:
     def log(self, metrics: Mapping[str, Any], step: int) -> dict[str, float]:
         """Convert ``metrics`` to floats and write them for ``step``; returns the converted dict."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int")
+            raise ConfigError(f"step={step!r} must be a non-negative int")
         if "step" in metrics:
-            raise ValueError("metrics must not contain the key 'step'; pass the step as the step argument")
+            raise ConfigError("metrics must not contain the key 'step'; pass the step as the step argument")
         values = {key: to_float(key, value) for key, value in metrics.items()}
         for backend in self._backends:
             backend.log(step, values)

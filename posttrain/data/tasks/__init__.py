@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord
 from posttrain.data.tasks.arithmetic import load_arithmetic, make_arithmetic_splits
 from posttrain.data.tasks.gsm8k import load_gsm8k, load_gsm8k_task
@@ -59,7 +60,7 @@ TASKS: dict[str, Task] = {
 def get_task(name: str) -> Task:
     """The task registered as ``name``."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
+        raise DataError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
     return TASKS[name]
 
 
@@ -70,7 +71,7 @@ def load_task(name: str, seed: int, **options: Any) -> tuple[list[PromptRecord],
     unknown = sorted(set(options) - set(parameters) - {"seed"})
     if unknown:
         valid = [p for p in parameters if p != "seed"]
-        raise ValueError(f"task {name!r} has no option(s) {unknown}; its options are {valid}")
+        raise DataError(f"task {name!r} has no option(s) {unknown}; its options are {valid}")
     return task.load(seed, **options)
 
 

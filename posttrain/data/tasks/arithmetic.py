@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord
 
 OPS = ("+", "-")
@@ -28,22 +29,22 @@ def _operand_range(min_digits: int, max_digits: int, max_operand: int | None = N
     low = 0 if min_digits == 1 else 10 ** (min_digits - 1)
     high = 10**max_digits if max_operand is None else min(10**max_digits, max_operand + 1)
     if high <= low:
-        raise ValueError(f"max_operand={max_operand} leaves no operand with at least {min_digits} digit(s)")
+        raise DataError(f"max_operand={max_operand} leaves no operand with at least {min_digits} digit(s)")
     return range(low, high)
 
 
 def _check_options(min_digits: int, max_digits: int, ops: Sequence[str]) -> None:
     if min_digits < 1:
-        raise ValueError(f"min_digits={min_digits} must be >= 1")
+        raise DataError(f"min_digits={min_digits} must be >= 1")
     if max_digits < min_digits:
-        raise ValueError(f"max_digits={max_digits} must be >= min_digits={min_digits}")
+        raise DataError(f"max_digits={max_digits} must be >= min_digits={min_digits}")
     if not ops:
-        raise ValueError(f"ops={ops!r} is empty; use e.g. ('+', '-')")
+        raise DataError(f"ops={ops!r} is empty; use e.g. ('+', '-')")
     for op in ops:
         if op not in OPS:
-            raise ValueError(f"ops contains {op!r}; supported operations are {OPS}")
+            raise DataError(f"ops contains {op!r}; supported operations are {OPS}")
     if len(set(ops)) != len(ops):
-        raise ValueError(f"ops={tuple(ops)!r} repeats an operation; list each once")
+        raise DataError(f"ops={tuple(ops)!r} repeats an operation; list each once")
 
 
 def _pairs_for(op: str, n: int, allow_negative: bool) -> int:
@@ -105,10 +106,10 @@ def make_arithmetic_splits(
     always give the same records.
     """
     if n_train < 1 or n_val < 0:
-        raise ValueError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
+        raise DataError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
     total = arithmetic_problem_count(min_digits, max_digits, ops, allow_negative, max_operand)
     if n_train + n_val > total:
-        raise ValueError(
+        raise DataError(
             f"n_train + n_val = {n_train + n_val} exceeds the {total} distinct problems with "
             f"min_digits={min_digits}, max_digits={max_digits}, ops={tuple(ops)}; raise max_digits or ask for fewer"
         )
@@ -145,7 +146,7 @@ def first_number(text: str) -> int | float | None:
 def arithmetic_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
     """1.0 when the first number in ``response`` equals the integer ``ground_truth``, else 0.0."""
     if ground_truth is None:
-        raise ValueError("the arithmetic reward needs a ground_truth answer; the record has none")
+        raise DataError("the arithmetic reward needs a ground_truth answer; the record has none")
     value = first_number(response)
     return 1.0 if value is not None and value == int(ground_truth) else 0.0
 

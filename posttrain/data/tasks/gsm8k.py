@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.errors import DataError
 from posttrain.data.datasets import load_records
 from posttrain.data.records import PromptRecord
 
@@ -53,12 +54,12 @@ def load_gsm8k(
     for row, record in enumerate(records):
         where = f"{path}: row {row}"
         if not isinstance(record.prompt, str):
-            raise ValueError(f"{where}: field {question_key!r} must be a string question, got a message list")
+            raise DataError(f"{where}: field {question_key!r} must be a string question, got a message list")
         if record.ground_truth is None:
-            raise ValueError(f"{where}: field {answer_key!r} is missing; GSM8K rows need an answer")
+            raise DataError(f"{where}: field {answer_key!r} is missing; GSM8K rows need an answer")
         final = extract_final_answer(record.ground_truth)
         if final is None:
-            raise ValueError(
+            raise DataError(
                 f"{where}: field {answer_key!r} does not end in '#### <number>': {record.ground_truth[-80:]!r}"
             )
         prompt = f"{record.prompt}\n{instruction}" if instruction else record.prompt
@@ -78,7 +79,7 @@ def load_gsm8k_task(
     ``seed`` is unused (the files fix the data) but keeps the task signature uniform.
     """
     if train_path is None:
-        raise ValueError("the gsm8k task needs train_path: a .jsonl/.parquet file with question/answer rows")
+        raise DataError("the gsm8k task needs train_path: a .jsonl/.parquet file with question/answer rows")
     train = load_gsm8k(train_path, instruction)
     val = load_gsm8k(val_path, instruction) if val_path is not None else []
     return train, val
@@ -97,7 +98,7 @@ def final_number(response: str) -> float | None:
 def gsm8k_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
     """1.0 when the response's final number equals ``ground_truth`` numerically ("18.00" == "18")."""
     if ground_truth is None:
-        raise ValueError("the gsm8k reward needs a ground_truth answer; the record has none")
+        raise DataError("the gsm8k reward needs a ground_truth answer; the record has none")
     expected = _to_float(ground_truth.strip())
     predicted = final_number(response)
     if predicted is None:
