@@ -26,6 +26,7 @@ loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberat
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -316,16 +317,43 @@ def compute_remax_advantages(
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
-    "gae": compute_gae_advantages,
     "grpo": compute_grpo_advantages,
     "drgrpo": compute_drgrpo_advantages,
+    "gae": compute_gae_advantages,
     "rloo": compute_rloo_advantages,
     "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
     "remax": compute_remax_advantages,
 }
+"""Every estimator by its config name (`algorithm.adv_estimator`): the single source of the names."""
 
-ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset({"gae"})
+
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an estimator needs from the rest of the step besides rewards.
+
+    critic: per-token values from a trained value model.
+    groups: several samples of each prompt (rollout.n >= 2): it compares a sample with its group.
+    greedy_baseline: the reward of one greedy response per prompt (ReMax's baseline).
+    """
+
+    critic: bool = False
+    groups: bool = False
+    greedy_baseline: bool = False
+
+
+ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
+    "grpo": EstimatorNeeds(groups=True),
+    "drgrpo": EstimatorNeeds(groups=True),
+    "gae": EstimatorNeeds(critic=True),
+    "rloo": EstimatorNeeds(groups=True),
+    "reinforce_plus_plus": EstimatorNeeds(),
+    "reinforce_plus_plus_baseline": EstimatorNeeds(groups=True),
+    "remax": EstimatorNeeds(greedy_baseline=True),
+}
+
+ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.critic)
+GROUP_ESTIMATORS: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.groups)
 
 RECOMMENDED_LOSS_AGG_MODE: dict[str, str] = {"drgrpo": "seq-mean-token-sum-norm"}
 """Loss aggregation an estimator's paper prescribes (a default for the config layer, not enforced here)."""
@@ -336,6 +364,12 @@ def get_advantage_estimator(name: str) -> AdvantageFn:
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"adv_estimator={name!r} is not supported; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name]
+
+
+def estimator_needs(name: str) -> EstimatorNeeds:
+    """What estimator ``name`` needs (critic, groups, a greedy baseline); ValueError if unknown."""
+    get_advantage_estimator(name)
+    return ESTIMATOR_NEEDS[name]
 
 
 def needs_critic(name: str) -> bool:

@@ -126,6 +126,8 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
 def _check_bounds(key: str, value: Any, field: dataclasses.Field) -> None:
     meta = field.metadata
     choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
+    if value is None:  # an inherited key left unset (INHERITED); bounds apply to the value it takes
+        return
     if choices is not None and value not in choices:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -192,18 +194,49 @@ def build_config(
     return apply_values(PostTrainConfig(), values)
 
 
+INHERITED = {
+    "ref.log_prob_use_dynamic_bsz": "actor.use_dynamic_bsz",
+    "ref.use_prefix_grouper": "actor.use_prefix_grouper",
+    "critic.shuffle": "actor.shuffle",
+    "critic.remove_padding_max_row_tokens": "model.remove_padding_max_row_tokens",
+    "reward.model.dtype": "model.dtype",
+    "reward.model.remove_padding_max_row_tokens": "model.remove_padding_max_row_tokens",
+}
+"""Keys whose default (null) is another section's value, as verl's YAML interpolates them. They are resolved
+here, once, so that every component reads only its own section."""
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _set(cfg: Any, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        cfg = getattr(cfg, part)
+    setattr(cfg, leaf, value)
+
+
+def resolve_inherited(cfg: PostTrainConfig) -> PostTrainConfig:
+    """Fill each unset (null) key of :data:`INHERITED` with its source key's value, in place."""
+    for key, source in INHERITED.items():
+        if _get(cfg, key) is None:
+            _set(cfg, key, _get(cfg, source))
+    return cfg
+
+
 def apply_values(cfg: PostTrainConfig, values: dict[str, Any]) -> PostTrainConfig:
-    """Return a copy of cfg with dotted values applied (cfg itself is never mutated)."""
+    """Return a copy of cfg with dotted values applied (cfg itself is never mutated); inherited keys left
+    unset take their source's value."""
     cfg = _deep_copy(cfg)
     for key, raw in values.items():
         field, hint = field_info(key)
         value = coerce(key, raw, hint)
         _check_bounds(key, value, field)
-        parent: Any = cfg
-        for part in key.split(".")[:-1]:
-            parent = getattr(parent, part)
-        setattr(parent, key.split(".")[-1], value)
-    return cfg
+        _set(cfg, key, value)
+    return resolve_inherited(cfg)
 
 
 def _deep_copy(obj: Any) -> Any:
@@ -223,5 +256,5 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def diff_from_defaults(cfg: PostTrainConfig) -> dict[str, Any]:
     """Dotted keys whose value differs from the schema default."""
-    ours, base = flatten(to_dict(cfg)), flatten(to_dict(PostTrainConfig()))
+    ours, base = flatten(to_dict(cfg)), flatten(to_dict(resolve_inherited(PostTrainConfig())))
     return {k: v for k, v in ours.items() if base.get(k) != v}

@@ -23,11 +23,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from posttrain.algorithms.advantages import estimator_needs
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
-
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
-CRITIC_ESTIMATORS = ("gae",)
 
 
 @dataclass(frozen=True)
@@ -260,7 +258,8 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     est, n = cfg.algorithm.adv_estimator, cfg.rollout.n
-    if est in GROUP_ESTIMATORS and n < 2:
+    needs = estimator_needs(est)
+    if needs.groups and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={est} compares samples of the same prompt, so rollout.n ({n}) must be "
             f"at least 2 (typical: 4-16); with n=1 use reinforce_plus_plus, remax or gae"
@@ -274,7 +273,7 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
             f"rollout.max_num_batched_tokens={ro.max_num_seqs} or lower rollout.max_num_seqs"
         )
     uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    for section, used in (("actor", True), ("ref", uses_ref), ("critic", est in CRITIC_ESTIMATORS)):
+    for section, used in (("actor", True), ("ref", uses_ref), ("critic", needs.critic)):
         if used:
             key = f"{section}.fsdp_config.fsdp_size"
             fsdp_group_size(getattr(cfg, section).fsdp_config.fsdp_size, world_size, key)
@@ -297,7 +296,7 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
             world_size,
             r.ulysses_sequence_parallel_size,
             "ref.ulysses_sequence_parallel_size",
-            a.use_dynamic_bsz,
+            r.log_prob_use_dynamic_bsz,
             r.log_prob_micro_batch_size_per_gpu,
             r.log_prob_max_token_len_per_gpu,
             "ref.log_prob_max_token_len_per_gpu",
@@ -306,7 +305,7 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         else None
     )
     critic = values = None
-    if est in CRITIC_ESTIMATORS:
+    if needs.critic:
         c = cfg.critic
         critic = _update_plan(cfg, "critic", world_size)
         values = _forward_plan(

@@ -14,35 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from posttrain.algorithms.aggregation import LOSS_AGG_MODES as AGG_MODES
+from posttrain.algorithms.kl import KL_ESTIMATORS as KL_ESTIMATOR_NAMES
+from posttrain.algorithms.policy_loss import POLICY_LOSSES as POLICY_LOSS_REGISTRY
 from posttrain.config.fields import knob, section
 
-ADV_ESTIMATORS = (
-    "grpo",
-    "drgrpo",
-    "gae",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-)
-POLICY_LOSSES = ("vanilla", "gspo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = (
-    "k1",
-    "kl",
-    "abs",
-    "k2",
-    "mse",
-    "k3",
-    "low_var_kl",
-    "k1+",
-    "kl+",
-    "abs+",
-    "k2+",
-    "mse+",
-    "k3+",
-    "low_var_kl+",
-)
+# The algorithm names come from their registries (posttrain.algorithms), never from a copy here.
+ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
+POLICY_LOSSES = tuple(POLICY_LOSS_REGISTRY)
+LOSS_AGG_MODES = tuple(AGG_MODES)
+KL_ESTIMATORS = tuple(KL_ESTIMATOR_NAMES)
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -352,9 +334,19 @@ class RefConfig:
     )
     log_prob_max_token_len_per_gpu: int = knob(
         32768,
-        "Token budget of one reference forward pass when actor.use_dynamic_bsz is on.",
+        "Token budget of one reference forward pass when ref.log_prob_use_dynamic_bsz is on.",
         unit="tokens per GPU",
         min=1,
+    )
+    log_prob_use_dynamic_bsz: bool | None = knob(
+        None,
+        "Form reference micro-batches by token budget (ref.log_prob_max_token_len_per_gpu) instead of count. "
+        "null: the same as actor.use_dynamic_bsz.",
+    )
+    use_prefix_grouper: bool | None = knob(
+        None,
+        "Run each prompt once for all its samples in a reference micro-batch (see actor.use_prefix_grouper). "
+        "null: the same as actor.use_prefix_grouper.",
     )
     ulysses_sequence_parallel_size: int = knob(1, "GPUs sharing each sequence.", unit="GPUs", min=1)
     entropy_from_logits_with_chunking: bool = knob(
@@ -389,6 +381,10 @@ class CriticConfig:
         32768, "Token budget of one value forward pass.", unit="tokens per GPU", min=1
     )
     ulysses_sequence_parallel_size: int = knob(1, "GPUs sharing each sequence.", unit="GPUs", min=1)
+    shuffle: bool | None = knob(
+        None,
+        "Shuffle samples between critic epochs (groups stay whole); null: the same as actor.shuffle.",
+    )
     cliprange_value: float = knob(0.5, "Value clipping range around the old values.", min=0.0)
     loss_agg_mode: str = knob("token-mean", "Aggregation of the value loss.", choices=LOSS_AGG_MODES)
     warmup_steps: int = knob(
@@ -397,7 +393,13 @@ class CriticConfig:
     use_remove_padding: bool = knob(
         False,
         "Pack the critic's micro-batches (update and values pass) without pads, rows of "
-        "model.remove_padding_max_row_tokens. Same numbers, less compute; needs a verified architecture.",
+        "critic.remove_padding_max_row_tokens. Same numbers, less compute; needs a verified architecture.",
+    )
+    remove_padding_max_row_tokens: int | None = knob(
+        None,
+        "Row length of the critic's packed micro-batches; null: the same as model.remove_padding_max_row_tokens.",
+        unit="tokens",
+        min=1,
     )
     enable_gradient_checkpointing: bool = knob(
         False,
@@ -422,9 +424,20 @@ class RewardModelConfig:
         32, "Samples per reward-model forward pass.", unit="samples per DP rank", min=1
     )
     use_dynamic_bsz: bool = knob(False, "Form reward-model micro-batches by token budget.")
+    dtype: str | None = knob(
+        None,
+        "Parameter and compute dtype of the reward model; null: the same as model.dtype.",
+        choices=DTYPES,
+    )
+    remove_padding_max_row_tokens: int | None = knob(
+        None,
+        "Row length of packed reward-model inputs; null: the same as model.remove_padding_max_row_tokens.",
+        unit="tokens",
+        min=1,
+    )
     use_remove_padding: bool = knob(
         False,
-        "Pack reward-model inputs into rows of model.remove_padding_max_row_tokens tokens (no pad tokens "
+        "Pack reward-model inputs into rows of reward.model.remove_padding_max_row_tokens tokens (no pad tokens "
         "computed); needs an architecture verified for packing (docs/throughput.md).",
     )
     forward_max_token_len_per_gpu: int = knob(

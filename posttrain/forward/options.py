@@ -30,7 +30,7 @@ def _chunk(enabled: bool, size: int) -> int | None:
 def pass_options(cfg: PostTrainConfig, device: torch.device) -> PassOptions:
     """Map the config's switches to each pass's forward options (see the module table)."""
     m, a, r, c = cfg.model, cfg.actor, cfg.ref, cfg.critic
-    rows = m.remove_padding_max_row_tokens
+    rows = m.remove_padding_max_row_tokens  # the policy's passes (actor, reference, SFT)
     offload_policy = m.enable_activation_offload and device.type == "cuda"
     offload_critic = c.enable_activation_offload and device.type == "cuda"
     actor_chunk = _chunk(a.entropy_from_logits_with_chunking, a.entropy_from_logits_chunk_size)
@@ -54,10 +54,12 @@ def pass_options(cfg: PostTrainConfig, device: torch.device) -> PassOptions:
             remove_padding=m.use_remove_padding,
             max_row_tokens=rows,
             logprob_chunk_size=_chunk(r.entropy_from_logits_with_chunking, r.entropy_from_logits_chunk_size),
-            prefix_grouper=grouped,
+            prefix_grouper=r.use_prefix_grouper,
         ),
         critic=ForwardOptions(
-            remove_padding=c.use_remove_padding, max_row_tokens=rows, offload_activations=offload_critic
+            remove_padding=c.use_remove_padding,
+            max_row_tokens=c.remove_padding_max_row_tokens,
+            offload_activations=offload_critic,
         ),
         sft=ForwardOptions(
             remove_padding=m.use_remove_padding, max_row_tokens=rows, offload_activations=offload_policy

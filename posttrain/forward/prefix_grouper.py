@@ -180,11 +180,11 @@ def prefix_attention_mask(groups: PrefixGroups, *, boolean: bool, dtype: torch.d
 def check_prefix_grouper(cfg: PostTrainConfig, model_config) -> None:
     """ValueError naming ``actor.use_prefix_grouper`` when Ulysses SP is on or the model's attention has a
     sliding window (the shared-prompt mask is a plain causal one)."""
-    sp = {"actor": cfg.actor.ulysses_sequence_parallel_size, "ref": cfg.ref.ulysses_sequence_parallel_size}
-    for role, size in sp.items():
-        if size > 1:
+    for role in ("actor", "ref"):
+        section = getattr(cfg, role)
+        if section.use_prefix_grouper and (size := section.ulysses_sequence_parallel_size) > 1:
             raise ConfigError(
-                f"actor.use_prefix_grouper=true cannot be combined with {role}.ulysses_sequence_parallel_size="
+                f"{role}.use_prefix_grouper=true cannot be combined with {role}.ulysses_sequence_parallel_size="
                 f"{size} (the shared-prompt mask is not split across ranks); set one of them back "
                 f"(use_prefix_grouper=false, or ulysses_sequence_parallel_size=1)"
             )

@@ -45,6 +45,7 @@ from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_rl_switches
 from posttrain.rl.evaluate import validation_params
+from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import load_module_weights
@@ -68,7 +69,7 @@ class Components:
     actor: Trainable
     ref: nn.Module | None
     critic: Trainable | None
-    engine: NativeEngine
+    engine: RolloutEngine
     train_prompts: TokenizedPrompts
     val_prompts: TokenizedPrompts | None
     sampler: PromptSampler
@@ -108,40 +109,44 @@ def _tokenize(
     return train, val
 
 
-def build_components(
-    cfg: PostTrainConfig, quiet: bool = False, dist: DistContext | None = None
-) -> Components:
-    """Validate, then load models, data and rewards. Config errors surface before any model loads.
-
-    With several ranks (``dist``), the trained and reference models are sharded with FSDP2 and the rollout
-    engine holds its own full copy of the policy, refreshed after every update.
-    """
-    dist = dist or DistContext(device=select_device(cfg))
-    plan = build_plan(cfg, dist.world_size)
-    device = dist.device
+def check_run(cfg: PostTrainConfig, world_size: int, device: torch.device) -> tuple[BatchPlan, Splits]:
+    """Every check that needs no weights, in order: the batch plan, the switches of each role, the data files
+    and the reward function. Raises ConfigError before anything heavy loads."""
+    plan = build_plan(cfg, world_size)
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
+    validation_params(cfg, 0)  # e.g. rollout.val_n > 1 with greedy validation
     splits = load_splits(cfg)
-    reward_fn = resolve_reward_function(splits.reward_spec)
-    if cfg.rollout.val_greedy and cfg.rollout.val_n > 1:
-        validation_params(cfg, 0)  # raises the explanatory error
-    model_path = resolve_model_path(cfg, quiet=quiet)
-    tokenizer = load_tokenizer(model_path)
+    return plan, splits
+
+
+@dataclass
+class Policy:
+    """The actor (trained), the reference policy (frozen; None without a KL term) and the module the rollout
+    engine decodes with (the actor's own on one rank; a plain unsharded copy when the actor is sharded)."""
+
+    actor: Trainable
+    ref: nn.Module | None
+    rollout_model: nn.Module
+
+
+def build_policy(
+    cfg: PostTrainConfig, plan: BatchPlan, dist: DistContext, model_path: Path, quiet: bool = False
+) -> Policy:
+    """Load the policy once; derive the reference (LoRA: the adapters disabled) and the rollout copy from it;
+    apply the model switches, then FSDP2 on several ranks."""
+    device = dist.device
     # Sharded models on CUDA keep fp32 master weights and compute in model.dtype (FSDP2 mixed precision).
     master_dtype = "fp32" if dist.distributed and device.type == "cuda" else cfg.model.dtype
-    policy = load_causal_lm(
-        model_path,
-        master_dtype,
-        device,
-        attn_implementation(cfg.model.use_remove_padding, device, cfg.actor.use_prefix_grouper),
-    )
+    # The reference is a copy of this module: either pass's prefix grouper needs its 4-D mask attention.
+    grouped = cfg.actor.use_prefix_grouper or (plan.ref is not None and cfg.ref.use_prefix_grouper)
+    attn = attn_implementation(cfg.model.use_remove_padding, device, grouped)
+    policy = load_causal_lm(model_path, master_dtype, device, attn)
     rollout_model = None
     if dist.distributed:
         # Each rank's rollout engine holds a plain, unsharded copy, refreshed from the sharded actor after every
         # update (with LoRA: the merged weights). On one rank the engine shares the actor's module instead.
         rollout_model = copy.deepcopy(policy).to(resolve_dtype(cfg.model.dtype)).eval().requires_grad_(False)
     policy = apply_lora(policy, cfg)  # a PeftModel with model.lora_rank > 0; unchanged otherwise
-    a = plan.actor
-    actor_steps = cfg.trainer.total_steps * a.optimizer_steps_per_step
     ref = None
     if plan.ref is not None and is_lora_model(policy):
         ref = reference_policy(policy)  # the actor with adapters disabled: no copy of the base weights
@@ -154,35 +159,40 @@ def build_components(
         shard_model(policy, dist, cfg.actor.fsdp_config, resolve_dtype(cfg.model.dtype))
         if ref is not None and not is_lora_model(policy):
             shard_model(ref, dist, cfg.ref.fsdp_config, resolve_dtype(cfg.model.dtype))
-    actor = Trainable.create(policy, cfg.actor.optim, actor_steps)
+    actor = Trainable.create(
+        policy, cfg.actor.optim, cfg.trainer.total_steps * plan.actor.optimizer_steps_per_step
+    )
     offload_optimizer_state(actor.optimizer, device, cfg.actor.fsdp_config.optimizer_offload)
-    critic = None
-    if plan.critic is not None:
-        critic_path = cfg.critic.model_path or model_path
-        critic_module = CriticModel.from_causal_lm_path(
-            critic_path,
-            cfg.model.dtype,
-            device,
-            attn_implementation=attn_implementation(cfg.critic.use_remove_padding, device),
-        )
-        prepare_critic(critic_module, cfg)
-        if dist.distributed:
-            shard_model(critic_module, dist, cfg.critic.fsdp_config, resolve_dtype(cfg.model.dtype))
-        critic_steps = cfg.trainer.total_steps * plan.critic.optimizer_steps_per_step
-        critic = Trainable.create(critic_module, cfg.critic.optim, critic_steps)
-        offload_optimizer_state(critic.optimizer, device, cfg.critic.fsdp_config.optimizer_offload)
-    train_prompts, val_prompts = _tokenize(cfg, splits, tokenizer)
-    if len(train_prompts.prompt_ids) < cfg.data.train_batch_size:
-        raise ConfigError(
-            f"data.train_batch_size ({cfg.data.train_batch_size}) exceeds the {len(train_prompts.prompt_ids)} "
-            "training prompts available; lower it or add data"
-        )
-    sampler = PromptSampler(len(train_prompts.prompt_ids), cfg.data.train_batch_size, cfg.trainer.seed)
-    eos = [tokenizer.eos_token_id]
+    return Policy(actor, ref, policy if rollout_model is None else rollout_model)
+
+
+def build_critic(
+    cfg: PostTrainConfig, plan: BatchPlan, dist: DistContext, model_path: Path
+) -> Trainable | None:
+    """The value model (the policy's backbone with a scalar head, or critic.model_path); None when unused."""
+    if plan.critic is None:
+        return None
+    c = cfg.critic
+    module = CriticModel.from_causal_lm_path(
+        c.model_path or model_path,
+        cfg.model.dtype,
+        dist.device,
+        attn_implementation=attn_implementation(c.use_remove_padding, dist.device),
+    )
+    prepare_critic(module, cfg)
+    if dist.distributed:
+        shard_model(module, dist, c.fsdp_config, resolve_dtype(cfg.model.dtype))
+    critic = Trainable.create(module, c.optim, cfg.trainer.total_steps * plan.critic.optimizer_steps_per_step)
+    offload_optimizer_state(critic.optimizer, dist.device, c.fsdp_config.optimizer_offload)
+    return critic
+
+
+def build_engine(cfg: PostTrainConfig, model: nn.Module, tokenizer, device: torch.device) -> RolloutEngine:
+    """The rollout engine of `rollout.*` over ``model`` (shared with the trainer, or its own copy)."""
     r = cfg.rollout
-    engine = NativeEngine(
-        policy if rollout_model is None else rollout_model,
-        eos,
+    return NativeEngine(
+        model,
+        [tokenizer.eos_token_id],
         tokenizer.pad_token_id,
         chunk_size=r.chunk_size,
         device=device,
@@ -191,65 +201,117 @@ def build_components(
         enable_chunked_prefill=r.enable_chunked_prefill,
         enforce_eager=r.enforce_eager,
     )
-    runner = RewardRunner(
-        reward_fn,
-        timeout_s=cfg.reward.timeout_s or None,
-        failure_reward=cfg.reward.failure_reward,
-        fail_fast=cfg.reward.fail_fast,
+
+
+def build_reward_runner(cfg: PostTrainConfig, reward_spec: str) -> RewardRunner:
+    """The reward function of ``reward_spec`` behind the `reward.*` guards (timeout, failure reward, fail fast)."""
+    rw = cfg.reward
+    return RewardRunner(
+        resolve_reward_function(reward_spec),
+        timeout_s=rw.timeout_s or None,
+        failure_reward=rw.failure_reward,
+        fail_fast=rw.fail_fast,
     )
-    rm = None
-    if cfg.reward.model.enable:
-        m = cfg.reward.model
-        if not m.path:
-            raise ConfigError(
-                "reward.model.enable=true needs reward.model.path (a sequence-classification model dir)"
-            )
-        rm = RewardModelScorer(
-            m.path,
-            micro_batch_size=m.micro_batch_size_per_gpu,
-            device=device,
-            dtype=cfg.model.dtype,
-            max_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
-            max_tokens=m.forward_max_token_len_per_gpu if m.use_dynamic_bsz else None,
-            remove_padding=m.use_remove_padding,
-            max_row_tokens=cfg.model.remove_padding_max_row_tokens,
+
+
+def build_reward_model(
+    cfg: PostTrainConfig, plan: BatchPlan, device: torch.device
+) -> RewardModelScorer | None:
+    """The sequence-classification reward model, in the micro-batches the plan computed for it."""
+    rp = plan.reward_model
+    if rp is None:
+        return None
+    m = cfg.reward.model
+    if not m.path:
+        raise ConfigError(
+            "reward.model.enable=true needs reward.model.path (a sequence-classification model dir)"
         )
-    kl_ctrl = None
-    if cfg.algorithm.use_kl_in_reward:
-        k = cfg.algorithm.kl_ctrl
-        kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-    if (
-        rollout_model is not None
-    ):  # e.g. a saved LoRA adapter (model.lora_adapter_path) is already on the actor
-        engine.sync_weights(policy_weights(policy))
-    forward = with_sequence_parallel(pass_options(cfg, device), cfg, policy.config)
-    grouped = cfg.actor.use_prefix_grouper  # ranks get whole prompt groups, which the grouper computes once
-    parallel = {
-        "actor": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size, grouped),
-        "old_log_prob": data_parallel(dist, cfg.actor.ulysses_sequence_parallel_size, grouped),
-        "ref": data_parallel(dist, cfg.ref.ulysses_sequence_parallel_size, grouped),
-        "critic": data_parallel(dist, cfg.critic.ulysses_sequence_parallel_size),
-        "values": data_parallel(dist, cfg.critic.ulysses_sequence_parallel_size),
+    return RewardModelScorer(
+        m.path,
+        micro_batch_size=rp.micro_batch_size_per_rank or 1,
+        device=device,
+        dtype=m.dtype,
+        max_length=plan.max_seq_len,
+        max_tokens=rp.max_token_len_per_rank,
+        remove_padding=m.use_remove_padding,
+        max_row_tokens=m.remove_padding_max_row_tokens,
+    )
+
+
+def build_prompts(
+    cfg: PostTrainConfig, splits: Splits, tokenizer
+) -> tuple[TokenizedPrompts, TokenizedPrompts | None, PromptSampler]:
+    """Tokenized training and validation prompts and the per-step prompt sampler."""
+    train, val = _tokenize(cfg, splits, tokenizer)
+    if len(train.prompt_ids) < cfg.data.train_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size ({cfg.data.train_batch_size}) exceeds the {len(train.prompt_ids)} "
+            "training prompts available; lower it or add data"
+        )
+    return train, val, PromptSampler(len(train.prompt_ids), cfg.data.train_batch_size, cfg.trainer.seed)
+
+
+def build_kl_controller(cfg: PostTrainConfig) -> KLController | None:
+    """The in-reward KL coefficient (fixed or adaptive); None when `algorithm.use_kl_in_reward` is off."""
+    if not cfg.algorithm.use_kl_in_reward:
+        return None
+    k = cfg.algorithm.kl_ctrl
+    return make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+
+
+def build_parallel(cfg: PostTrainConfig, dist: DistContext) -> dict[str, DataParallel]:
+    """Each pass's data-parallel view; the prefix grouper wants whole prompt groups per rank."""
+    grouped, ref_grouped = cfg.actor.use_prefix_grouper, cfg.ref.use_prefix_grouper
+    actor_sp, ref_sp = cfg.actor.ulysses_sequence_parallel_size, cfg.ref.ulysses_sequence_parallel_size
+    critic_sp = cfg.critic.ulysses_sequence_parallel_size
+    return {
+        "actor": data_parallel(dist, actor_sp, grouped),
+        "old_log_prob": data_parallel(dist, actor_sp, grouped),
+        "ref": data_parallel(dist, ref_sp, ref_grouped),
+        "critic": data_parallel(dist, critic_sp),
+        "values": data_parallel(dist, critic_sp),
     }
+
+
+def build_components(
+    cfg: PostTrainConfig, quiet: bool = False, dist: DistContext | None = None
+) -> Components:
+    """Check, then load models, data and rewards: the one builder `train`, `eval`, `tune` and the benchmarks use.
+
+    With several ranks (``dist``), the trained and reference models are sharded with FSDP2 and the rollout
+    engine holds its own full copy of the policy, refreshed after every update.
+    """
+    dist = dist or DistContext(device=select_device(cfg))
+    plan, splits = check_run(cfg, dist.world_size, dist.device)
+    runner = build_reward_runner(cfg, splits.reward_spec)  # imports the user's reward before any model loads
+    model_path = resolve_model_path(cfg, quiet=quiet)
+    tokenizer = load_tokenizer(model_path)
+    policy = build_policy(cfg, plan, dist, model_path, quiet)
+    critic = build_critic(cfg, plan, dist, model_path)
+    train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
+    engine = build_engine(cfg, policy.rollout_model, tokenizer, dist.device)
+    if policy.rollout_model is not policy.actor.module:  # e.g. a saved LoRA adapter is already on the actor
+        engine.sync_weights(policy_weights(policy.actor.module))
+    forward = with_sequence_parallel(pass_options(cfg, dist.device), cfg, policy.actor.module.config)
     return Components(
-        cfg,
-        plan,
-        device,
-        model_path,
-        tokenizer,
-        actor,
-        ref,
-        critic,
-        engine,
-        train_prompts,
-        val_prompts,
-        sampler,
-        runner,
-        rm,
-        kl_ctrl,
-        forward,
-        dist,
-        parallel,
+        cfg=cfg,
+        plan=plan,
+        device=dist.device,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        actor=policy.actor,
+        ref=policy.ref,
+        critic=critic,
+        engine=engine,
+        train_prompts=train_prompts,
+        val_prompts=val_prompts,
+        sampler=sampler,
+        reward_runner=runner,
+        reward_model=build_reward_model(cfg, plan, dist.device),
+        kl_ctrl=build_kl_controller(cfg),
+        forward=forward,
+        dist=dist,
+        parallel=build_parallel(cfg, dist),
     )
 
 

@@ -264,7 +264,7 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
                     batch,
                     plan.critic,
                     critic_loss_fn(c.critic.module, cfg.critic, opts.critic),
-                    shuffle=cfg.actor.shuffle,
+                    shuffle=cfg.critic.shuffle,
                     norm_constant=norm_constant,
                     generator=gen,
                     prefix="critic",

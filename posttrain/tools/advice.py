@@ -115,7 +115,7 @@ def _batch_knob(cfg: PostTrainConfig, phase: str, world: int) -> tuple[str | Non
             a.log_prob_micro_batch_size_per_gpu,
         ),
         "ref": (
-            a.use_dynamic_bsz,
+            cfg.ref.log_prob_use_dynamic_bsz,
             "ref.log_prob_max_token_len_per_gpu",
             "ref.log_prob_micro_batch_size_per_gpu",
             cfg.ref.log_prob_micro_batch_size_per_gpu,

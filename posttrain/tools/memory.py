@@ -429,7 +429,8 @@ def prefix_mask_bytes(
 def _group_size(cfg: PostTrainConfig, plan: BatchPlan, role: str) -> int:
     """``rollout.n`` where the prefix grouper computes this role's passes (actor update, old and reference
     log-probs), else 0."""
-    return plan.n if cfg.actor.use_prefix_grouper and role in ("actor", "old_log_prob", "ref") else 0
+    grouped = cfg.ref.use_prefix_grouper if role == "ref" else cfg.actor.use_prefix_grouper
+    return plan.n if grouped and role in ("actor", "old_log_prob", "ref") else 0
 
 
 def _flag(section: object, name: str) -> bool:

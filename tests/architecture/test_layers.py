@@ -9,8 +9,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "posttrain"
 
 LAYERS = [
-    {"utils", "config"},
-    {"algorithms", "data"},
+    {"utils", "algorithms", "config"},
+    {"data"},
     {"batching"},
     {"models", "parallel"},
     {"forward"},

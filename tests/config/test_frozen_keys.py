@@ -24,17 +24,17 @@ actor.entropy_from_logits_with_chunking actor.entropy_from_logits_chunk_size act
 actor.optim.lr actor.optim.weight_decay actor.optim.betas actor.optim.warmup_steps actor.optim.lr_schedule
 actor.optim.min_lr_ratio actor.optim.grad_clip
 ref.log_prob_micro_batch_size_per_gpu ref.log_prob_max_token_len_per_gpu ref.ulysses_sequence_parallel_size
-ref.entropy_from_logits_with_chunking ref.entropy_from_logits_chunk_size
+ref.entropy_from_logits_with_chunking ref.entropy_from_logits_chunk_size ref.log_prob_use_dynamic_bsz ref.use_prefix_grouper
 critic.model_path critic.ppo_mini_batch_size critic.ppo_micro_batch_size_per_gpu
 critic.forward_micro_batch_size_per_gpu critic.ppo_epochs critic.use_dynamic_bsz critic.ppo_max_token_len_per_gpu
 critic.forward_max_token_len_per_gpu critic.ulysses_sequence_parallel_size critic.cliprange_value
-critic.loss_agg_mode critic.warmup_steps
+critic.loss_agg_mode critic.warmup_steps critic.shuffle critic.remove_padding_max_row_tokens
 critic.use_remove_padding critic.enable_gradient_checkpointing critic.enable_activation_offload
 critic.optim.lr critic.optim.weight_decay critic.optim.betas critic.optim.warmup_steps critic.optim.lr_schedule
 critic.optim.min_lr_ratio critic.optim.grad_clip
 reward.function reward.timeout_s reward.failure_reward reward.fail_fast
 reward.model.enable reward.model.path reward.model.micro_batch_size_per_gpu reward.model.use_dynamic_bsz
-reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding
+reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding reward.model.dtype reward.model.remove_padding_max_row_tokens
 algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
 algorithm.use_kl_in_reward algorithm.kl_penalty
 algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon

@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 
-from posttrain.config.load import all_keys, build_config, diff_from_defaults, field_info
+from posttrain.config.load import all_keys, build_config, diff_from_defaults, field_info, resolve_inherited
 from posttrain.config.schema import PostTrainConfig
 
 
 def test_defaults_come_from_schema():
-    assert build_config() == PostTrainConfig()
+    assert build_config() == resolve_inherited(PostTrainConfig())
 
 
 def test_dotted_overrides_are_coerced():
@@ -103,3 +103,16 @@ def test_config_reference_doc_is_current():
     assert doc.read_text() == render_config_reference(), (
         "docs/config.md is stale: run `python -m posttrain.config.reference > docs/config.md`"
     )
+
+
+def test_inherited_keys_follow_their_source_unless_set():
+    """A role's section holds every key it reads; a few default to another section's value (null), resolved
+    once when the config is built."""
+    cfg = build_config(overrides=["actor.use_dynamic_bsz=true", "model.dtype=bf16", "actor.shuffle=false"])
+    assert cfg.ref.log_prob_use_dynamic_bsz is True
+    assert cfg.reward.model.dtype == "bf16"
+    assert cfg.critic.shuffle is False
+    assert cfg.critic.remove_padding_max_row_tokens == cfg.model.remove_padding_max_row_tokens
+    own = build_config(overrides=["actor.use_dynamic_bsz=true", "ref.log_prob_use_dynamic_bsz=false"])
+    assert own.ref.log_prob_use_dynamic_bsz is False
+    assert build_config().ref.use_prefix_grouper is False
