@@ -99,7 +99,6 @@ def test_weights_scale_the_gradient_and_not_the_metrics(name):
     assert g_w is None  # the weights are treated as constants
     assert all(torch.equal(plain_metrics[k], metrics[k]) for k in metrics)
     if name == "vanilla":  # token-mean: d loss / d log_prob_t scales with w_t
-        _, _ = run(name, old, new, adv)
         plain, _ = run(name, old, new, adv)
         (g_plain,) = torch.autograd.grad(plain, new)
         torch.testing.assert_close(g_new, g_plain * weights.detach(), rtol=1e-12, atol=1e-15)
