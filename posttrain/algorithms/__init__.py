@@ -44,6 +44,15 @@ from posttrain.algorithms.policy_loss import (
     compute_policy_loss_vanilla,
     get_policy_loss,
 )
+from posttrain.algorithms.rollout_correction import (
+    check_rollout_correction,
+    compute_rollout_correction,
+    compute_rollout_is_weights,
+    compute_rollout_rejection_mask,
+    compute_token_veto_mask,
+    mismatch_metrics,
+    rollout_correction_kwargs,
+)
 from posttrain.algorithms.value_loss import compute_value_loss
 
 __all__ = [
@@ -60,6 +69,7 @@ __all__ = [
     "aggregate_loss",
     "apply_kl_penalty",
     "check_loss_agg_mode",
+    "check_rollout_correction",
     "compute_drgrpo_advantages",
     "compute_gae_advantages",
     "compute_grpo_advantages",
@@ -68,7 +78,11 @@ __all__ = [
     "compute_reinforce_plus_plus_advantages",
     "compute_reinforce_plus_plus_baseline_advantages",
     "compute_remax_advantages",
+    "compute_rollout_correction",
+    "compute_rollout_is_weights",
+    "compute_rollout_rejection_mask",
     "compute_rloo_advantages",
+    "compute_token_veto_mask",
     "compute_value_loss",
     "entropy_from_logits",
     "get_advantage_estimator",
@@ -80,5 +94,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
     "needs_critic",
+    "rollout_correction_kwargs",
 ]

@@ -7,12 +7,17 @@ Every loss is called as::
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
         normalizer=LossNormalizer.from_mask(mini_batch_mask, max_response_length),
         loss_agg_mode="token-mean",
+        rollout_is_weights=None,                                              # or [B, T], see below
     )
 
 ``loss`` is this micro-batch's contribution to the mini-batch loss (see :mod:`posttrain.algorithms.aggregation`):
 backpropagate it as is. ``metrics`` holds detached scalar tensors named as in verl (without the ``actor/``
 prefix); like verl they are masked means over *this* micro-batch's tokens, so a trainer should average them
 weighted by the micro-batch token count (``posttrain.train.update.accumulate_and_step`` does).
+
+``rollout_is_weights`` (optional, ``[B, T]``, no gradient) are the rollout-correction importance weights of
+:mod:`posttrain.algorithms.rollout_correction`: as in verl, each token's policy loss is multiplied by its weight
+before aggregation; the metrics are not weighted.
 """
 
 from __future__ import annotations
@@ -53,6 +58,20 @@ def _check_inputs(
         )
 
 
+def _apply_rollout_is_weights(
+    pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """``pg_losses * rollout_is_weights`` (both ``[B, T]``), or ``pg_losses`` unchanged when there are none."""
+    if rollout_is_weights is None:
+        return pg_losses
+    if rollout_is_weights.shape != pg_losses.shape:
+        raise ValueError(
+            f"rollout_is_weights must be [B, T] like the log-probs, got {tuple(rollout_is_weights.shape)} for "
+            f"log-probs of shape {tuple(pg_losses.shape)}"
+        )
+    return pg_losses * rollout_is_weights.detach()
+
+
 def compute_policy_loss_vanilla(
     *,
     old_log_prob: torch.Tensor,
@@ -64,6 +83,7 @@ def compute_policy_loss_vanilla(
     clip_ratio_c: float,
     normalizer: LossNormalizer,
     loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clipping and dual-clip, as verl's ``vanilla`` policy loss.
 
@@ -78,6 +98,8 @@ def compute_policy_loss_vanilla(
         clip_ratio_low, clip_ratio_high: lower/upper clip ranges (DAPO's clip-higher uses high > low).
         clip_ratio_c: dual-clip bound for negative advantages; must be > 1.
         normalizer, loss_agg_mode: see :func:`posttrain.algorithms.aggregation.aggregate_loss`.
+        rollout_is_weights: optional ``[B, T]`` rollout-correction weights; ``loss`` per token is multiplied by
+            them before aggregation (verl's order: after clipping and dual-clip).
 
     Returns:
         ``(loss, metrics)``: metrics ``pg_clipfrac`` (share of tokens where the clipped term is active),
@@ -97,6 +119,7 @@ def compute_policy_loss_vanilla(
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(pessimistic, dual_bound), pessimistic)
 
+    pg_losses = _apply_rollout_is_weights(pg_losses, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, normalizer)
     with torch.no_grad():
         metrics = {
@@ -120,6 +143,7 @@ def compute_policy_loss_gspo(
     clip_ratio_c: float,
     normalizer: LossNormalizer,
     loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (sequence-level importance ratio), as verl's ``gspo`` policy loss.
 
@@ -131,6 +155,9 @@ def compute_policy_loss_gspo(
 
     Difference from verl: verl always aggregates GSPO with ``seq-mean-token-mean`` and ignores the configured
     mode; here ``loss_agg_mode`` is honoured, so set ``seq-mean-token-mean`` in the config for the paper's loss.
+
+    ``rollout_is_weights`` (optional ``[B, T]``) multiply the clipped per-token losses before aggregation, as in
+    verl's GSPO.
 
     Returns:
         ``(loss, metrics)`` with ``pg_clipfrac``, ``pg_clipfrac_lower`` (always 0) and ``ppo_kl``.
@@ -146,6 +173,7 @@ def compute_policy_loss_gspo(
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = torch.maximum(unclipped, clipped)
 
+    pg_losses = _apply_rollout_is_weights(pg_losses, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, normalizer)
     with torch.no_grad():
         metrics = {

@@ -25,6 +25,9 @@ several GPUs form one DP rank. Override any key in a YAML file (nested sections)
 
 def _type_name(hint: typing.Any) -> str:
     origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if type(None) in args:  # `X | None`: a "|" would split the markdown table cell
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
     if origin is list:
         return f"list[{typing.get_args(hint)[0].__name__}]"
     return getattr(hint, "__name__", str(hint))
@@ -55,8 +58,9 @@ def _render_section(lines: list[str], prefix: str, cls: type, defaults: typing.A
         meta = field.metadata
         text = meta.get("help", "")
         if meta.get("choices"):
-            text += " One of: " + ", ".join(f"`{c}`" for c in meta["choices"]) + "."
-        default = repr(getattr(defaults, f.name))
+            text += " One of: " + ", ".join("`null`" if c is None else f"`{c}`" for c in meta["choices"]) + "."
+        default = getattr(defaults, f.name)
+        default = "null" if default is None else repr(default)
         lines.append(f"| `{key}` | {_type_name(hint)} | `{default}` | {meta.get('unit', '')} | {text} |")
     lines.append("")
     for key, hint, sub in nested:

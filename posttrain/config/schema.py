@@ -474,13 +474,51 @@ class KLControlConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """How the policy that sampled the responses enters the PPO ratio."""
+    """How the policy that sampled the responses enters the PPO ratio, and how the rollout-training gap is corrected."""
 
     bypass_mode: bool = knob(
         False,
         "Use the log-probs the rollout engine computed while sampling as the old log-probs, skipping the "
         "actor's old-log-prob pass. Exact when the engine runs the actor's weights in the actor's dtype "
         "(the native engine on one process); otherwise the ratio is taken against the rollout policy.",
+    )
+    rollout_is: str | None = knob(
+        None,
+        "Multiply each token's policy loss by a truncated importance weight old/rollout probability, computed per "
+        "token or once per sequence (product over its tokens); null leaves the loss unweighted (metrics are still "
+        "logged when rollout log-probs exist).",
+        choices=(None, "token", "sequence"),
+    )
+    rollout_is_threshold: float = knob(
+        2.0,
+        "Cap on the importance weights of rollout_is (weights above it are set to it).",
+        min=1.0,
+    )
+    rollout_rs: str | None = knob(
+        None,
+        "Drop outliers from the response mask when the old/rollout probability ratio leaves "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold]: single tokens ('token'), or whole responses by the "
+        "product ('sequence') or geometric mean ('geometric') of their token ratios; null keeps everything.",
+        choices=(None, "token", "sequence", "geometric"),
+    )
+    rollout_rs_threshold: float | None = knob(
+        None,
+        "Upper ratio bound of rollout_rs; required when rollout_rs is set (geometric needs values near 1, "
+        "e.g. 1.001).",
+        min=1.0,
+    )
+    rollout_rs_threshold_lower: float | None = knob(
+        None,
+        "Lower ratio bound of rollout_rs; null means 1 / rollout_rs_threshold.",
+        min=0.0,
+        max=1.0,
+    )
+    rollout_token_veto_threshold: float | None = knob(
+        None,
+        "Drop a whole response from the mask when any of its tokens has an old/rollout probability ratio below "
+        "this (e.g. 1e-4); applies whatever rollout_is and rollout_rs are; null disables it.",
+        min=0.0,
+        max=1.0,
     )
 
 

@@ -38,7 +38,10 @@ reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding rewar
 algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
 algorithm.use_kl_in_reward algorithm.kl_penalty
 algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon
-algorithm.rollout_correction.bypass_mode
+algorithm.rollout_correction.bypass_mode algorithm.rollout_correction.rollout_is
+algorithm.rollout_correction.rollout_is_threshold algorithm.rollout_correction.rollout_rs
+algorithm.rollout_correction.rollout_rs_threshold algorithm.rollout_correction.rollout_rs_threshold_lower
+algorithm.rollout_correction.rollout_token_veto_threshold
 trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
 trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf trainer.export_merged
 sft.train_files sft.response_key sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir
