@@ -39,13 +39,11 @@ def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _load(args: argparse.Namespace):
-
     yamls, overrides = _split_args(args.config)
     return build_config(yamls, overrides)
 
 
 def _what_if(args: argparse.Namespace, world_size: int):
-
     fsdp = None if args.fsdp_size is None else fsdp_group_size(args.fsdp_size, world_size, "--fsdp-size")
     return WhatIf(
         fsdp_size=fsdp,
@@ -61,7 +59,6 @@ def _what_if(args: argparse.Namespace, world_size: int):
 
 
 def _model_shape(cfg, model_config: str | None):
-
     if model_config:
         return ModelShape.from_path(model_config)
     return shape_for_model_path(cfg.model.path)
@@ -75,7 +72,6 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-
     if args.keys:
         for key in all_keys():
             field, _ = field_info(key)
@@ -139,25 +135,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-
     yamls, overrides = _split_args(args.config)
     return run_tune(args, _load(args), overrides, yamls)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-
     run_training(_load(args))
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-
     run_sft_command(_load(args))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-
     run_eval_command(_load(args), model_path=args.model)
     return 0
 

@@ -58,7 +58,9 @@ def _render_section(lines: list[str], prefix: str, cls: type, defaults: typing.A
         meta = field.metadata
         text = meta.get("help", "")
         if meta.get("choices"):
-            text += " One of: " + ", ".join("`null`" if c is None else f"`{c}`" for c in meta["choices"]) + "."
+            text += (
+                " One of: " + ", ".join("`null`" if c is None else f"`{c}`" for c in meta["choices"]) + "."
+            )
         default = getattr(defaults, f.name)
         default = "null" if default is None else repr(default)
         lines.append(f"| `{key}` | {_type_name(hint)} | `{default}` | {meta.get('unit', '')} | {text} |")

@@ -26,6 +26,8 @@ _PER_ROW_FIELDS = (
     "advantages",
     "returns",
     "reward_baselines",
+    "rollout_log_probs",
+    "rollout_is_weights",
 )
 
 
@@ -47,6 +49,12 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
     reward_baselines: torch.Tensor | None = None  # [B], ReMax's greedy-rollout reward
+    rollout_log_probs: torch.Tensor | None = (
+        None  # [B, R], the rollout engine's log-prob of each sampled token
+    )
+    rollout_is_weights: torch.Tensor | None = (
+        None  # [B, R], truncated importance weights (rollout correction)
+    )
 
     @property
     def num_rows(self) -> int:

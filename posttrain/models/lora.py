@@ -220,7 +220,6 @@ def _check_targets_exist(targets: tuple[str, ...], model_config, key: str) -> No
 
 
 def _require_peft() -> None:
-
     if importlib.util.find_spec("peft") is None:
         raise ConfigError(
             "model.lora_rank > 0 (or model.lora_adapter_path) needs Hugging Face PEFT: pip install 'posttrain[lora]' "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain.config.errors import ConfigError
+from torch import nn
+
+from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import tokenize_prompts
@@ -12,50 +14,48 @@ from posttrain.data.splits import load_splits
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora
 from posttrain.parallel.runtime import select_device
-from posttrain.rewards.functions import resolve_reward_function
-from posttrain.rewards.runner import RewardRunner
-from posttrain.rl.build import load_checkpoint_policy
+from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
 from posttrain.rl.evaluate import validate
-from posttrain.rollout.native.engine import NativeEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.utils.seed import seed_everything
 
 
+def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module]:
+    """(tokenizer, model) of ``--model``: a Hugging Face directory, an exported LoRA adapter over model.path, or
+    a training checkpoint's actor over model.path (a LoRA run's checkpoint holds the adapters of model.lora_*)."""
+    if path is not None and (path / "config.json").exists():
+        return load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device)
+    base = resolve_model_path(cfg)
+    tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)
+    if path is not None and (path / "adapter_config.json").exists():
+        adapter = apply_values(cfg, {"model.lora_rank": 0, "model.lora_adapter_path": str(path)})
+        model = apply_lora(model, adapter)
+    elif path is not None:
+        model = apply_lora(model, cfg)
+        load_checkpoint_policy(path, model)
+    return tokenizer, model
+
+
 def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dict[str, float]:
-    """`posttrain eval`: validation accuracy of a model directory or a training checkpoint."""
+    """`posttrain eval`: validation accuracy of a model directory or a training checkpoint.
+
+    Data and the reward function are checked before any weights load; the engine and the reward runner come
+    from the same builders as training, so both score alike.
+    """
     device = select_device(cfg)
     seed_everything(cfg.trainer.seed)
     path = Path(model_path) if model_path else None
     if path is not None and not path.exists():
-        raise ConfigError(f"--model {path} does not exist")
-    if path is not None and (path / "config.json").exists():
-        tokenizer, model = load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device)
-    else:
-        base = resolve_model_path(cfg)
-        tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)
-        if path is not None and (path / "adapter_config.json").exists():  # an exported LoRA adapter
-            model = apply_lora(
-                model, apply_values(cfg, {"model.lora_rank": 0, "model.lora_adapter_path": str(path)})
-            )
-        elif path is not None:  # a training checkpoint: a LoRA run's holds the adapters of model.lora_*
-            model = apply_lora(model, cfg)
-            load_checkpoint_policy(path, model)
+        raise MissingPathError(f"--model {path} does not exist; pass a model directory or a checkpoint")
     splits = load_splits(cfg)
     if not splits.val:
         raise ConfigError("no validation prompts: set data.val_files (or use a built-in task)")
-    prompts = tokenize_prompts(splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts)
-    r = cfg.rollout
-    engine = NativeEngine(
-        model,
-        [tokenizer.eos_token_id],
-        tokenizer.pad_token_id,
-        r.chunk_size,
-        max_num_seqs=r.max_num_seqs,
-        max_num_batched_tokens=r.max_num_batched_tokens,
-        enable_chunked_prefill=r.enable_chunked_prefill,
-        enforce_eager=r.enforce_eager,
-    )
-    with RewardRunner(resolve_reward_function(splits.reward_spec), timeout_s=cfg.reward.timeout_s) as runner:
+    with build_reward_runner(cfg, splits.reward_spec) as runner:
+        tokenizer, model = load_eval_model(cfg, path, device)
+        prompts = tokenize_prompts(
+            splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
+        )
+        engine = build_engine(cfg, model, tokenizer, device)
         metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed)
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}")

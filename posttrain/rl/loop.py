@@ -27,7 +27,8 @@ from posttrain.parallel.runtime import (
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.evaluate import validate
-from posttrain.rl.step import step_seed, train_step
+from posttrain.rl.sampling import step_seed
+from posttrain.rl.step import train_step
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.utils.console import TrainingDisplay
@@ -99,17 +100,15 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
 
 
 def run_validation(c: Components, step: int) -> dict[str, float]:
+    """Generate for the validation prompts and score them; the engine holds its cache memory only meanwhile."""
     if c.val_prompts is None:
         return {}
-    return validate(
-        c.engine,
-        c.tokenizer,
-        c.val_prompts,
-        c.reward_runner,
-        c.cfg,
-        seed=step_seed(c.cfg.trainer.seed, step, 2),
-        dist=c.dist,
-    )
+    c.engine.wake_up()
+    try:
+        seed = step_seed(c.cfg.trainer.seed, step, 2)
+        return validate(c.engine, c.tokenizer, c.val_prompts, c.reward_runner, c.cfg, seed=seed, dist=c.dist)
+    finally:
+        c.engine.release_memory()
 
 
 def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
@@ -235,7 +234,6 @@ def _export_gathered(c: Components, path: Path) -> tuple[Path, str]:
 
 
 def _finish(c: Components, run_dir: Path, quiet: bool) -> None:
-
     if c.cfg.trainer.export_hf:
         if c.dist.distributed:
             # Every rank takes part in gathering the sharded weights; rank 0 writes them.

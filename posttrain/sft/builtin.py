@@ -116,7 +116,6 @@ def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:
         return target
 
     def build(tmp: Path) -> None:
-
         if not quiet:
             print(f"Building the built-in model: SFT warm start on '{cfg.data.task}' (cached in {target})")
         seed_everything(cfg.trainer.seed)

@@ -44,7 +44,6 @@ def model_config_dict(cfg: PostTrainConfig, model_config: str | None) -> dict:
 
 
 def _device(choice: str) -> str:
-
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available; use --device cpu or auto")
     return (
@@ -124,7 +123,6 @@ def _estimated_overlay(cfg, targets, estimate, limit: int) -> dict:
 
 
 def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str], yamls: list[str]) -> int:
-
     if not 0 <= args.headroom < 1:
         raise ConfigError(
             f"--headroom ({args.headroom}) must be in [0, 1): the fraction of the cap kept free"
@@ -198,5 +196,4 @@ def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str
 
 
 def _as_dict(cfg: PostTrainConfig) -> dict:
-
     return to_dict(cfg)

@@ -39,6 +39,7 @@ def actor_loss_fn(
             clip_ratio_c=cfg.clip_ratio_c,
             normalizer=normalizer,
             loss_agg_mode=cfg.loss_agg_mode,
+            rollout_is_weights=mb.rollout_is_weights,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = LossShare(loss.detach())  # a share of the mini-batch loss: summed
