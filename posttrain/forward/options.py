@@ -1,5 +1,36 @@
-"""How each pass of a run computes its forward: the config's throughput switches mapped to
-:class:`ForwardOptions` once (docs/throughput.md has the table of keys and where each acts)."""
+"""Where the throughput and memory switches act: config keys → each pass's forward options (read here) and
+module preparation (read in ``posttrain.models.prepare``); docs/throughput.md explains when to use each:
+
+==========================================  ====================================================================
+key                                         acts as
+==========================================  ====================================================================
+model.use_remove_padding,                   ``ForwardOptions.remove_padding`` of the actor, old-log-prob,
+model.remove_padding_max_row_tokens         reference and SFT passes (packing in ``posttrain.forward.passes``);
+                                            the architecture is checked before any weights load; flash-attention
+                                            is loaded on CUDA when ``flash_attn`` is installed (one row per
+                                            micro-batch)
+critic.use_remove_padding,                  the same for the critic update and the values pass
+critic.remove_padding_max_row_tokens
+actor.use_prefix_grouper,                   ``ForwardOptions.prefix_grouper`` of the actor update and old-log-prob
+ref.use_prefix_grouper                      pass / of the reference pass (``posttrain.forward.prefix_grouper``); the
+                                            policy then loads with sdpa (a 4-D mask); refused with Ulysses SP
+                                            and sliding-window attention
+actor.entropy_from_logits_with_chunking,    ``ForwardOptions.logprob_chunk_size`` / ``chunk_checkpoint`` of the
+actor.entropy_from_logits_chunk_size,       actor update and the old-log-prob pass (the chunked head,
+actor.entropy_checkpointing                 ``posttrain.forward.chunked_head``)
+ref.entropy_from_logits_with_chunking,      the chunked head for the reference pass
+ref.entropy_from_logits_chunk_size
+model/critic.enable_gradient_checkpointing  Hugging Face ``gradient_checkpointing_enable(use_reentrant=False)``
+                                            on the policy (actor, SFT) / the critic backbone
+model/critic.enable_activation_offload      ``ForwardOptions.offload_activations`` of the training passes
+                                            (``save_on_cpu``, CUDA only; a warning on CPU)
+model.use_liger                             liger-kernel's instance patch on the policy and its reference copy
+model.lora_rank, model.lora_alpha,          checked in ``posttrain.models.prepare`` with the other policy switches
+model.target_modules, model.lora_dropout,   (``posttrain.models.lora.check_lora_config``); applied by
+model.lora_adapter_path                     ``posttrain.models.lora.apply_lora`` in the RL and SFT setup
+reward.model.use_remove_padding             read by ``posttrain.rl.build.build_reward_model``
+==========================================  ====================================================================
+"""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""Memory estimation, starting points and measured tuning of micro-batch sizes and token budgets (docs/tuning.md)."""
+"""Explain, the memory estimate, starting points and measured tuning (docs/tuning.md). Nothing in posttrain
+imports this package except the CLI."""

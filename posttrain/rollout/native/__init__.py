@@ -1,0 +1,1 @@
+"""The native rollout engine: continuous batching over a slot KV cache, in-process, over Hugging Face modules."""
