@@ -122,6 +122,8 @@ def plan_buckets(
             raise ValueError(f"sync_weights got {name!r} twice in one call; give each tensor once")
         seen.add(name)
         key = group_key(name, tied)
+        if index is None and key.endswith(tuple(_FUSED_MEMBERS)):
+            key += "." + name.rpartition(".")[2]  # by structure: weights and biases are separate groups
         if key not in need:
             need[key] = index[key] if index is not None else expected_members(name, tied)
         pending.setdefault(key, {})[name] = tensor
