@@ -20,6 +20,7 @@ from posttrain.rollout.vllm import (
     sample_seed,
 )
 from posttrain.rollout.vllm.weight_sync import TIED_GROUP, group_key
+from posttrain.utils import console
 
 CONFIG = SimpleNamespace(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
 
@@ -77,6 +78,17 @@ def test_knobs_from_config_defaults():
     lora = knobs_from_config(RolloutConfig(), 512, 1024, lora_rank=16, lora_merge=False)
     assert lora.enable_lora and lora.max_lora_rank == 16
     assert not knobs_from_config(RolloutConfig(), 512, 1024, lora_rank=16, lora_merge=True).enable_lora
+
+
+def test_cpu_turns_chunked_prefill_off_with_a_warning(monkeypatch):
+    monkeypatch.setattr(console, "_WARNED", set())  # warned once per process: start afresh
+    cfg = RolloutConfig()
+    assert cfg.enable_chunked_prefill  # the native engine's default
+    with pytest.warns(UserWarning, match="rollout.enable_chunked_prefill"):
+        knobs = knobs_from_config(cfg, 512, 1024, device="cpu")
+    assert not knobs.enable_chunked_prefill
+    check_vllm_settings(knobs, "cpu", "fp32", CONFIG, check_installed=False)
+    assert knobs_from_config(cfg, 512, 1024, device="cuda").enable_chunked_prefill
 
 
 def test_sample_seeds_are_distinct_and_fit_int64():

@@ -119,8 +119,9 @@ def check_vllm_settings(
         _fail("max_num_batched_tokens", k.max_num_batched_tokens,
               f"must be >= rollout.max_num_seqs={k.max_num_seqs} (one token per decoding sequence per step)",
               "raise it or lower rollout.max_num_seqs")  # fmt: skip
-    if k.enable_lora and k.max_lora_rank < 1:
-        raise ValueError("vLLM LoRA serving needs the adapter's rank (max_lora_rank >= 1); set model.lora_rank")
+    if k.enable_lora and not 1 <= k.max_lora_rank <= VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"model.lora_rank={k.max_lora_rank}: vLLM serves LoRA adapters of rank 1 to "
+                         f"{VLLM_LORA_RANKS[-1]}; use a rank in that range or push merged weights")  # fmt: skip
     _check_parallel(k, device, world_size)
     if device == "cpu":
         _check_cpu(k, model_config)
