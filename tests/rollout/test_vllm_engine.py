@@ -15,10 +15,11 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from posttrain.config.schema import RolloutConfig  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from posttrain.rollout.base import SamplingParams  # noqa: E402
 from posttrain.rollout.native import NativeEngine  # noqa: E402
-from posttrain.rollout.vllm import VLLMEngine, VLLMKnobs  # noqa: E402
+from posttrain.rollout.vllm import build_vllm_engine  # noqa: E402
 from posttrain.rollout.vllm.lora_sync import AdapterDirs, sync_policy  # noqa: E402
 
 EOS, PAD = 2, 0
@@ -53,11 +54,15 @@ def hf_model(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, hf_model):
-    """Started with dummy (random) weights, as verl's default; the first full sync loads the policy."""
-    knobs = VLLMKnobs(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256, load_format="dummy",
-                      disable_log_stats=False, bucket_bytes=64 << 10, enable_lora=True, max_lora_rank=8)  # fmt: skip
-    eng = VLLMEngine(model_dir, [EOS], dtype="fp32", seed=0, device="cpu", knobs=knobs)
+def engine(model_dir, hf_model, tokenizer):
+    """Built as the trainer builds it (config section -> factory), adapter-serving (LoRA rank 8, not merged), with
+    dummy (random) weights as verl's default: the first full sync loads the policy."""
+    cfg = RolloutConfig(max_num_seqs=16, max_num_batched_tokens=256, load_format="dummy", disable_log_stats=False,
+                        update_weights_bucket_megabytes=1)  # fmt: skip
+    eng = build_vllm_engine(model_dir, tokenizer, cfg, "fp32", 0, "cpu", max_prompt_length=64,
+                            max_response_length=192, lora_rank=8, lora_merge=False, eos_token_ids=[EOS])  # fmt: skip
+    assert eng.knobs.max_model_len == 256 and not eng.knobs.enable_chunked_prefill  # turned off on CPU
+    assert eng.knobs.enable_lora and eng.knobs.bucket_bytes == 1 << 20
     assert eng.needs_full_sync
     with pytest.raises(ValueError, match="load_format=dummy"):
         eng.generate([[5, 6]], SamplingParams(max_tokens=2, greedy=True))
@@ -163,7 +168,7 @@ def test_sync_after_update_matches_trainer(engine, hf_model, prompts):
         engine.sync_weights(trained.state_dict().items())
         metrics = engine.last_sync_metrics()
         assert metrics["rollout/sync_bytes"] == sum(t.numel() * 4 for t in trained.state_dict().values())
-        assert metrics["rollout/sync_buckets"] > 1  # 64 KiB buckets
+        assert metrics["rollout/sync_buckets"] > 1  # 1 MiB buckets, 1.7 MiB of weights
         assert _greedy(engine, prompts).response_ids == expected
     finally:
         engine.sync_weights(hf_model.state_dict().items())

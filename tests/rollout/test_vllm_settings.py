@@ -73,11 +73,11 @@ def test_cpu_kv_cache_holds_max_num_seqs_full_sequences():
 
 
 def test_knobs_from_config_defaults():
-    knobs = knobs_from_config(RolloutConfig(), max_prompt_length=512, max_response_length=1024)
+    knobs = knobs_from_config(RolloutConfig(), max_prompt_length=512, max_response_length=1024, device="cuda")
     assert knobs.max_model_len == 1536 and knobs.bucket_bytes == 512 << 20 and not knobs.enable_lora
-    lora = knobs_from_config(RolloutConfig(), 512, 1024, lora_rank=16, lora_merge=False)
+    lora = knobs_from_config(RolloutConfig(), 512, 1024, lora_rank=16, lora_merge=False, device="cuda")
     assert lora.enable_lora and lora.max_lora_rank == 16
-    assert not knobs_from_config(RolloutConfig(), 512, 1024, lora_rank=16, lora_merge=True).enable_lora
+    assert not knobs_from_config(RolloutConfig(), 512, 1024, 16, lora_merge=True, device="cuda").enable_lora
 
 
 def test_cpu_turns_chunked_prefill_off_with_a_warning(monkeypatch):
