@@ -177,3 +177,19 @@ def test_unknown_and_repeated_names_raise():
     twice = [("model.norm.weight", torch.zeros(1))] * 2
     with pytest.raises(ValueError, match="twice"):
         list(plan_buckets(iter(twice), 100, False, known))
+
+
+def test_llm_arguments_cpu_cuda_tp_lora(monkeypatch):
+    from posttrain.rollout.vllm.knobs import llm_kwargs
+
+    cpu = llm_kwargs(VLLMKnobs(max_model_len=256), "m", "fp32", 0, "cpu", CONFIG)
+    assert cpu["dtype"] == "float32" and cpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["kv_cache_memory_bytes"] == cpu_kv_cache_bytes(VLLMKnobs(max_model_len=256), CONFIG, "fp32")
+    assert "gpu_memory_utilization" not in cpu and "enable_sleep_mode" not in cpu
+    gpu = llm_kwargs(VLLMKnobs(gpu_memory_utilization=0.4), "m", "bf16", 0, "cuda", CONFIG)
+    assert gpu["gpu_memory_utilization"] == 0.4 and gpu["enable_sleep_mode"] and "kv_cache_memory_bytes" not in gpu
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    tp = llm_kwargs(VLLMKnobs(tensor_model_parallel_size=2), "m", "bf16", 0, "cuda", CONFIG)
+    assert tp["distributed_executor_backend"] == "external_launcher" and tp["data_parallel_size"] == 2
+    lora = llm_kwargs(VLLMKnobs(enable_lora=True, max_lora_rank=12), "m", "fp32", 0, "cpu", CONFIG)
+    assert lora["enable_lora"] and lora["max_lora_rank"] == 16  # rounded up to a rank vLLM accepts

@@ -200,8 +200,13 @@ def llm_kwargs(knobs: VLLMKnobs, model_dir: str, dtype: str, seed: int, device: 
         "logprobs_mode": "processed_logprobs",
     }
     if k.tensor_model_parallel_size > 1:
-        # Every torchrun rank builds its own engine; vLLM joins them into TP groups (not exercised on CPU).
+        # Every torchrun rank builds its own engine in its own process; vLLM joins consecutive ranks into TP groups
+        # and, when the world holds several groups, treats each group as a data-parallel rank (it derives that
+        # rank from RANK). Not exercised here: it needs several GPUs.
         kwargs["distributed_executor_backend"] = "external_launcher"
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > k.tensor_model_parallel_size:
+            kwargs["data_parallel_size"] = world // k.tensor_model_parallel_size
     if k.enable_lora:
         rank = next((r for r in VLLM_LORA_RANKS if r >= k.max_lora_rank), k.max_lora_rank)
         kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
