@@ -189,6 +189,14 @@ def test_partial_group_push_raises_and_loads_nothing(engine, hf_model, prompts):
     assert _greedy(engine, prompts).response_ids == before
 
 
+def test_release_and_wake_up_are_noops_on_cpu(engine, prompts):
+    before = _greedy(engine, prompts).response_ids
+    engine.release_memory()
+    engine.wake_up()
+    engine.release_memory()  # generate wakes the engine itself when needed
+    assert _greedy(engine, prompts).response_ids == before
+
+
 def test_engine_metrics(engine, prompts):
     engine.generate(prompts, SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=1))
     metrics = engine.engine_metrics()

@@ -90,7 +90,7 @@ class VLLMEngine(RolloutEngine):
         self._never_synced = set(self._known or ()) if self.knobs.load_format == "dummy" else set()
         self._lora_request: Any = None
         self._lora_id = 0
-        self._asleep = False
+        self._asleep_tags: list[str] = []  # what vLLM's sleep mode holds released (CUDA only)
         self._sync_metrics: dict[str, float] = {}
         self._gen_stats: dict[str, float] = {}
         self._counters_before: dict[str, float] = {}
@@ -119,6 +119,7 @@ class VLLMEngine(RolloutEngine):
         if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int) or prompt_offset < 0:
             raise ValueError(f"prompt_offset={prompt_offset!r} must be an integer >= 0 (the first prompt's index)")
         self._check_ready(prompt_ids, params)
+        self.wake_up()  # a no-op unless release_memory put a CUDA engine to sleep
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         prompts, requests = self._requests(prompt_ids, params, seed, prompt_offset)
         self._counters_before = self._read_counters()
@@ -198,8 +199,9 @@ class VLLMEngine(RolloutEngine):
         with missing members raises ValueError and is not loaded (see ``weight_sync.plan_buckets``). Time and
         bytes are kept for :meth:`last_sync_metrics`.
         """
-        if self._asleep and self.device == "cuda":
-            self.llm.wake_up(tags=["weights"])  # weights must be resident to be overwritten (not exercised here)
+        if "weights" in self._asleep_tags:  # weights must be resident to be overwritten (CUDA; not exercised)
+            self.llm.wake_up(tags=["weights"])
+            self._asleep_tags.remove("weights")
         start, total, buckets = time.perf_counter(), 0, 0
         try:
             for bucket in plan_buckets(named_tensors, self.knobs.bucket_bytes, self._tied, self._known,
@@ -252,15 +254,16 @@ class VLLMEngine(RolloutEngine):
         memory) so the trainer gets the GPU. On CPU a no-op: vLLM's sleep mode raises there (and a CPU engine
         shares nothing with a GPU trainer). The CUDA path is written against vLLM's public API and is not
         exercised by this project's tests (no GPU)."""
-        if self.device == "cuda" and self.knobs.free_cache_engine and not self._asleep:
+        if self.device == "cuda" and self.knobs.free_cache_engine and not self._asleep_tags:
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep_tags = ["weights", "kv_cache"]
 
     def wake_up(self) -> None:
-        """Undo :meth:`release_memory` before the next ``generate`` (CUDA only; CPU no-op; not exercised here)."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        """Undo :meth:`release_memory` before the next ``generate``: wake what is still asleep (the weights may
+        already be awake after a ``sync_weights``). CUDA only; a CPU no-op; not exercised here."""
+        if self._asleep_tags:
+            self.llm.wake_up(tags=list(self._asleep_tags))
+            self._asleep_tags = []
 
     # ------------------------------------------------------------------ metrics
     def _read_counters(self) -> dict[str, float]:
