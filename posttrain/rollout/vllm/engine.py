@@ -21,7 +21,6 @@ from posttrain.rollout.vllm.knobs import VLLMKnobs, check_vllm_settings, llm_kwa
 from posttrain.rollout.vllm.weight_sync import (
     checkpoint_names,
     plan_buckets,
-    read_tie_word_embeddings,
     reload_on_worker,
 )
 
@@ -85,7 +84,8 @@ class VLLMEngine(RolloutEngine):
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.llm = vllm.LLM(**llm_kwargs(self.knobs, str(model_dir), dtype, seed, self.device, self.model_config))
         self._known = checkpoint_names(model_dir)
-        self._tied = read_tie_word_embeddings(model_dir)
+        # The config class knows the architecture's default when config.json omits the flag.
+        self._tied = bool(getattr(self.model_config.get_text_config(), "tie_word_embeddings", False))
         # With dummy weights, every checkpoint tensor must be pushed once before sampling means anything.
         self._never_synced = set(self._known or ()) if self.knobs.load_format == "dummy" else set()
         self._lora_request: Any = None

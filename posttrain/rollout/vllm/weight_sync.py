@@ -10,7 +10,6 @@ which members are missing).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -40,13 +39,6 @@ def checkpoint_names(model_dir: str | Path) -> set[str] | None:
         with safe_open(str(file), framework="pt") as handle:
             names.update(handle.keys())
     return names
-
-
-def read_tie_word_embeddings(model_dir: str | Path) -> bool:
-    """The ``tie_word_embeddings`` flag of ``model_dir``'s config.json (Hugging Face's default: True)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
 
 
 def group_key(name: str, tied: bool) -> str:
