@@ -108,8 +108,10 @@ def plan_buckets(
     for name, tensor in named_tensors:
         if known is not None and name not in known and not (tied and name == "lm_head.weight"):
             example = sorted(known)[0] if known else "?"
+            hint = (" (LoRA adapter tensors go through lora_sync.sync_policy(..., merge=False), which saves the "
+                    "adapter for vLLM to load)") if "lora_" in name else ""  # fmt: skip
             raise ValueError(f"sync_weights got {name!r}, which is not a tensor of the engine's checkpoint; "
-                             f"names must be Hugging Face state_dict keys such as {example!r}")  # fmt: skip
+                             f"names must be Hugging Face state_dict keys such as {example!r}{hint}")  # fmt: skip
         if name in seen:
             raise ValueError(f"sync_weights got {name!r} twice in one call; give each tensor once")
         seen.add(name)
