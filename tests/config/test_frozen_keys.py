@@ -14,6 +14,9 @@ data.val_batch_size data.max_prompt_length data.max_response_length data.overlon
 data.num_train_examples data.num_val_examples data.max_operand
 rollout.n rollout.temperature rollout.top_p rollout.top_k rollout.chunk_size rollout.val_n rollout.val_greedy
 rollout.max_num_seqs rollout.max_num_batched_tokens rollout.enable_chunked_prefill rollout.enforce_eager
+rollout.name rollout.gpu_memory_utilization rollout.max_model_len rollout.tensor_model_parallel_size
+rollout.free_cache_engine rollout.load_format rollout.layered_summon rollout.disable_log_stats
+rollout.update_weights_bucket_megabytes
 actor.ppo_mini_batch_size actor.ppo_micro_batch_size_per_gpu actor.ppo_epochs actor.shuffle
 actor.use_dynamic_bsz actor.ppo_max_token_len_per_gpu actor.log_prob_micro_batch_size_per_gpu
 actor.log_prob_max_token_len_per_gpu actor.ulysses_sequence_parallel_size actor.use_prefix_grouper
