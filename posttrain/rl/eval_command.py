@@ -18,6 +18,7 @@ from posttrain.rl.build import load_checkpoint_policy
 from posttrain.rl.evaluate import validate
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.sft.builtin import resolve_model_path
+from posttrain.train.integrity import check_model_dir
 from posttrain.utils.seed import seed_everything
 
 
@@ -29,6 +30,7 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     if path is not None and not path.exists():
         raise ConfigError(f"--model {path} does not exist")
     if path is not None and (path / "config.json").exists():
+        check_model_dir(path)  # a truncated weights file is named here, not deep in the loader
         tokenizer, model = load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device)
     else:
         base = resolve_model_path(cfg)

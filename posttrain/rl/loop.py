@@ -87,7 +87,8 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     if ckpt is None:
         return 0
     modules, optims, scheds = _modules(c)
-    state = load_checkpoint(ckpt, modules=modules, optimizers=optims, schedulers=scheds)
+    # find_checkpoint verified every file (rank 0 read them), so the load does not hash them again.
+    state = load_checkpoint(ckpt, modules=modules, optimizers=optims, schedulers=scheds, verify=False)
     c.sampler.load_state_dict(state["sampler"])
     if c.kl_ctrl is not None and "kl_coef" in state:
         c.kl_ctrl.value = state["kl_coef"]
