@@ -98,6 +98,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """RANK from the environment (set by torchrun), 0 otherwise: usable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
     """Join the job's process group when launched by torchrun; otherwise a world of one.
 

@@ -21,6 +21,7 @@ from posttrain.models.lora import adapter_state, export_policy, is_lora_model, p
 from posttrain.parallel.runtime import (
     DistContext,
     init_distributed,
+    launched_rank,
     launched_world_size,
     select_device,
     shutdown_distributed,
@@ -33,6 +34,7 @@ from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_ch
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import MetricsLogger, PhaseTimer
 from posttrain.utils.plots import plot_training_curves
+from posttrain.utils.run_lock import RunDirLock
 from posttrain.utils.seed import seed_everything
 
 log = logging.getLogger("posttrain")
@@ -119,8 +121,15 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     Launched by torchrun (WORLD_SIZE > 1), every rank runs this; rank 0 alone prints, logs and exports.
     """
     build_plan(cfg, launched_world_size())  # a config error surfaces before any process group or model
+    # One run per run_dir (rank 0 speaks for the job); taken before anything in it is written.
+    lock = RunDirLock(cfg.trainer.run_dir).acquire() if launched_rank() == 0 else None
     seed_everything(cfg.trainer.seed)
-    ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)
+    try:
+        ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     try:
         if ctx.distributed and cfg.model.path == "builtin:tiny":
             # One rank builds (and caches) the built-in warm start; the others then read the cache.
@@ -143,6 +152,8 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
         raise
     finally:
         shutdown_distributed()
+        if lock is not None:
+            lock.release()
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
