@@ -17,6 +17,7 @@ import yaml
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.validate import check_config, check_value
 
 _NONE_WORDS = {"null", "none", "~"}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
@@ -199,10 +200,12 @@ def apply_values(cfg: PostTrainConfig, values: dict[str, Any]) -> PostTrainConfi
         field, hint = field_info(key)
         value = coerce(key, raw, hint)
         _check_bounds(key, value, field)
+        check_value(key, value)
         parent: Any = cfg
         for part in key.split(".")[:-1]:
             parent = getattr(parent, part)
         setattr(parent, key.split(".")[-1], value)
+    check_config(cfg)
     return cfg
 
 

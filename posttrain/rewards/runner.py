@@ -33,6 +33,7 @@ from typing import Any
 logger = logging.getLogger("posttrain.rewards")
 
 _STARTUP_TIMEOUT_S = 60.0  # generous: a spawned interpreter may import a lot before it is ready
+MAX_ABS_REWARD = 1e6  # beyond this a reward is a bug (an unscaled count, a sentinel), not a signal
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the trainer is still alive
 
 
@@ -55,8 +56,11 @@ def _call_one(fn: Callable[..., Any], sample: tuple[Any, ...]) -> tuple[bool, fl
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False, f"reward function returned {type(value).__name__} {value!r}; it must return a float"
     value = float(value)
-    if not math.isfinite(value):
-        return False, f"reward function returned {value}; it must return a finite float"
+    if not math.isfinite(value) or abs(value) > MAX_ABS_REWARD:
+        return False, (
+            f"reward function returned {value}; it must return a finite float with |reward| <= "
+            f"{MAX_ABS_REWARD:g} (larger values are taken for a bug: they would swamp every advantage)"
+        )
     return True, value
 
 

@@ -28,6 +28,7 @@ from posttrain.parallel.runtime import (
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.evaluate import validate
+from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
 from posttrain.rl.step import step_seed, train_step
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -69,6 +70,7 @@ def _modules(c: Components) -> tuple[dict, dict, dict]:
 
 def save(c: Components, run_dir: Path, step: int) -> Path:
     modules, optims, scheds = _modules(c)
+    check_finite_weights(modules, c.dist)  # the last checkpoint stays a good one
     state = {"step": step, "sampler": c.sampler.state_dict()}
     if c.kl_ctrl is not None:
         state["kl_coef"] = float(c.kl_ctrl.value)
@@ -191,6 +193,7 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     )
     display.start()
     last: dict[str, float] = {}
+    skipped = SkippedStepGuard(t.max_skipped_steps)
     first_val: dict[str, float] = {}
     try:
         if start == 0 and t.test_freq > 0:
@@ -204,6 +207,7 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
                 metrics.update(run_validation(c, step))
             if logger is not None:
                 logger.log(metrics, step=step)
+            skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
             display.update(step, metrics)
             last = metrics
             if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
