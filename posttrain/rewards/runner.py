@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from posttrain.config.errors import ConfigError
+
 logger = logging.getLogger("posttrain.rewards")
+
+
+class RewardFunctionError(ConfigError):
+    """The user's reward function failed with ``fail_fast`` set: the user's error, reported without ours."""
+
 
 _STARTUP_TIMEOUT_S = 60.0  # generous: a spawned interpreter may import a lot before it is ready
 MAX_ABS_REWARD = 1e6  # beyond this a reward is a bug (an unscaled count, a sentinel), not a signal
@@ -296,7 +303,11 @@ class RewardRunner:
         self._counts["failures"] += 1
         self._counts["timeouts"] += int(timeout)
         if self.fail_fast:
-            raise RuntimeError(f"reward function failed on sample {index} (fail_fast=True):\n{message}")
+            raise RewardFunctionError(
+                f"reward function failed on sample {index} and reward.fail_fast=true stops the run; its error:\n"
+                f"{message.rstrip()}\nFix the function, or set reward.fail_fast=false to give failing samples "
+                f"reward.failure_reward={self.failure_reward:g} and go on"
+            )
         if self.first_error is None:
             self.first_error = message
             logger.warning(
