@@ -82,7 +82,7 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is list:
         if isinstance(value, str):
             text = value.strip()
-            value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v]
+            value = _parse_list(key, text) if text.startswith("[") else [v for v in text.split(",") if v]
         if not isinstance(value, list | tuple):
             raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
         return [coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
@@ -123,6 +123,16 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
         return value
     raise TypeError(f"unsupported type {hint!r} for config key '{key}'")
+
+
+def _parse_list(key: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(
+            f"config key '{key}' = {text!r} is not a valid list ({problem}); write e.g. {key}=[a,b] or {key}=a,b"
+        ) from None
 
 
 def _check_bounds(key: str, value: Any, field: dataclasses.Field) -> None:
