@@ -27,6 +27,7 @@ from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
 from posttrain.tools.memory import Cluster, WhatIf, estimate_memory
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
+from posttrain.utils.signals import EXIT_TERMINATED, Terminated
 
 EXIT_CONFIG_ERROR = 2
 
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         # bug and keeps its traceback.
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except Terminated as exc:
+        print(f"posttrain {args.command}: {exc}; run the same command to resume", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print(
             f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr

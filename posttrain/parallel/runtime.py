@@ -72,6 +72,10 @@ class DistContext:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank."""
+        return self.all_reduce_sum([float(flag)])[0] > 0
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks of a list of floats (float64 on this rank's device)."""
         if not self.distributed:

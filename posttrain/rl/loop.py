@@ -6,6 +6,7 @@ setup → (resume) → validate → [step → log → validate every test_freq �
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from posttrain.utils.metrics import MetricsLogger, PhaseTimer
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.run_lock import RunDirLock
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import RunSignals
 
 log = logging.getLogger("posttrain")
 
@@ -194,6 +196,7 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     display.start()
     last: dict[str, float] = {}
     skipped = SkippedStepGuard(t.max_skipped_steps)
+    signals = RunSignals(save_at_step_end=t.save_on_terminate).install()
     first_val: dict[str, float] = {}
     try:
         if start == 0 and t.test_freq > 0:
@@ -210,9 +213,13 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
             skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
             display.update(step, metrics)
             last = metrics
-            if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
-                save(c, run_dir, step)
+            saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
+            if saved:
+                with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
+                    save(c, run_dir, step)
+            signals.stop_after_step(step, saved, functools.partial(save, c, run_dir, step), c.dist.any_rank)
     finally:
+        signals.restore()
         display.stop()
         if logger is not None:
             logger.close()
