@@ -11,7 +11,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from posttrain.config.errors import ConfigError
@@ -21,6 +20,7 @@ from posttrain.models.hf import save_hf
 from posttrain.models.lora import adapter_state, export_policy, is_lora_model, policy_weights
 from posttrain.parallel.runtime import (
     DistContext,
+    abort_on_collective_failure,
     init_distributed,
     launched_rank,
     launched_world_size,
@@ -145,27 +145,12 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
         ctx.barrier()
         return result
     except Exception as exc:
-        if ctx.distributed and _is_collective_failure(exc):
-            log.error(
-                "rank %d of %d: a collective failed or waited longer than trainer.dist_timeout_s=%g s; another "
-                "rank has probably died or hung (see its own error above). Stopping this rank.",
-                ctx.rank,
-                ctx.world_size,
-                cfg.trainer.dist_timeout_s,
-            )
+        abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
         raise
     finally:
         shutdown_distributed()
         if lock is not None:
             lock.release()
-
-
-def _is_collective_failure(exc: BaseException) -> bool:
-    """Errors torch.distributed raises when a peer is gone (connection closed) or silent (timeout)."""
-    text = str(exc).lower()
-    return isinstance(exc, dist.DistBackendError) or any(
-        word in text for word in ("timed out", "timeout", "connection closed", "connection reset", "gloo")
-    )
 
 
 def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, float]:
