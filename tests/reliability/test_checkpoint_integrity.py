@@ -157,3 +157,16 @@ def test_eval_names_a_truncated_model_file(tiny_model_dir, tmp_path, capsys):
     assert main(["eval", "--model", str(model), f"model.path={tiny_model_dir}"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors" in err and "truncated" in err and "Traceback" not in err
+
+
+def test_eval_of_a_damaged_checkpoint_names_the_file(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = small_overrides(tiny_model_dir, run, "trainer.total_steps=1", "trainer.export_hf=false")
+    assert main(["train", *args]) == 0
+    ckpt = run / "checkpoints" / "step_000001"
+    shard = _largest_shard(ckpt)
+    _overwrite_middle(shard)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(ckpt), *args]) == 2
+    err = capsys.readouterr().err
+    assert shard.name in err and "sha256" in err and "Traceback" not in err

@@ -89,3 +89,26 @@ def test_signals_during_a_save_wait_for_it():
     finally:
         signals.restore()
     assert done == ["save finished", "save finished"]
+
+
+def test_ctrl_c_during_a_save_gives_the_one_line_message_and_a_complete_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    from posttrain.cli import main
+    from posttrain.rl import loop
+    from posttrain.train.checkpoint import find_checkpoint
+
+    original = loop.save_checkpoint
+
+    def interrupted_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the checkpoint is being written
+        time.sleep(0.05)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "save_checkpoint", interrupted_save)
+    run = tmp_path / "run"
+    args = small_overrides(tiny_model_dir, run, "trainer.total_steps=3", "trainer.save_freq=1")
+    assert main(["train", *args]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; the last complete checkpoint is intact" in err and "Traceback" not in err
+    assert find_checkpoint(run, "auto").name == "step_000001"  # the save finished and verifies
