@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import time
@@ -44,7 +43,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,6 +51,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from posttrain.config.errors import CheckpointError
 from posttrain.train.integrity import CHECKSUM_KEY, checksums, read_json_file, verify_files
+from posttrain.train.rng_state import capture_rng_state, restore_rng_state
 from posttrain.train.sharded_state import (
     load_module_state,
     load_state,
@@ -221,50 +220,6 @@ def _resolve(run_dir: str | os.PathLike, resume: str) -> Path | None:
         f"resume={resume!r}: {candidate} {reason}. Available checkpoints in "
         f"{checkpoint_root(run_dir)}: {available}. Use resume=auto for the latest one or "
         "resume=disable to start fresh."
-    )
-
-
-# --------------------------------------------------------------------------- RNG
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Generator states of python ``random``, numpy's global generator, torch CPU and every CUDA device.
-
-    Only plain python values and tensors, so ``torch.load(weights_only=True)`` can read it back.
-    """
-    name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    return {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore generator states captured by :func:`capture_rng_state`.
-
-    CUDA states are skipped with a warning when a different number of devices is visible: restoring
-    them onto other devices would not reproduce the saved streams anyway.
-    """
-    missing = {"python", "numpy", "torch"} - set(state)
-    if missing:
-        raise CheckpointError(f"RNG state is missing {sorted(missing)}; pass a dict from capture_rng_state()")
-    random.setstate(state["python"])
-    name, key, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.asarray(key, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    cuda_states = state.get("cuda") or []
-    if not cuda_states:
-        return
-    if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
-        torch.cuda.set_rng_state_all(cuda_states)
-        return
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    warnings.warn(
-        f"checkpoint holds RNG states for {len(cuda_states)} CUDA device(s) but {visible} are visible; "
-        "CUDA generators were not restored",
-        stacklevel=2,
     )
 
 
