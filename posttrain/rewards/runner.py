@@ -58,6 +58,9 @@ def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connecti
     """Worker loop: receive a list of ``(index, args)``, send ``(index, ok, value)`` per sample."""
     parent_conn.close()  # keep only our end, so a closed trainer end reads as EOF here
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, not ours
+    # A forked worker inherits the trainer's SIGTERM handler (which raises in the trainer's loop); here the
+    # default is right: die quietly, the trainer replaces or stops us.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     conn.send("ready")
     while True:
         # Poll rather than block so an orphaned worker (trainer killed) notices and exits.
