@@ -41,14 +41,19 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_corpus  # noqa: E402
 from posttrain.rollout.base import SamplingParams  # noqa: E402
-from posttrain.rollout.native import NativeEngine  # noqa: E402
-from posttrain.rollout.vllm import VLLMEngine, VLLMKnobs  # noqa: E402
+from posttrain.rollout.native.engine import NativeEngine
+from posttrain.rollout.vllm.engine import VLLMEngine
+from posttrain.rollout.vllm.knobs import VLLMKnobs
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="16x4x16,16x4x128,4x4x384", help="prompts x n x max_tokens, comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine and shape (medians reported)")
+    p.add_argument(
+        "--shapes", default="16x4x16,16x4x128,4x4x384", help="prompts x n x max_tokens, comma-separated"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per engine and shape (medians reported)"
+    )
     p.add_argument("--sync-repeats", type=int, default=5, help="timed weight syncs per engine")
     return p.parse_args()
 
@@ -57,7 +62,9 @@ def cpu_name() -> str:
     """The CPU's model name as lscpu reports it (the platform's processor string otherwise)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+        return next(
+            line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")
+        )
     except (OSError, subprocess.CalledProcessError, StopIteration):
         return platform.processor() or "unknown"
 
@@ -82,13 +89,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        native = NativeEngine(model, eos, tokenizer.pad_token_id, chunk_size=64, max_num_seqs=max_seqs,
-                              max_num_batched_tokens=max(2048, max_len), own_copy=True)  # fmt: skip
-        knobs = VLLMKnobs(max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
-                          load_format="auto", bucket_bytes=512 << 20)  # fmt: skip
+        native = NativeEngine(
+            model,
+            eos,
+            tokenizer.pad_token_id,
+            chunk_size=64,
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max(2048, max_len),
+            own_copy=True,
+        )
+        knobs = VLLMKnobs(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max(2048, max_len),
+            max_model_len=max_len,
+            load_format="auto",
+            bucket_bytes=512 << 20,
+        )
         start = time.perf_counter()
         vllm_engine = VLLMEngine(tmp, eos, dtype="fp32", seed=0, device="cpu", knobs=knobs)
-        print(f"vLLM engine built in {time.perf_counter() - start:.1f} s (vllm imported inside)", file=sys.stderr)
+        print(
+            f"vLLM engine built in {time.perf_counter() - start:.1f} s (vllm imported inside)",
+            file=sys.stderr,
+        )
         rows = []
         for prompts_n, n, max_tokens in shapes:
             prompts = corpus[:prompts_n]
@@ -103,30 +125,37 @@ def main() -> None:
                     seconds, _ = timed(lambda e=engine, p=prompts, s=params: e.generate(p, s))
                     times[name].append(seconds)
             med = {k: statistics.median(v) for k, v in times.items()}
-            rows.append({
-                "shape (prompts x n x max_tokens)": f"{prompts_n} x {n} x {max_tokens}",
-                "tokens (native / vLLM)": f"{tokens['native']} / {tokens['vllm']}",
-                "native s": f"{med['native']:.2f}", "vLLM s": f"{med['vllm']:.2f}",
-                "native tok/s": f"{tokens['native'] / med['native']:.0f}",
-                "vLLM tok/s": f"{tokens['vllm'] / med['vllm']:.0f}",
-                "vLLM / native tok/s": f"{(tokens['vllm'] / med['vllm']) / (tokens['native'] / med['native']):.2f}",
-            })  # fmt: skip
+            rows.append(
+                {
+                    "shape (prompts x n x max_tokens)": f"{prompts_n} x {n} x {max_tokens}",
+                    "tokens (native / vLLM)": f"{tokens['native']} / {tokens['vllm']}",
+                    "native s": f"{med['native']:.2f}",
+                    "vLLM s": f"{med['vllm']:.2f}",
+                    "native tok/s": f"{tokens['native'] / med['native']:.0f}",
+                    "vLLM tok/s": f"{tokens['vllm'] / med['vllm']:.0f}",
+                    "vLLM / native tok/s": f"{(tokens['vllm'] / med['vllm']) / (tokens['native'] / med['native']):.2f}",
+                }
+            )
         state = model.state_dict()
         sync = {"native": [], "vllm": []}
         for _ in range(args.sync_repeats):
             sync["native"].append(timed(lambda: native.sync_weights(state.items()))[0])
             vllm_engine.sync_weights(state.items())
-            sync["vllm"].append(vllm_engine.last_sync_metrics()["rollout/sync_s"])
+            sync["vllm"].append(vllm_engine.sync_metrics()["rollout/sync_s"])
         megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
-    print(f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; medians of {args.repeats} "
-          f"alternating runs after a warm-up.\n")  # fmt: skip
+    print(
+        f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; medians of {args.repeats} "
+        f"alternating runs after a warm-up.\n"
+    )
     header = list(rows[0])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row[h] for h in header) + " |")
-    print(f"\nFull weight sync ({megabytes:.1f} MiB fp32, median of {args.sync_repeats}): native "
-          f"{statistics.median(sync['native']) * 1e3:.1f} ms, vLLM {statistics.median(sync['vllm']) * 1e3:.1f} ms")  # fmt: skip
+    print(
+        f"\nFull weight sync ({megabytes:.1f} MiB fp32, median of {args.sync_repeats}): native "
+        f"{statistics.median(sync['native']) * 1e3:.1f} ms, vLLM {statistics.median(sync['vllm']) * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,11 @@ from posttrain.rl.loop import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
 from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
-from posttrain.tools.memory import Cluster, WhatIf, estimate_memory
+from posttrain.tools.memory import Cluster, estimate_memory
+from posttrain.tools.memory_bytes import WhatIf
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
+from posttrain.utils.signals import EXIT_TERMINATED, Terminated
 
 EXIT_CONFIG_ERROR = 2
 
@@ -43,7 +45,9 @@ def _load(args: argparse.Namespace):
     return build_config(yamls, overrides)
 
 
-def _what_if(args: argparse.Namespace, world_size: int):
+def _what_if(args: argparse.Namespace, world_size: int, cfg):
+    """The estimate's what-ifs: each flag overrides the config; left out, the config's own value counts."""
+    r = cfg.rollout
     fsdp = None if args.fsdp_size is None else fsdp_group_size(args.fsdp_size, world_size, "--fsdp-size")
     return WhatIf(
         fsdp_size=fsdp,
@@ -51,10 +55,10 @@ def _what_if(args: argparse.Namespace, world_size: int):
         optimizer_offload=args.optimizer_offload,
         lora_rank=args.lora_rank,
         master_weights_fp32=args.master_weights_fp32,
-        rollout_engine=args.rollout_engine,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        rollout_tp=args.rollout_tp,
+        rollout_engine=args.rollout_engine or r.name,
+        gpu_memory_utilization=args.gpu_memory_utilization or r.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs or r.max_num_seqs,
+        rollout_tp=args.rollout_tp or r.tensor_model_parallel_size,
     )
 
 
@@ -86,7 +90,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         # --world-size, when given, replaces nodes x gpus-per-node (one node of that many GPUs).
         nodes, per_node = (args.nodes, args.gpus_per_node) if args.world_size is None else (1, world)
         cluster = Cluster(nodes, per_node, args.gpu_memory_gb)
-        what_if = _what_if(args, world)
+        what_if = _what_if(args, world, cfg)
         estimate = estimate_memory(cfg, plan, shape, cluster, what_if)
         advice = advise(cfg, estimate, shape, cluster, what_if)
         point = starting_point(shape) if args.suggest else None
@@ -262,13 +266,26 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="What if fp32 master weights (default: as the trainer does, when sharded on several GPUs)",
     )
     g.add_argument(
-        "--rollout-engine", default="native", choices=("native", "vllm"), help="Rollout engine to model"
+        "--rollout-engine",
+        default=None,
+        choices=("native", "vllm"),
+        help="Rollout engine to model (default: rollout.name)",
     )
     g.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.5, help="vLLM's reserved fraction (default 0.5)"
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's reserved fraction (default: rollout.gpu_memory_utilization)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's concurrent sequences (default 256)")
-    g.add_argument("--rollout-tp", type=int, default=1, help="vLLM's tensor-parallel size (default 1)")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=None, help="Concurrent sequences (default: rollout.max_num_seqs)"
+    )
+    g.add_argument(
+        "--rollout-tp",
+        type=int,
+        default=None,
+        help="vLLM's TP size (default: rollout.tensor_model_parallel_size)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         # bug and keeps its traceback.
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except Terminated as exc:
+        print(f"posttrain {args.command}: {exc}; run the same command to resume", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print(
             f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr

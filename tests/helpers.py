@@ -19,33 +19,36 @@ def varied(prompt, response, ground_truth, extra):
 
 
 def small_config(model_dir, run_dir, *extra):
+    return build_config(overrides=small_overrides(model_dir, run_dir, *extra))
+
+
+def small_overrides(model_dir, run_dir, *extra):
+    """The command-line overrides of :func:`small_config` (for tests that run the CLI)."""
     reward = run_dir.parent / "varied_reward.py"
     reward.write_text(REWARD_FILE)
-    return build_config(
-        overrides=[
-            f"model.path={model_dir}",
-            f"trainer.run_dir={run_dir}",
-            "trainer.loggers=jsonl",
-            "trainer.total_steps=2",
-            "trainer.test_freq=0",
-            "data.num_train_examples=64",
-            "data.num_val_examples=8",
-            "data.train_batch_size=4",
-            "data.max_response_length=6",
-            "rollout.n=4",
-            "actor.ppo_mini_batch_size=2",
-            "actor.ppo_micro_batch_size_per_gpu=4",
-            "actor.log_prob_micro_batch_size_per_gpu=5",
-            "actor.optim.lr=1e-3",
-            "critic.ppo_mini_batch_size=2",
-            "critic.ppo_micro_batch_size_per_gpu=4",
-            "critic.forward_micro_batch_size_per_gpu=7",
-            "critic.optim.lr=1e-3",
-            "reward.timeout_s=0",
-            f"reward.function={reward}:varied",
-            *extra,
-        ]
-    )
+    return [
+        f"model.path={model_dir}",
+        f"trainer.run_dir={run_dir}",
+        "trainer.loggers=jsonl",
+        "trainer.total_steps=2",
+        "trainer.test_freq=0",
+        "data.num_train_examples=64",
+        "data.num_val_examples=8",
+        "data.train_batch_size=4",
+        "data.max_response_length=6",
+        "rollout.n=4",
+        "actor.ppo_mini_batch_size=2",
+        "actor.ppo_micro_batch_size_per_gpu=4",
+        "actor.log_prob_micro_batch_size_per_gpu=5",
+        "actor.optim.lr=1e-3",
+        "critic.ppo_mini_batch_size=2",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        "critic.forward_micro_batch_size_per_gpu=7",
+        "critic.optim.lr=1e-3",
+        "reward.timeout_s=0",
+        f"reward.function={reward}:varied",
+        *extra,
+    ]
 
 
 def read_metrics(run_dir):

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import yaml
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.validate import check_config, check_value
 
 _NONE_WORDS = {"null", "none", "~"}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
@@ -80,7 +82,7 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is list:
         if isinstance(value, str):
             text = value.strip()
-            value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v]
+            value = _parse_list(key, text) if text.startswith("[") else [v for v in text.split(",") if v]
         if not isinstance(value, list | tuple):
             raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
         return [coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
@@ -123,6 +125,16 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     raise TypeError(f"unsupported type {hint!r} for config key '{key}'")
 
 
+def _parse_list(key: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(
+            f"config key '{key}' = {text!r} is not a valid list ({problem}); write e.g. {key}=[a,b] or {key}=a,b"
+        ) from None
+
+
 def _check_bounds(key: str, value: Any, field: dataclasses.Field) -> None:
     meta = field.metadata
     choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
@@ -161,7 +173,15 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
             raise ConfigError(
                 f"override {item!r} is not of the form key=value (example: actor.ppo_mini_batch_size=64)"
             )
-        out[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if key in out and out[key] != value:
+            # Shell history edits often leave an old copy behind: say which one counts.
+            warnings.warn(
+                f"override {key} is given twice ({key}={out[key]} then {key}={value}); the last one wins: "
+                f"{key}={value}",
+                stacklevel=2,
+            )
+        out[key] = value
     return out
 
 
@@ -169,7 +189,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML overrides file (a mapping of sections), with errors naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file '{p}' does not exist")
+        raise ConfigError(_missing_yaml_message(str(path)))
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -177,6 +197,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{p}' must hold a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def _missing_yaml_message(word: str) -> str:
+    """A positional word that is no file: when it reads like a config key, it lost its '=value'."""
+    head = word.split(".")[0]
+    sections = {f.name for f in dataclasses.fields(PostTrainConfig)}
+    if "." in word and "/" not in word and head in sections and not word.endswith((".yaml", ".yml")):
+        return (
+            f"{word!r} looks like a config override missing '=value' (no file of that name exists); write "
+            f"{word}=<value>, e.g. actor.ppo_mini_batch_size=16"
+        )
+    return f"config file '{word}' does not exist"
 
 
 def build_config(
@@ -233,10 +265,26 @@ def apply_values(cfg: PostTrainConfig, values: dict[str, Any]) -> PostTrainConfi
     cfg = _deep_copy(cfg)
     for key, raw in values.items():
         field, hint = field_info(key)
+        if dataclasses.is_dataclass(hint):
+            raise ConfigError(_section_value_message(key, raw, hint))
         value = coerce(key, raw, hint)
         _check_bounds(key, value, field)
+        check_value(key, value)
         _set(cfg, key, value)
-    return resolve_inherited(cfg)
+    cfg = resolve_inherited(cfg)
+    check_config(cfg)
+    return cfg
+
+
+def _section_value_message(key: str, raw: Any, section: type) -> str:
+    """`data=5`, YAML `actor: {optim: 5}` or a list under `data:` give a section a value: name its keys."""
+    keys = all_keys(section, key + ".")
+    shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+    return (
+        f"config key '{key}' is a section, not a value, but it was given {raw!r} "
+        f"({type(raw).__name__}); set its keys instead ({shown}), e.g. {keys[0]}=<value> on the command line "
+        f"or '{key.split('.')[0]}:' followed by indented 'key: value' lines in YAML"
+    )
 
 
 def _deep_copy(obj: Any) -> Any:

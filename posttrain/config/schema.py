@@ -91,6 +91,12 @@ class ModelConfig:
         min=0.0,
         max=1.0,
     )
+    lora_merge: bool = knob(
+        True,
+        "With LoRA and rollout.name=vllm: push the adapters merged into the base weights after every update "
+        "(the engine runs a plain model) instead of the adapter alone (vLLM serves it as a LoRA adapter: a "
+        "smaller push, slower sampling). The native engine always decodes the merged policy.",
+    )
     lora_adapter_path: str = knob(
         "",
         "A saved PEFT LoRA adapter directory (adapter_config.json) to start from, e.g. the final_model of an "
@@ -186,7 +192,10 @@ class OptimConfig:
 
     lr: float = knob(1e-5, "Peak learning rate.", min=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
-    betas: list[float] = knob(default_factory=lambda: [0.9, 0.999], help="AdamW betas.")
+    betas: list[float] = knob(
+        default_factory=lambda: [0.9, 0.999], help="AdamW betas: two numbers, each in [0, 1)."
+    )
+    eps: float = knob(1e-8, "AdamW epsilon, added to the denominator (> 0).", min=0.0)
     warmup_steps: int = knob(0, "Linear warm-up length.", unit="optimizer steps", min=0)
     lr_schedule: str = knob("constant", "Schedule after warm-up.", choices=("constant", "cosine", "linear"))
     min_lr_ratio: float = knob(0.0, "Final lr / peak lr for cosine and linear schedules.", min=0.0, max=1.0)
@@ -614,6 +623,16 @@ class TrainerConfig:
         "an error (a dead or hung rank ends the run instead of hanging it).",
         unit="seconds",
         min=1.0,
+    )
+    max_skipped_steps: int = knob(
+        3,
+        "Stop with an error after this many consecutive training steps whose optimizer steps were all "
+        "skipped for a non-finite loss or gradient.",
+        unit="steps",
+        min=1,
+    )
+    save_on_terminate: bool = knob(
+        False, "On SIGTERM, finish the current step and save a checkpoint before exiting (code 143)."
     )
     export_merged: bool = knob(
         False,

@@ -10,9 +10,11 @@ SP group; they see the same samples and each holds a slice of every sequence (po
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,8 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
 log = logging.getLogger("posttrain")
+
+EXIT_COLLECTIVE_FAILURE = 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ class DistContext:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank."""
+        return self.all_reduce_sum([float(flag)])[0] > 0
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks of a list of floats (float64 on this rank's device)."""
         if not self.distributed:
@@ -96,6 +104,11 @@ def select_device(cfg: PostTrainConfig) -> torch.device:
 def launched_world_size() -> int:
     """WORLD_SIZE from the environment (set by torchrun), 1 otherwise."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    """RANK from the environment (set by torchrun), 0 otherwise: usable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
@@ -125,6 +138,44 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
         # One voice per job: other ranks only report warnings and errors.
         logging.getLogger("posttrain").setLevel(logging.WARNING)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+# What gloo raises (torch 2.13) when a peer is gone or silent: a plain RuntimeError, not a DistError, whose
+# text comes from gloo's transport ("[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by
+# peer", "[.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv", "Application timeout caused pair
+# closure"). Matched narrowly, on plain RuntimeErrors only.
+_GLOO_FAILURE_TEXT = ("gloo/transport", "application timeout caused pair closure")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Errors torch.distributed raises when a peer is gone (connection closed) or silent (timeout)."""
+    if isinstance(exc, dist.DistError):  # NCCL's watchdog, the store, the network layer
+        return True
+    text = str(exc).lower()
+    return type(exc) is RuntimeError and any(marker in text for marker in _GLOO_FAILURE_TEXT)
+
+
+def abort_on_collective_failure(exc: BaseException, ctx: DistContext, timeout_s: float) -> None:
+    """End this rank now when a collective failed: say why, then exit without the orderly teardown.
+
+    The teardown (destroy_process_group, atexit handlers) talks to the peers and can block on the very rank
+    that hung; exiting at once makes torchrun stop the rest of the job promptly. Output is flushed first;
+    the run directory lock is released by the kernel with the process.
+    """
+    if not (ctx.distributed and is_collective_failure(exc)):
+        return
+    log.error(
+        "rank %d of %d: a collective failed or waited longer than trainer.dist_timeout_s=%g s; another rank has "
+        "probably died or hung (see its own error above). Stopping this rank.",
+        ctx.rank,
+        ctx.world_size,
+        timeout_s,
+        exc_info=exc,
+    )
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(EXIT_COLLECTIVE_FAILURE)
 
 
 def shutdown_distributed() -> None:

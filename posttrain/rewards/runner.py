@@ -18,19 +18,27 @@ import contextlib
 import logging
 import math
 import multiprocessing as mp
-import numbers
 import os
 import signal
+import threading
 import time
-import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from posttrain.config.errors import ConfigError
+from posttrain.rewards.call import OutputLog, call_one, failure_kind
+from posttrain.utils.console import warn_once
+
 logger = logging.getLogger("posttrain.rewards")
+
+
+class RewardFunctionError(ConfigError):
+    """The user's reward function failed with ``fail_fast`` set: the user's error, reported without ours."""
+
 
 _STARTUP_TIMEOUT_S = 60.0  # generous: a spawned interpreter may import a lot before it is ready
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the trainer is still alive
@@ -46,24 +54,13 @@ class RewardInput:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _call_one(fn: Callable[..., Any], sample: tuple[Any, ...]) -> tuple[bool, float | str]:
-    """``(True, reward)`` or ``(False, error text)``; never raises for user errors."""
-    try:
-        value = fn(*sample)
-    except Exception:
-        return False, traceback.format_exc()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False, f"reward function returned {type(value).__name__} {value!r}; it must return a float"
-    value = float(value)
-    if not math.isfinite(value):
-        return False, f"reward function returned {value}; it must return a finite float"
-    return True, value
-
-
 def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connection, parent_pid: int) -> None:
     """Worker loop: receive a list of ``(index, args)``, send ``(index, ok, value)`` per sample."""
     parent_conn.close()  # keep only our end, so a closed trainer end reads as EOF here
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, not ours
+    # A forked worker inherits the trainer's SIGTERM handler (which raises in the trainer's loop); here the
+    # default is right: die quietly, the trainer replaces or stops us.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     conn.send("ready")
     while True:
         # Poll rather than block so an orphaned worker (trainer killed) notices and exits.
@@ -77,8 +74,26 @@ def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connecti
         if batch is None:
             return
         for index, sample in batch:
-            ok, value = _call_one(fn, sample)
-            conn.send((index, ok, value))
+            conn.send((index, *call_one(fn, sample)))
+
+
+@contextlib.contextmanager
+def _sigint_seen() -> Iterator[list[int]]:
+    """A list that gets an entry when a real SIGINT arrives (which then raises KeyboardInterrupt as usual)."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Worker:
@@ -174,6 +189,16 @@ class RewardRunner:
         self.fail_fast = fail_fast
         self.num_workers = num_workers
         self.first_error: str | None = None
+        self._logged_kinds: set[str] = set()
+        self._output = OutputLog()
+        if self.timeout_s is None:
+            warn_once(
+                "reward.timeout_s",
+                "reward.timeout_s=0: the reward function runs in the trainer's own process. That gives up the "
+                "timeout (a function that hangs hangs the run) and isolation from crashes (a segfault or "
+                "os._exit in it ends the run); exceptions, sys.exit and bad values are still caught. Set "
+                "reward.timeout_s > 0 to run it in worker processes.",
+            )
         self._counts = {"failures": 0, "timeouts": 0}
         methods = mp.get_all_start_methods()
         self._ctx = mp.get_context("fork" if "fork" in methods else "spawn")
@@ -216,9 +241,13 @@ class RewardRunner:
 
     def _score_in_process(self, args: list[tuple[Any, ...]]) -> list[float]:
         rewards = []
-        for index, sample in enumerate(args):
-            ok, value = _call_one(self.fn, sample)
-            rewards.append(value if ok else self._fail(index, str(value)))
+        with _sigint_seen() as seen:
+            for index, sample in enumerate(args):
+                ok, value, output = call_one(self.fn, sample)
+                if seen:  # a real Ctrl-C, not a KeyboardInterrupt the function raised: the user's to have
+                    raise KeyboardInterrupt
+                self._output.note(index, output)
+                rewards.append(value if ok else self._fail(index, str(value)))
         return rewards
 
     def _score_in_workers(self, args: list[tuple[Any, ...]]) -> list[float]:
@@ -250,9 +279,10 @@ class RewardRunner:
         worker = busy[w]
         try:
             while worker.pending and worker.conn.poll():
-                index, ok, value = worker.conn.recv()
+                index, ok, value, output = worker.conn.recv()
                 assert index == worker.pending[0], "reward worker answered out of order"
                 worker.pending.popleft()
+                self._output.note(index, output)
                 rewards[index] = value if ok else self._fail(index, value)
                 worker.deadline = time.monotonic() + self.timeout_s
         except (EOFError, OSError):
@@ -292,13 +322,21 @@ class RewardRunner:
         self._counts["failures"] += 1
         self._counts["timeouts"] += int(timeout)
         if self.fail_fast:
-            raise RuntimeError(f"reward function failed on sample {index} (fail_fast=True):\n{message}")
+            raise RewardFunctionError(
+                f"reward function failed on sample {index} and reward.fail_fast=true stops the run; its error:\n"
+                f"{message.rstrip()}\nFix the function, or set reward.fail_fast=false to give failing samples "
+                f"reward.failure_reward={self.failure_reward:g} and go on"
+            )
         if self.first_error is None:
             self.first_error = message
+        kind = failure_kind(message, timeout)
+        if kind not in self._logged_kinds:
+            self._logged_kinds.add(kind)
             logger.warning(
-                "reward function failed on sample %d; it gets failure_reward=%s. Only this first failure is "
-                "logged; later ones are counted in reward/num_failures.\n%s",
+                "reward function failed on sample %d (%s); it gets failure_reward=%s. Only the first failure of "
+                "each kind is logged; all are counted in reward/num_failures.\n%s",
                 index,
+                kind,
                 self.failure_reward,
                 message,
             )

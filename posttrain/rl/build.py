@@ -32,7 +32,6 @@ from posttrain.models.lora import (
     apply_lora,
     is_lora_model,
     lora_memory_summary,
-    policy_weights,
     reference_policy,
 )
 from posttrain.models.prepare import prepare_critic, prepare_policy
@@ -43,10 +42,12 @@ from posttrain.parallel.runtime import DistContext, select_device
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
-from posttrain.rl.checks import check_rl_switches
+from posttrain.rl.checks import check_rl_switches, check_rollout_backend
 from posttrain.rl.evaluate import validation_params
+from posttrain.rl.rollout_weights import RolloutWeights
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
+from posttrain.rollout.vllm.factory import build_vllm_engine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import load_module_weights
 from posttrain.train.trainable import Trainable
@@ -70,6 +71,9 @@ class Components:
     ref: nn.Module | None
     critic: Trainable | None
     engine: RolloutEngine
+    rollout_weights: (
+        RolloutWeights  # pushes the actor's weights into the engine (a no-op when it shares them)
+    )
     train_prompts: TokenizedPrompts
     val_prompts: TokenizedPrompts | None
     sampler: PromptSampler
@@ -114,6 +118,7 @@ def check_run(cfg: PostTrainConfig, world_size: int, device: torch.device) -> tu
     and the reward function. Raises ConfigError before anything heavy loads."""
     plan = build_plan(cfg, world_size)
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
+    check_rollout_backend(cfg, device, world_size)
     validation_params(cfg, 0)  # e.g. rollout.val_n > 1 with greedy validation
     splits = load_splits(cfg)
     return plan, splits
@@ -142,7 +147,7 @@ def build_policy(
     attn = attn_implementation(cfg.model.use_remove_padding, device, grouped)
     policy = load_causal_lm(model_path, master_dtype, device, attn)
     rollout_model = None
-    if dist.distributed:
+    if dist.distributed and cfg.rollout.name == "native":
         # Each rank's rollout engine holds a plain, unsharded copy, refreshed from the sharded actor after every
         # update (with LoRA: the merged weights). On one rank the engine shares the actor's module instead.
         rollout_model = copy.deepcopy(policy).to(resolve_dtype(cfg.model.dtype)).eval().requires_grad_(False)
@@ -187,9 +192,25 @@ def build_critic(
     return critic
 
 
-def build_engine(cfg: PostTrainConfig, model: nn.Module, tokenizer, device: torch.device) -> RolloutEngine:
-    """The rollout engine of `rollout.*` over ``model`` (shared with the trainer, or its own copy)."""
+def build_engine(
+    cfg: PostTrainConfig, model: nn.Module, tokenizer, device: torch.device, model_path: Path | None = None
+) -> RolloutEngine:
+    """The rollout engine of `rollout.*`: the native engine over ``model`` (shared with the trainer, or its own
+    copy), or vLLM (`rollout.name=vllm`) reading ``model_path`` and kept current by weight pushes."""
     r = cfg.rollout
+    if r.name == "vllm":
+        return build_vllm_engine(
+            model_path,
+            tokenizer,
+            r,
+            cfg.model.dtype,
+            cfg.trainer.seed,
+            device.type,
+            max_prompt_length=cfg.data.max_prompt_length,
+            max_response_length=cfg.data.max_response_length,
+            lora_rank=cfg.model.lora_rank,
+            lora_merge=cfg.model.lora_merge,
+        )
     return NativeEngine(
         model,
         [tokenizer.eos_token_id],
@@ -289,9 +310,9 @@ def build_components(
     policy = build_policy(cfg, plan, dist, model_path, quiet)
     critic = build_critic(cfg, plan, dist, model_path)
     train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
-    engine = build_engine(cfg, policy.rollout_model, tokenizer, dist.device)
-    if policy.rollout_model is not policy.actor.module:  # e.g. a saved LoRA adapter is already on the actor
-        engine.sync_weights(policy_weights(policy.actor.module))
+    engine = build_engine(cfg, policy.rollout_model, tokenizer, dist.device, model_path)
+    weights = RolloutWeights(cfg, engine)
+    weights.push(policy.actor.module)  # e.g. a saved LoRA adapter is already on the actor (no-op when shared)
     forward = with_sequence_parallel(pass_options(cfg, dist.device), cfg, policy.actor.module.config)
     return Components(
         cfg=cfg,
@@ -303,6 +324,7 @@ def build_components(
         ref=policy.ref,
         critic=critic,
         engine=engine,
+        rollout_weights=weights,
         train_prompts=train_prompts,
         val_prompts=val_prompts,
         sampler=sampler,

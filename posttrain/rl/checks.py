@@ -15,6 +15,8 @@ from posttrain.models.prepare import (
     read_model_config,
     warn_offload_on_cpu,
 )
+from posttrain.rollout.vllm.factory import knobs_from_config
+from posttrain.rollout.vllm.knobs import check_vllm_settings
 
 
 def check_rl_switches(cfg: PostTrainConfig, device: torch.device, uses_ref: bool, uses_critic: bool) -> None:
@@ -43,3 +45,29 @@ def check_rl_switches(cfg: PostTrainConfig, device: torch.device, uses_ref: bool
             check_packing("critic.use_remove_padding", critic_config)
         if cfg.critic.enable_activation_offload:
             warn_offload_on_cpu("critic.enable_activation_offload", device)
+
+
+def check_rollout_backend(cfg: PostTrainConfig, device: torch.device, world_size: int) -> None:
+    """`rollout.name=vllm`: vLLM importable (else the install command), its knobs valid for this device and
+    world, and bypass mode only where vLLM's log-probs are the trainer's (no top-k/top-p: vLLM renormalises
+    after filtering). ConfigError naming the key; nothing loads."""
+    r = cfg.rollout
+    if r.name != "vllm":
+        return
+    knobs = knobs_from_config(
+        r,
+        cfg.data.max_prompt_length,
+        cfg.data.max_response_length,
+        cfg.model.lora_rank,
+        cfg.model.lora_merge,
+        device.type,
+    )
+    check_vllm_settings(knobs, device.type, cfg.model.dtype, read_model_config(cfg.model.path), world_size)
+    filtered = r.top_k != -1 or r.top_p < 1.0
+    if cfg.algorithm.rollout_correction.bypass_mode and filtered:
+        raise ConfigError(
+            f"algorithm.rollout_correction.bypass_mode=true uses the rollout's log-probs as the old log-probs, but "
+            f"with rollout.top_k={r.top_k} / rollout.top_p={r.top_p} vLLM reports them renormalised after "
+            "filtering, not the trainer's log_softmax(logits / temperature); set bypass_mode=false (the actor "
+            "recomputes them), or rollout.top_k=-1 and rollout.top_p=1.0"
+        )

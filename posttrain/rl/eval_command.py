@@ -17,6 +17,7 @@ from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
 from posttrain.rl.evaluate import validate
 from posttrain.sft.builtin import resolve_model_path
+from posttrain.train.integrity import check_model_dir
 from posttrain.utils.seed import seed_everything
 
 
@@ -24,6 +25,7 @@ def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[ob
     """(tokenizer, model) of ``--model``: a Hugging Face directory, an exported LoRA adapter over model.path, or
     a training checkpoint's actor over model.path (a LoRA run's checkpoint holds the adapters of model.lora_*)."""
     if path is not None and (path / "config.json").exists():
+        check_model_dir(path)  # a truncated weights file is named here, not deep in the loader
         return load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device)
     base = resolve_model_path(cfg)
     tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)

@@ -6,27 +6,31 @@ setup → (resume) → validate → [step → log → validate every test_freq �
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
 
-import torch.distributed as dist
+import torch
 from safetensors.torch import save_file
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
-from posttrain.models.hf import save_hf
+from posttrain.models.hf import load_causal_lm, save_hf
 from posttrain.models.lora import adapter_state, export_policy, is_lora_model, policy_weights
 from posttrain.parallel.runtime import (
     DistContext,
+    abort_on_collective_failure,
     init_distributed,
+    launched_rank,
     launched_world_size,
     select_device,
     shutdown_distributed,
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.evaluate import validate
+from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
 from posttrain.rl.sampling import step_seed
 from posttrain.rl.step import train_step
 from posttrain.sft.builtin import resolve_model_path
@@ -34,7 +38,9 @@ from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_ch
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import MetricsLogger, PhaseTimer
 from posttrain.utils.plots import plot_training_curves
+from posttrain.utils.run_lock import RunDirLock
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import RunSignals
 
 log = logging.getLogger("posttrain")
 
@@ -68,6 +74,7 @@ def _modules(c: Components) -> tuple[dict, dict, dict]:
 
 def save(c: Components, run_dir: Path, step: int) -> Path:
     modules, optims, scheds = _modules(c)
+    check_finite_weights(modules, c.dist)  # the last checkpoint stays a good one
     state = {"step": step, "sampler": c.sampler.state_dict()}
     if c.kl_ctrl is not None:
         state["kl_coef"] = float(c.kl_ctrl.value)
@@ -88,12 +95,12 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     if ckpt is None:
         return 0
     modules, optims, scheds = _modules(c)
-    state = load_checkpoint(ckpt, modules=modules, optimizers=optims, schedulers=scheds)
+    # find_checkpoint verified every file (rank 0 read them), so the load does not hash them again.
+    state = load_checkpoint(ckpt, modules=modules, optimizers=optims, schedulers=scheds, verify=False)
     c.sampler.load_state_dict(state["sampler"])
     if c.kl_ctrl is not None and "kl_coef" in state:
         c.kl_ctrl.value = state["kl_coef"]
-    if c.engine.model is not c.actor.module:  # the engine's own copy must see the restored weights
-        c.engine.sync_weights(policy_weights(c.actor.module))
+    c.rollout_weights.push(c.actor.module)  # the engine's own copy must see the restored weights
     if c.dist.is_main:
         print(f"Resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
@@ -117,8 +124,15 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     Launched by torchrun (WORLD_SIZE > 1), every rank runs this; rank 0 alone prints, logs and exports.
     """
     build_plan(cfg, launched_world_size())  # a config error surfaces before any process group or model
+    # One run per run_dir (rank 0 speaks for the job); taken before anything in it is written.
+    lock = RunDirLock(cfg.trainer.run_dir).acquire() if launched_rank() == 0 else None
     seed_everything(cfg.trainer.seed)
-    ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)
+    try:
+        ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     try:
         if ctx.distributed and cfg.model.path == "builtin:tiny":
             # One rank builds (and caches) the built-in warm start; the others then read the cache.
@@ -130,25 +144,12 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
         ctx.barrier()
         return result
     except Exception as exc:
-        if ctx.distributed and _is_collective_failure(exc):
-            log.error(
-                "rank %d of %d: a collective failed or waited longer than trainer.dist_timeout_s=%g s; another "
-                "rank has probably died or hung (see its own error above). Stopping this rank.",
-                ctx.rank,
-                ctx.world_size,
-                cfg.trainer.dist_timeout_s,
-            )
+        abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
         raise
     finally:
         shutdown_distributed()
-
-
-def _is_collective_failure(exc: BaseException) -> bool:
-    """Errors torch.distributed raises when a peer is gone (connection closed) or silent (timeout)."""
-    text = str(exc).lower()
-    return isinstance(exc, dist.DistBackendError) or any(
-        word in text for word in ("timed out", "timeout", "connection closed", "connection reset", "gloo")
-    )
+        if lock is not None:
+            lock.release()
 
 
 def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, float]:
@@ -178,6 +179,8 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     )
     display.start()
     last: dict[str, float] = {}
+    skipped = SkippedStepGuard(t.max_skipped_steps)
+    signals = RunSignals(save_at_step_end=t.save_on_terminate).install()
     first_val: dict[str, float] = {}
     try:
         if start == 0 and t.test_freq > 0:
@@ -191,11 +194,16 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
                 metrics.update(run_validation(c, step))
             if logger is not None:
                 logger.log(metrics, step=step)
+            skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
             display.update(step, metrics)
             last = metrics
-            if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
-                save(c, run_dir, step)
+            saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
+            if saved:
+                with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
+                    save(c, run_dir, step)
+            signals.stop_after_step(step, saved, functools.partial(save, c, run_dir, step), c.dist.any_rank)
     finally:
+        signals.restore()
         display.stop()
         if logger is not None:
             logger.close()
@@ -215,8 +223,8 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 
 def _export_gathered(c: Components, path: Path) -> tuple[Path, str]:
-    """The final export of a sharded actor: the full (merged) weights are gathered into the rollout engine's
-    plain copy, or, for a LoRA adapter export, the adapter tensors alone; rank 0 writes them."""
+    """The final export of a sharded actor: the full (merged) weights are gathered, or, for a LoRA adapter
+    export, the adapter tensors alone; rank 0 writes them (into a plain copy of the model read from disk)."""
     policy = c.actor.module
     if is_lora_model(policy) and not c.cfg.trainer.export_merged:
         adapters = {name: t.detach().cpu().contiguous() for name, t in adapter_state(policy)}
@@ -226,9 +234,11 @@ def _export_gathered(c: Components, path: Path) -> tuple[Path, str]:
             save_file(adapters, str(path / "adapter_model.safetensors"))
             c.tokenizer.save_pretrained(path)
         return path, "a PEFT LoRA adapter; loads with peft.PeftModel.from_pretrained(base_model, path)"
-    c.engine.sync_weights(policy_weights(policy))
+    state = {name: t.detach().cpu() for name, t in policy_weights(policy)}  # a collective: every rank gathers
     if c.dist.is_main:
-        save_hf(c.engine.model, c.tokenizer, path)
+        model = load_causal_lm(c.model_path, c.cfg.model.dtype, torch.device("cpu"))
+        model.load_state_dict(state, strict=False)  # tied weights may appear under one name only
+        save_hf(model, c.tokenizer, path)
     how = "LoRA merged into the base weights; " if is_lora_model(policy) else ""
     return path, how + "loads with AutoModelForCausalLM"
 

@@ -21,7 +21,6 @@ from posttrain.config.schema import AlgorithmConfig, RolloutCorrectionConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.forward.options import PassOptions
 from posttrain.forward.passes import critic_values, policy_logprobs
-from posttrain.models.lora import policy_weights
 from posttrain.parallel.data_parallel import DataParallel
 from posttrain.rl.build import Components
 from posttrain.rl.sampling import (
@@ -160,6 +159,7 @@ def rollout_phase(c: Components, step: int, timer: PhaseTimer) -> tuple[RolloutB
             baselines = greedy_baselines(
                 c.engine, scorer, c.train_prompts, prompt_rows, cfg.data.max_response_length, c.dist
             )
+        metrics.update(c.engine.generation_metrics())
         c.engine.release_memory()  # the forward and update phases need the memory more
     prompt_ids = [c.train_prompts.prompt_ids[prompt_rows[p]] for p in result.prompt_index]
     batch = build_rollout_batch(
@@ -233,8 +233,7 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     # On one rank the native engine shares the actor's module, so this refresh is free; a sharded actor is
     # gathered (a collective: every rank calls it) into the engine's own copy.
     with timer.phase("sync_weights"):
-        if c.engine.model is not c.actor.module:
-            c.engine.sync_weights(policy_weights(c.actor.module))  # Hugging Face names; LoRA adapters merged
+        metrics.update(c.rollout_weights.push(c.actor.module))
     tokens = float(batch.attention_mask.sum())
     metrics.update(timer.pop())
     step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))

@@ -148,6 +148,14 @@ class RolloutEngine(Protocol):
         """Re-acquire what :meth:`release_memory` freed, before the next ``generate``. No-op by default."""
         return None
 
+    def sync_metrics(self) -> dict[str, float]:
+        """Time and bytes of the last ``sync_weights`` (metric name → value); empty where not measured."""
+        return {}
+
+    def generation_metrics(self) -> dict[str, float]:
+        """The engine's own numbers about the last ``generate`` (throughput, cache use); empty by default."""
+        return {}
+
 
 def validate_prompts(prompt_ids: list[list[int]]) -> None:
     """Raise ValueError unless ``prompt_ids`` is a non-empty list of non-empty lists of token ids."""

@@ -17,8 +17,9 @@ The config is read as the trainer applies it at the cluster's world size (:func:
   fp32 on a bf16/fp16 base, so no master copy), and a LoRA actor's reference policy is the actor itself with
   adapters disabled: no reference weights.
 
-:class:`WhatIf` replaces any of these for every role ("what would it give"), and models a vLLM-style rollout
-engine (``gpu_memory_utilization``, ``max_num_seqs``, ``rollout_tp``), which posttrain does not have.
+:class:`WhatIf` replaces any of these for every role ("what would it give"). The rollout phase models the
+configured engine (``rollout.name``): the native engine's slot cache, or vLLM's reservation of
+``gpu_memory_utilization`` of the GPU (weights + KV cache, ``max_num_seqs``, ``tensor_model_parallel_size``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Layout (one directory per step, published by a single rename)::
             scheduler/<key>.pt          # torch.save(scheduler.state_dict())
             rng.pt                      # python, numpy, torch CPU (+ CUDA) generator states
             trainer_state.json          # step, sampler state, KL controller value, ...
-            manifest.json               # layout, format version, keys, file sizes
+            manifest.json               # layout, format version, keys, file sizes and sha256s
             COMPLETE                    # written last
         .tmp-step_000013-<pid>/         # a save in progress, or one that crashed: never loaded
 
@@ -25,13 +25,16 @@ Why this shape:
   M ranks (one included), resharded on the fly. Every rank must call save/load; rank 0 alone writes the
   small files, publishes and prunes. With several nodes, ``run_dir`` must be a shared filesystem.
 - One writer per run directory: a save deletes hidden leftovers of any earlier save.
+- Every file's sha256 is in the manifest (:mod:`posttrain.train.integrity`): a checkpoint is verified after
+  it is published (before ``latest`` moves to it and before older ones are pruned) and before it is loaded;
+  ``resume=auto`` skips a damaged one, with a warning naming the damaged file.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
+import pickle
 import re
 import shutil
 import time
@@ -40,7 +43,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,6 +50,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from posttrain.config.errors import CheckpointError
+from posttrain.train.integrity import CHECKSUM_KEY, checksums, read_json_file, verify_files
+from posttrain.train.rng_state import capture_rng_state, restore_rng_state
 from posttrain.train.sharded_state import (
     load_module_state,
     load_state,
@@ -124,26 +128,80 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     complete = _complete_by_step(root)
     if not complete:
         return None
-    try:
-        pointed = (root / LATEST_FILENAME).read_text(encoding="utf-8").strip()
-    except OSError:
-        pointed = ""
+    pointed = _read_latest(root)
     match = _STEP_RE.match(pointed)
     if match and int(match.group(1)) in complete:
         return complete[int(match.group(1))]
     return complete[max(complete)]
 
 
+def _read_latest(root: Path) -> str:
+    """The checkpoint name in ``latest`` ('' when absent); garbage there is a CheckpointError naming it."""
+    path = root / LATEST_FILENAME
+    try:
+        pointed = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return ""
+    except (OSError, UnicodeDecodeError) as err:
+        pointed = f"<unreadable: {err}>"
+    if not _STEP_RE.match(pointed):
+        raise CheckpointError(
+            f"{path} is damaged: it holds {pointed[:60]!r}, not a checkpoint name like 'step_000012'. Delete it "
+            "(resume=auto then takes the highest complete step) or write the name of a checkpoint into it"
+        )
+    return pointed
+
+
+def _newest_intact(run_dir: str | os.PathLike) -> Path | None:
+    """The latest checkpoint whose files all verify, newest first; each damaged one is skipped with a
+    warning naming its damaged file (its directory is left alone for inspection)."""
+    newest = latest_checkpoint(run_dir)
+    candidates = [newest] if newest is not None else []
+    candidates += [p for p in reversed(list_checkpoints(run_dir)) if p != newest]
+    damaged = []
+    for path in candidates:
+        try:
+            verify_files(path, read_manifest(path))
+        except CheckpointError as err:
+            warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=3)
+            damaged.append(path.name)
+            continue
+        return path
+    if damaged:
+        # Starting fresh here would train over (and prune) checkpoints someone may want to repair.
+        raise CheckpointError(
+            f"every checkpoint in {checkpoint_root(run_dir)} is damaged ({damaged}; see the warnings above); "
+            "set trainer.resume=disable to start fresh, or use a new trainer.run_dir"
+        )
+    return None
+
+
 def find_checkpoint(run_dir: str | os.PathLike, resume: str) -> Path | None:
     """Resolve ``resume``: ``auto`` (latest complete checkpoint or None), ``disable`` (None) or a path.
 
     A relative path that does not exist is also tried under ``run_dir/checkpoints``, so
-    ``resume=step_000012`` names a checkpoint of this run.
+    ``resume=step_000012`` names a checkpoint of this run. The checkpoint returned has been verified
+    (:mod:`posttrain.train.integrity`): ``auto`` falls back to the newest intact one with a warning naming
+    each damaged one; a named checkpoint that is damaged is a CheckpointError naming the file. With several
+    ranks, rank 0 alone reads the files and every rank gets its answer (or its error).
     """
     if resume == "disable":
         return None
+    error, found = None, None
+    if _is_main():
+        try:
+            found = _resolve(run_dir, resume)
+        except CheckpointError as err:
+            error = str(err)
+    error, found = _from_main((error, found))
+    if error is not None:
+        raise CheckpointError(error)
+    return found
+
+
+def _resolve(run_dir: str | os.PathLike, resume: str) -> Path | None:
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return _newest_intact(run_dir)
     if not isinstance(resume, str) or not resume:
         raise CheckpointError(
             f"resume={resume!r} is not valid; use one of {RESUME_MODES} or a checkpoint path"
@@ -152,6 +210,7 @@ def find_checkpoint(run_dir: str | os.PathLike, resume: str) -> Path | None:
     if not candidate.exists() and not candidate.is_absolute():
         candidate = checkpoint_root(run_dir) / resume
     if is_complete_checkpoint(candidate):
+        verify_files(candidate, read_manifest(candidate))
         return candidate
     reason = (
         "does not exist" if not candidate.exists() else "is not a complete checkpoint (interrupted save?)"
@@ -161,50 +220,6 @@ def find_checkpoint(run_dir: str | os.PathLike, resume: str) -> Path | None:
         f"resume={resume!r}: {candidate} {reason}. Available checkpoints in "
         f"{checkpoint_root(run_dir)}: {available}. Use resume=auto for the latest one or "
         "resume=disable to start fresh."
-    )
-
-
-# --------------------------------------------------------------------------- RNG
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Generator states of python ``random``, numpy's global generator, torch CPU and every CUDA device.
-
-    Only plain python values and tensors, so ``torch.load(weights_only=True)`` can read it back.
-    """
-    name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    return {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore generator states captured by :func:`capture_rng_state`.
-
-    CUDA states are skipped with a warning when a different number of devices is visible: restoring
-    them onto other devices would not reproduce the saved streams anyway.
-    """
-    missing = {"python", "numpy", "torch"} - set(state)
-    if missing:
-        raise CheckpointError(f"RNG state is missing {sorted(missing)}; pass a dict from capture_rng_state()")
-    random.setstate(state["python"])
-    name, key, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.asarray(key, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    cuda_states = state.get("cuda") or []
-    if not cuda_states:
-        return
-    if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
-        torch.cuda.set_rng_state_all(cuda_states)
-        return
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    warnings.warn(
-        f"checkpoint holds RNG states for {len(cuda_states)} CUDA device(s) but {visible} are visible; "
-        "CUDA generators were not restored",
-        stacklevel=2,
     )
 
 
@@ -263,6 +278,8 @@ def save_checkpoint(
                 }
                 _write_manifest(tmp, step, keys, files)
                 _publish(tmp, final)
+                # Read back before anything relies on it: `latest` and pruning only follow a verified save.
+                verify_files(final, read_manifest(final))
                 _write_latest(root, final.name)
                 if keep_last is not None:
                     _prune(root, keep_last, step)
@@ -395,6 +412,7 @@ def _write_manifest(ckpt_dir: Path, step: int, keys: Mapping[str, list[str]], fi
         "step": step,
         **keys,
         "files": {p.relative_to(ckpt_dir).as_posix(): p.stat().st_size for p in files},
+        CHECKSUM_KEY: checksums(ckpt_dir, files),
         "created_unix": time.time(),
         "torch_version": torch.__version__,
     }
@@ -471,7 +489,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             f"path={path} is not a complete checkpoint (no {COMPLETE_FILENAME} marker or manifest); "
             "pick one with find_checkpoint(run_dir, 'auto')"
         )
-    manifest = json.loads((path / MANIFEST_FILENAME).read_text(encoding="utf-8"))
+    manifest = read_json_file(path / MANIFEST_FILENAME, "the checkpoint's manifest")
+    if not isinstance(manifest, dict) or not all(
+        isinstance(manifest.get(k), list) for k in ("modules", "optimizers", "schedulers")
+    ):
+        raise CheckpointError(
+            f"checkpoint file {path / MANIFEST_FILENAME} is damaged: not a manifest written by posttrain; "
+            "resume from another checkpoint"
+        )
     if manifest.get("layout") != LAYOUT or manifest.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path} has layout={manifest.get('layout')!r}, "
@@ -489,11 +514,13 @@ def load_checkpoint(
     schedulers: Mapping[str, LRScheduler] | None = None,
     map_location: str | torch.device = "cpu",
     restore_rng: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Restore modules, optimizers, schedulers and (optionally) RNG states in place.
 
     Strict: the keys passed must equal the keys saved, and every module's weights must match its
-    parameter names and shapes. All of this is checked before anything is modified.
+    parameter names and shapes. All of this is checked before anything is modified, and so are the files'
+    sizes and checksums unless ``verify=False`` (the caller verified them, e.g. through find_checkpoint).
 
     Returns:
         The ``trainer_state`` dict given to :func:`save_checkpoint`.
@@ -503,7 +530,8 @@ def load_checkpoint(
     manifest = read_manifest(path)
     for kind, given in (("modules", modules), ("optimizers", optimizers), ("schedulers", schedulers)):
         _check_keys(path, kind, manifest[kind], given)
-    _check_file_sizes(path, manifest["files"])
+    if verify:
+        verify_files(path, manifest)
     stored = saved_shapes(path / STATE_DIRNAME)
     for key, module in modules.items():
         _check_module_weights(path, stored, key, module)
@@ -513,11 +541,18 @@ def load_checkpoint(
         scheduler.load_state_dict(_torch_load(path / "scheduler" / f"{key}.pt", map_location))
     if restore_rng:
         restore_rng_state(_torch_load(path / RNG_FILENAME, "cpu"))
-    return json.loads((path / TRAINER_STATE_FILENAME).read_text(encoding="utf-8"))
+    return read_json_file(path / TRAINER_STATE_FILENAME, "the loop's state")
 
 
 def _torch_load(path: Path, map_location: str | torch.device) -> Any:
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """torch.load with an unreadable file (an older checkpoint without checksums) named in a CheckpointError."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise CheckpointError(
+            f"checkpoint file {path} is unreadable ({type(err).__name__}: {str(err)[:200]}); the checkpoint "
+            "is damaged: resume from another one"
+        ) from None
 
 
 def _check_keys(path: Path, kind: str, saved: list[str], given: Mapping[str, Any]) -> None:
@@ -532,16 +567,6 @@ def _check_keys(path: Path, kind: str, saved: list[str], given: Mapping[str, Any
             f"checkpoint {path} holds {kind} {extra} that were not passed to load_checkpoint; pass them "
             f"too (the load is strict so that a resumed run continues exactly)"
         )
-
-
-def _check_file_sizes(path: Path, files: Mapping[str, int]) -> None:
-    """Catch truncated or missing files (e.g. a checkpoint copied off a full disk) before loading."""
-    for rel, size in files.items():
-        file = path / rel
-        if not file.is_file() or file.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {rel} is missing or not {size} bytes as recorded"
-            )
 
 
 def _check_module_weights(path: Path, stored: Mapping[str, tuple], key: str, module: nn.Module) -> None:
@@ -575,5 +600,6 @@ def load_module_weights(
         raise CheckpointError(
             f"checkpoint {path} has no module {key!r}; it holds modules {manifest['modules']}"
         )
+    verify_files(path, manifest)
     _check_module_weights(path, saved_shapes(path / STATE_DIRNAME), key, module)
     load_module_state(path / STATE_DIRNAME, key, module)

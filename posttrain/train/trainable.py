@@ -40,7 +40,7 @@ class Trainable:
     def create(cls, module: nn.Module, optim: OptimConfig, total_optimizer_steps: int) -> Trainable:
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+            params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_optimizer_steps))
         return cls(module, optimizer, scheduler, optim.grad_clip)

@@ -175,6 +175,8 @@ def run_update(
     out = {
         k if "/" in k else f"{prefix}/{k}": sum(m.get(k, 0.0) for m in per_step) / len(per_step) for k in keys
     }
+    # Skips are counted, not averaged: the loop's guard compares them with the number of optimizer steps.
+    out[f"{prefix}/skipped_steps"] = sum(m.get("skipped_steps", 0.0) for m in per_step)
     out[f"{prefix}/lr"] = trainable.lr
     out[f"{prefix}/optimizer_steps"] = float(len(per_step))
     return out

@@ -52,6 +52,7 @@ actor.fsdp_config.fsdp_size actor.fsdp_config.param_offload actor.fsdp_config.op
 trainer.dist_timeout_s
 sft.optim.lr sft.optim.weight_decay sft.optim.betas sft.optim.warmup_steps sft.optim.lr_schedule
 sft.optim.min_lr_ratio sft.optim.grad_clip
+actor.optim.eps critic.optim.eps sft.optim.eps trainer.max_skipped_steps trainer.save_on_terminate
 """.split()
 
 

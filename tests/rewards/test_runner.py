@@ -8,7 +8,7 @@ import time
 import pytest
 
 from posttrain.rewards.functions import resolve_reward_function
-from posttrain.rewards.runner import RewardInput, RewardRunner
+from posttrain.rewards.runner import RewardFunctionError, RewardInput, RewardRunner
 
 
 def reward(prompt, response, ground_truth, extra):
@@ -96,7 +96,7 @@ def test_crashed_worker_is_replaced():
 
 def test_fail_fast_raises_with_traceback(timeout_s):
     runner = RewardRunner(reward, timeout_s=timeout_s, fail_fast=True)
-    with pytest.raises(RuntimeError, match=r"(?s)sample 1 \(fail_fast=True\).*ZeroDivisionError"):
+    with pytest.raises(RewardFunctionError, match=r"(?s)sample 1 .*fail_fast=true.*ZeroDivisionError"):
         runner.score(samples("a", "raise", "bb"))
     # The runner is still usable, and no answer of the aborted call leaks into the next one.
     assert runner.score(samples("ccc", "d"))[0] == [3.0, 1.0]
@@ -106,7 +106,7 @@ def test_fail_fast_raises_with_traceback(timeout_s):
 def test_fail_fast_on_timeout():
     with (
         RewardRunner(reward, timeout_s=0.3, fail_fast=True) as runner,
-        pytest.raises(RuntimeError, match="timed out"),
+        pytest.raises(RewardFunctionError, match="timed out"),
     ):
         runner.score(samples("hang"))
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from posttrain.rewards.runner import RewardFunctionError
 from posttrain.rl.loop import run_training
 from tests.helpers import read_metrics, small_config
 
@@ -106,7 +107,7 @@ def test_fail_fast_aborts(tiny_model_dir, tmp_path):
     cfg = small_config(
         tiny_model_dir, tmp_path / "run", f"reward.function={reward}:broken", "reward.fail_fast=true"
     )
-    with pytest.raises(RuntimeError, match="oops"):
+    with pytest.raises(RewardFunctionError, match="oops"):
         run_training(cfg, quiet=True)
 
 

@@ -18,15 +18,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from posttrain.config.schema import RolloutConfig  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from posttrain.rollout.base import SamplingParams  # noqa: E402
-from posttrain.rollout.native import NativeEngine  # noqa: E402
-from posttrain.rollout.vllm import build_vllm_engine  # noqa: E402
+from posttrain.rollout.native.engine import NativeEngine  # noqa: E402
+from posttrain.rollout.vllm.factory import build_vllm_engine  # noqa: E402
 from posttrain.rollout.vllm.lora_sync import AdapterDirs, sync_policy  # noqa: E402
 
 EOS, PAD = 2, 0
 # Head size 128 / 4 = 32. Untied embeddings and a sharpened LM head: clear argmax gaps, so greedy parity is a
 # strong test rather than a coin flip between nearly tied tokens of a random model.
-SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 256, "tie_word_embeddings": False}  # fmt: skip
+SHAPE = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "tie_word_embeddings": False,
+}
 TEXTS = ["What is 1 + 2?", "Hello", "The quick brown fox jumps over the lazy dog and", "Count: 7 8 9"]
 
 
@@ -57,10 +63,26 @@ def hf_model(model_dir):
 def engine(model_dir, hf_model, tokenizer):
     """Built as the trainer builds it (config section -> factory), adapter-serving (LoRA rank 8, not merged), with
     dummy (random) weights as verl's default: the first full sync loads the policy."""
-    cfg = RolloutConfig(max_num_seqs=16, max_num_batched_tokens=256, load_format="dummy", disable_log_stats=False,
-                        update_weights_bucket_megabytes=1)  # fmt: skip
-    eng = build_vllm_engine(model_dir, tokenizer, cfg, "fp32", 0, "cpu", max_prompt_length=64,
-                            max_response_length=192, lora_rank=8, lora_merge=False, eos_token_ids=[EOS])  # fmt: skip
+    cfg = RolloutConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        load_format="dummy",
+        disable_log_stats=False,
+        update_weights_bucket_megabytes=1,
+    )
+    eng = build_vllm_engine(
+        model_dir,
+        tokenizer,
+        cfg,
+        "fp32",
+        0,
+        "cpu",
+        max_prompt_length=64,
+        max_response_length=192,
+        lora_rank=8,
+        lora_merge=False,
+        eos_token_ids=[EOS],
+    )
     assert eng.knobs.max_model_len == 256 and not eng.knobs.enable_chunked_prefill  # turned off on CPU
     assert eng.knobs.enable_lora and eng.knobs.bucket_bytes == 1 << 20
     assert eng.needs_full_sync
@@ -166,7 +188,7 @@ def test_sync_after_update_matches_trainer(engine, hf_model, prompts):
     assert expected != before
     try:
         engine.sync_weights(trained.state_dict().items())
-        metrics = engine.last_sync_metrics()
+        metrics = engine.sync_metrics()
         assert metrics["rollout/sync_bytes"] == sum(t.numel() * 4 for t in trained.state_dict().values())
         assert metrics["rollout/sync_buckets"] > 1  # 1 MiB buckets, 1.7 MiB of weights
         assert _greedy(engine, prompts).response_ids == expected
@@ -197,9 +219,9 @@ def test_release_and_wake_up_are_noops_on_cpu(engine, prompts):
     assert _greedy(engine, prompts).response_ids == before
 
 
-def test_engine_metrics(engine, prompts):
+def test_generation_metrics(engine, prompts):
     engine.generate(prompts, SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=1))
-    metrics = engine.engine_metrics()
+    metrics = engine.generation_metrics()
     assert metrics["rollout/tokens_per_s"] > 0
     assert metrics["rollout/vllm_generation_tokens"] > 0
 
@@ -207,7 +229,9 @@ def test_engine_metrics(engine, prompts):
 def _lora_policy(hf_model, seed):
     from peft import LoraConfig, get_peft_model
 
-    policy = get_peft_model(copy.deepcopy(hf_model), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    policy = get_peft_model(
+        copy.deepcopy(hf_model), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in policy.named_parameters():

@@ -9,17 +9,10 @@ import torch
 
 from posttrain.config.schema import RolloutConfig
 from posttrain.rollout.base import SamplingParams
-from posttrain.rollout.vllm import (
-    VLLMEngine,
-    VLLMKnobs,
-    check_vllm_settings,
-    cpu_kv_cache_bytes,
-    knobs_from_config,
-    logprobs_match_trainer,
-    plan_buckets,
-    sample_seed,
-)
-from posttrain.rollout.vllm.weight_sync import TIED_GROUP, group_key
+from posttrain.rollout.vllm.engine import VLLMEngine, logprobs_match_trainer, sample_seed
+from posttrain.rollout.vllm.factory import knobs_from_config
+from posttrain.rollout.vllm.knobs import VLLMKnobs, check_vllm_settings, cpu_kv_cache_bytes
+from posttrain.rollout.vllm.weight_sync import TIED_GROUP, group_key, plan_buckets
 from posttrain.utils import console
 
 CONFIG = SimpleNamespace(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
@@ -38,7 +31,10 @@ def test_missing_vllm_names_the_key_and_the_install_command(tiny_model_dir, monk
     [
         ({"enable_chunked_prefill": True}, "rollout.enable_chunked_prefill=True"),
         ({"max_model_len": 1024, "max_num_batched_tokens": 512}, "rollout.max_num_batched_tokens=512"),
-        ({"max_num_seqs": 64, "max_num_batched_tokens": 32, "max_model_len": 32}, "rollout.max_num_batched_tokens"),
+        (
+            {"max_num_seqs": 64, "max_num_batched_tokens": 32, "max_model_len": 32},
+            "rollout.max_num_batched_tokens",
+        ),
         ({"tensor_model_parallel_size": 2}, "rollout.tensor_model_parallel_size=2"),
         ({"load_format": "hf"}, "rollout.load_format='hf'"),
         ({"gpu_memory_utilization": 1.5}, "rollout.gpu_memory_utilization=1.5"),
@@ -138,8 +134,12 @@ def test_buckets_never_split_a_group_and_respect_the_size(tied, known):
     where = {n: i for i, b in enumerate(buckets) for n, _ in b}
     for name, _ in state:
         # Without the checkpoint's names a fused group's weights and its biases are grouped separately.
-        members = [n for n, _ in state if group_key(n, tied) == group_key(name, tied)
-                   and (known or n.rpartition(".")[2] == name.rpartition(".")[2])]  # fmt: skip
+        members = [
+            n
+            for n, _ in state
+            if group_key(n, tied) == group_key(name, tied)
+            and (known or n.rpartition(".")[2] == name.rpartition(".")[2])
+        ]
         assert len({where[m] for m in members}) == 1, f"{name}'s group was split"
     for bucket in buckets:  # 200 bytes = 3 tensors; a 6-tensor q/k/v group travels alone
         assert len(bucket) <= 3 or len({group_key(n, tied) for n, _ in bucket}) == 1
@@ -155,8 +155,12 @@ def test_layered_buckets_hold_one_layer_at_most():
 
 @pytest.mark.parametrize(
     "drop",
-    ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight", "lm_head.weight",
-     "model.layers.0.self_attn.v_proj.bias"],  # fmt: skip
+    [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.v_proj.bias",
+    ],
 )
 def test_incomplete_group_raises_and_is_never_yielded(drop):
     state = [(n, t) for n, t in _state(tied=True) if n != drop]
@@ -187,7 +191,11 @@ def test_llm_arguments_cpu_cuda_tp_lora(monkeypatch):
     assert cpu["kv_cache_memory_bytes"] == cpu_kv_cache_bytes(VLLMKnobs(max_model_len=256), CONFIG, "fp32")
     assert "gpu_memory_utilization" not in cpu and "enable_sleep_mode" not in cpu
     gpu = llm_kwargs(VLLMKnobs(gpu_memory_utilization=0.4), "m", "bf16", 0, "cuda", CONFIG)
-    assert gpu["gpu_memory_utilization"] == 0.4 and gpu["enable_sleep_mode"] and "kv_cache_memory_bytes" not in gpu
+    assert (
+        gpu["gpu_memory_utilization"] == 0.4
+        and gpu["enable_sleep_mode"]
+        and "kv_cache_memory_bytes" not in gpu
+    )
     monkeypatch.setenv("WORLD_SIZE", "4")
     tp = llm_kwargs(VLLMKnobs(tensor_model_parallel_size=2), "m", "bf16", 0, "cuda", CONFIG)
     assert tp["distributed_executor_backend"] == "external_launcher" and tp["data_parallel_size"] == 2

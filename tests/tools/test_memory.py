@@ -11,7 +11,8 @@ from posttrain.cli import main
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan
 from posttrain.tools.advice import advise, check_starting_point, starting_point
-from posttrain.tools.memory import Cluster, WhatIf, estimate_memory
+from posttrain.tools.memory import Cluster, estimate_memory
+from posttrain.tools.memory_bytes import WhatIf
 from posttrain.tools.shape import GIB, ModelShape
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "model_configs"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams, validate_prompts
 from posttrain.rollout.vllm.knobs import VLLMKnobs, check_vllm_settings, llm_kwargs, require_vllm
@@ -69,7 +70,6 @@ class VLLMEngine(RolloutEngine):
         device: str = "cpu",
         knobs: VLLMKnobs | None = None,
     ):
-        from transformers import AutoConfig
 
         if len(eos_token_ids) == 0:
             raise ValueError("eos_token_ids is empty; pass at least one id, e.g. [tokenizer.eos_token_id]")
@@ -82,7 +82,9 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = require_vllm()
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self.llm = vllm.LLM(**llm_kwargs(self.knobs, str(model_dir), dtype, seed, self.device, self.model_config))
+        self.llm = vllm.LLM(
+            **llm_kwargs(self.knobs, str(model_dir), dtype, seed, self.device, self.model_config)
+        )
         self._known = checkpoint_names(model_dir)
         # The config class knows the architecture's default when config.json omits the flag.
         self._tied = bool(getattr(self.model_config.get_text_config(), "tie_word_embeddings", False))
@@ -117,7 +119,9 @@ class VLLMEngine(RolloutEngine):
         """
         validate_prompts(prompt_ids)
         if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int) or prompt_offset < 0:
-            raise ValueError(f"prompt_offset={prompt_offset!r} must be an integer >= 0 (the first prompt's index)")
+            raise ValueError(
+                f"prompt_offset={prompt_offset!r} must be an integer >= 0 (the first prompt's index)"
+            )
         self._check_ready(prompt_ids, params)
         self.wake_up()  # a no-op unless release_memory put a CUDA engine to sleep
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -164,8 +168,11 @@ class VLLMEngine(RolloutEngine):
         if params.greedy:
             common["temperature"] = 0.0
         else:
-            common.update(temperature=params.temperature, top_p=params.top_p,
-                          top_k=0 if params.top_k == -1 else params.top_k)  # fmt: skip
+            common.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0 if params.top_k == -1 else params.top_k,
+            )
         prompts, requests = [], []
         for i, prompt in enumerate(prompt_ids):
             tokens = TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
@@ -197,15 +204,16 @@ class VLLMEngine(RolloutEngine):
         at most with ``knobs.layered_summon``; each is loaded through the worker's in-place reload
         (``collective_rpc``), then the prefix cache is reset (its keys/values came from the old weights). A group
         with missing members raises ValueError and is not loaded (see ``weight_sync.plan_buckets``). Time and
-        bytes are kept for :meth:`last_sync_metrics`.
+        bytes are kept for :meth:`sync_metrics`.
         """
         if "weights" in self._asleep_tags:  # weights must be resident to be overwritten (CUDA; not exercised)
             self.llm.wake_up(tags=["weights"])
             self._asleep_tags.remove("weights")
         start, total, buckets = time.perf_counter(), 0, 0
         try:
-            for bucket in plan_buckets(named_tensors, self.knobs.bucket_bytes, self._tied, self._known,
-                                       self.knobs.layered_summon):  # fmt: skip
+            for bucket in plan_buckets(
+                named_tensors, self.knobs.bucket_bytes, self._tied, self._known, self.knobs.layered_summon
+            ):
                 self.llm.collective_rpc(reload_on_worker, args=(bucket,))
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
                 buckets += 1
@@ -213,10 +221,13 @@ class VLLMEngine(RolloutEngine):
         finally:
             if buckets:
                 self.llm.reset_prefix_cache()
-            self._sync_metrics = {"rollout/sync_s": time.perf_counter() - start,
-                                  "rollout/sync_bytes": float(total), "rollout/sync_buckets": float(buckets)}  # fmt: skip
+            self._sync_metrics = {
+                "rollout/sync_s": time.perf_counter() - start,
+                "rollout/sync_bytes": float(total),
+                "rollout/sync_buckets": float(buckets),
+            }
 
-    def last_sync_metrics(self) -> dict[str, float]:
+    def sync_metrics(self) -> dict[str, float]:
         """Seconds, bytes and buckets of the last ``sync_weights`` / adapter load (empty before the first)."""
         return dict(self._sync_metrics)
 
@@ -229,7 +240,9 @@ class VLLMEngine(RolloutEngine):
         from vllm.lora.request import LoRARequest
 
         if not self.knobs.enable_lora:
-            raise ValueError("load_lora_adapter needs an engine built with enable_lora=True (adapter-only sync)")
+            raise ValueError(
+                "load_lora_adapter needs an engine built with enable_lora=True (adapter-only sync)"
+            )
         start = time.perf_counter()
         previous = self._lora_request
         self._lora_id += 1
@@ -238,8 +251,11 @@ class VLLMEngine(RolloutEngine):
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
         self.llm.reset_prefix_cache()
         size = sum(f.stat().st_size for f in Path(adapter_dir).glob("*.safetensors"))
-        self._sync_metrics = {"rollout/sync_s": time.perf_counter() - start, "rollout/sync_bytes": float(size),
-                              "rollout/sync_buckets": 1.0}  # fmt: skip
+        self._sync_metrics = {
+            "rollout/sync_s": time.perf_counter() - start,
+            "rollout/sync_bytes": float(size),
+            "rollout/sync_buckets": 1.0,
+        }
 
     def clear_lora_adapter(self) -> None:
         """Sample from the base weights again (after :meth:`load_lora_adapter`)."""
@@ -277,7 +293,7 @@ class VLLMEngine(RolloutEngine):
                 values[metric.name] = values.get(metric.name, 0.0) + float(value)
         return values
 
-    def engine_metrics(self) -> dict[str, float]:
+    def generation_metrics(self) -> dict[str, float]:
         """Numbers of the last ``generate`` for logging: response tokens/s (always), and with
         ``disable_log_stats=False`` vLLM's own counts (prompt/generated tokens, prefix-cache hit rate,
         preemptions, KV-cache usage at the end)."""
@@ -292,11 +308,15 @@ class VLLMEngine(RolloutEngine):
             return now.get(name, 0.0) - before.get(name, 0.0)
 
         prompt = delta("vllm:prompt_tokens")
-        out.update({
-            "rollout/vllm_prompt_tokens": prompt,
-            "rollout/vllm_generation_tokens": delta("vllm:generation_tokens"),
-            "rollout/vllm_prefix_cache_hit_rate": delta("vllm:prompt_tokens_cached") / prompt if prompt else 0.0,
-            "rollout/vllm_preemptions": delta("vllm:num_preemptions"),
-            "rollout/vllm_kv_cache_usage": now.get("vllm:kv_cache_usage_perc", 0.0),
-        })  # fmt: skip
+        out.update(
+            {
+                "rollout/vllm_prompt_tokens": prompt,
+                "rollout/vllm_generation_tokens": delta("vllm:generation_tokens"),
+                "rollout/vllm_prefix_cache_hit_rate": delta("vllm:prompt_tokens_cached") / prompt
+                if prompt
+                else 0.0,
+                "rollout/vllm_preemptions": delta("vllm:num_preemptions"),
+                "rollout/vllm_kv_cache_usage": now.get("vllm:kv_cache_usage_perc", 0.0),
+            }
+        )
         return out

@@ -31,20 +31,29 @@ def knobs_from_config(
     adapter_only = lora_rank > 0 and not lora_merge
     chunked = bool(r.enable_chunked_prefill)
     if chunked and not str(device).startswith("cuda"):
-        warn_once("rollout.enable_chunked_prefill",
-                  "rollout.enable_chunked_prefill=true is turned off for rollout.name=vllm on CPU: vLLM's CPU path "
-                  "crashes with per-request seeds and chunked prefill; whole prompts are prefilled in one step, so "
-                  "rollout.max_num_batched_tokens must be >= the longest prompt + response")  # fmt: skip
+        warn_once(
+            "rollout.enable_chunked_prefill",
+            "rollout.enable_chunked_prefill=true is turned off for rollout.name=vllm on CPU: vLLM's CPU path "
+            "crashes with per-request seeds and chunked prefill; whole prompts are prefilled in one step, so "
+            "rollout.max_num_batched_tokens must be >= the longest prompt + response",
+        )
         chunked = False
     return VLLMKnobs(
-        gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
-        max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=max_model_len,
-        tensor_model_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
-        enable_chunked_prefill=chunked, free_cache_engine=r.free_cache_engine,
-        load_format=r.load_format, layered_summon=r.layered_summon, disable_log_stats=r.disable_log_stats,
-        bucket_bytes=r.update_weights_bucket_megabytes << 20, enable_lora=adapter_only,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        tensor_model_parallel_size=r.tensor_model_parallel_size,
+        enforce_eager=r.enforce_eager,
+        enable_chunked_prefill=chunked,
+        free_cache_engine=r.free_cache_engine,
+        load_format=r.load_format,
+        layered_summon=r.layered_summon,
+        disable_log_stats=r.disable_log_stats,
+        bucket_bytes=r.update_weights_bucket_megabytes << 20,
+        enable_lora=adapter_only,
         max_lora_rank=lora_rank if adapter_only else 0,
-    )  # fmt: skip
+    )
 
 
 def build_vllm_engine(
@@ -70,6 +79,8 @@ def build_vllm_engine(
     device: "cpu" or "cuda" (``trainer.device``). Settings are checked before vLLM loads anything
     (``check_vllm_settings``): a bad one raises ValueError naming its ``rollout.*`` key.
     """
-    knobs = knobs_from_config(rollout_cfg, max_prompt_length, max_response_length, lora_rank, lora_merge, device)
+    knobs = knobs_from_config(
+        rollout_cfg, max_prompt_length, max_response_length, lora_rank, lora_merge, device
+    )
     eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
     return VLLMEngine(model_dir, eos, dtype=dtype, seed=seed, device=device, knobs=knobs)

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.config.errors import ConfigError
+
 # What ``model.dtype`` names become for vLLM (vLLM's "auto" would downcast an fp32 checkpoint to bf16).
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -47,7 +49,7 @@ class VLLMKnobs:
     free_cache_engine: on CUDA, sleep (free KV cache, offload weights) between rollouts.
     load_format: "dummy" (random weights until the first sync), "auto" or "safetensors" (read the checkpoint).
     layered_summon: push weights one decoder layer per bucket (bounds what the trainer must gather at once).
-    disable_log_stats: True skips vLLM's statistics; False makes ``engine_metrics()`` report them.
+    disable_log_stats: True skips vLLM's statistics; False makes ``generation_metrics()`` report them.
     bucket_bytes: most bytes per weight-push bucket (a fused group larger than this travels alone).
     enable_lora / max_lora_rank: serve LoRA adapters in vLLM (adapter-only sync) up to this rank.
     """
@@ -73,12 +75,13 @@ def require_vllm() -> Any:
     try:
         return importlib.import_module("vllm")
     except ImportError as exc:  # also raised when sys.modules["vllm"] is None
-        raise ValueError(f"rollout.name=vllm needs the vllm package, which is not importable ({exc}); "
-                         f"{INSTALL_HINT}") from exc  # fmt: skip
+        raise ConfigError(
+            f"rollout.name=vllm needs the vllm package, which is not importable ({exc}); {INSTALL_HINT}"
+        ) from exc
 
 
 def _fail(key: str, value: Any, rule: str, fix: str) -> None:
-    raise ValueError(f"rollout.{key}={value!r}: {rule}; {fix}")
+    raise ConfigError(f"rollout.{key}={value!r}: {rule}; {fix}")
 
 
 def check_vllm_settings(
@@ -100,28 +103,45 @@ def check_vllm_settings(
     if check_installed:
         require_vllm()
     if dtype not in VLLM_DTYPES:
-        raise ValueError(f"model.dtype={dtype!r} must be one of {sorted(VLLM_DTYPES)} for rollout.name=vllm")
+        raise ConfigError(f"model.dtype={dtype!r} must be one of {sorted(VLLM_DTYPES)} for rollout.name=vllm")
     k = knobs
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_model_parallel_size"):
         value = getattr(k, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             _fail(key, value, "must be an integer >= 1", f"e.g. rollout.{key}=1")
     if not 0 < k.gpu_memory_utilization <= 1:
-        _fail("gpu_memory_utilization", k.gpu_memory_utilization, "must be in (0, 1]",
-              "e.g. rollout.gpu_memory_utilization=0.5 (the share of GPU memory vLLM may take)")  # fmt: skip
+        _fail(
+            "gpu_memory_utilization",
+            k.gpu_memory_utilization,
+            "must be in (0, 1]",
+            "e.g. rollout.gpu_memory_utilization=0.5 (the share of GPU memory vLLM may take)",
+        )
     if k.load_format not in LOAD_FORMATS:
-        _fail("load_format", k.load_format, f"must be one of {LOAD_FORMATS}",
-              "use dummy (weights come from the first sync) or auto (read the checkpoint)")  # fmt: skip
+        _fail(
+            "load_format",
+            k.load_format,
+            f"must be one of {LOAD_FORMATS}",
+            "use dummy (weights come from the first sync) or auto (read the checkpoint)",
+        )
     if k.bucket_bytes < 1:
-        _fail("update_weights_bucket_megabytes", k.bucket_bytes >> 20, "must be >= 1",
-              "e.g. rollout.update_weights_bucket_megabytes=512")  # fmt: skip
+        _fail(
+            "update_weights_bucket_megabytes",
+            k.bucket_bytes >> 20,
+            "must be >= 1",
+            "e.g. rollout.update_weights_bucket_megabytes=512",
+        )
     if k.max_num_batched_tokens < k.max_num_seqs:
-        _fail("max_num_batched_tokens", k.max_num_batched_tokens,
-              f"must be >= rollout.max_num_seqs={k.max_num_seqs} (one token per decoding sequence per step)",
-              "raise it or lower rollout.max_num_seqs")  # fmt: skip
+        _fail(
+            "max_num_batched_tokens",
+            k.max_num_batched_tokens,
+            f"must be >= rollout.max_num_seqs={k.max_num_seqs} (one token per decoding sequence per step)",
+            "raise it or lower rollout.max_num_seqs",
+        )
     if k.enable_lora and not 1 <= k.max_lora_rank <= VLLM_LORA_RANKS[-1]:
-        raise ValueError(f"model.lora_rank={k.max_lora_rank}: vLLM serves LoRA adapters of rank 1 to "
-                         f"{VLLM_LORA_RANKS[-1]}; use a rank in that range or push merged weights")  # fmt: skip
+        raise ConfigError(
+            f"model.lora_rank={k.max_lora_rank}: vLLM serves LoRA adapters of rank 1 to "
+            f"{VLLM_LORA_RANKS[-1]}; use a rank in that range or push merged weights"
+        )
     _check_parallel(k, device, world_size)
     if device == "cpu":
         _check_cpu(k, model_config)
@@ -133,29 +153,47 @@ def _check_parallel(k: VLLMKnobs, device: str, world_size: int | None) -> None:
     if tp == 1:
         return
     if device != "cuda":
-        _fail("tensor_model_parallel_size", tp, "tensor parallelism needs CUDA devices",
-              "use rollout.tensor_model_parallel_size=1 on CPU")  # fmt: skip
+        _fail(
+            "tensor_model_parallel_size",
+            tp,
+            "tensor parallelism needs CUDA devices",
+            "use rollout.tensor_model_parallel_size=1 on CPU",
+        )
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world % tp != 0:
-        _fail("tensor_model_parallel_size", tp, f"must divide the number of torchrun processes ({world})",
-              "pick a divisor of the GPU count, or launch a multiple of it with torchrun")  # fmt: skip
+        _fail(
+            "tensor_model_parallel_size",
+            tp,
+            f"must divide the number of torchrun processes ({world})",
+            "pick a divisor of the GPU count, or launch a multiple of it with torchrun",
+        )
 
 
 def _check_cpu(k: VLLMKnobs, model_config: Any | None) -> None:
     """CPU rules: no chunked prefill (per-request seeds crash it), whole prompts fit one step, head size."""
     if k.enable_chunked_prefill:
-        _fail("enable_chunked_prefill", True,
-              "vLLM on CPU crashes with per-request seeds and chunked prefill (the engine then hangs), and this "
-              "engine seeds every sample", "set rollout.enable_chunked_prefill=false on CPU")  # fmt: skip
+        _fail(
+            "enable_chunked_prefill",
+            True,
+            "vLLM on CPU crashes with per-request seeds and chunked prefill (the engine then hangs), and this "
+            "engine seeds every sample",
+            "set rollout.enable_chunked_prefill=false on CPU",
+        )
     if k.max_num_batched_tokens < k.max_model_len:
-        _fail("max_num_batched_tokens", k.max_num_batched_tokens,
-              f"without chunked prefill a whole prompt must fit one step, so it must be >= rollout.max_model_len="
-              f"{k.max_model_len}", f"set rollout.max_num_batched_tokens={k.max_model_len} or more")  # fmt: skip
+        _fail(
+            "max_num_batched_tokens",
+            k.max_num_batched_tokens,
+            f"without chunked prefill a whole prompt must fit one step, so it must be >= rollout.max_model_len="
+            f"{k.max_model_len}",
+            f"set rollout.max_num_batched_tokens={k.max_model_len} or more",
+        )
     if model_config is not None:
         head = head_dim(model_config)
         if head not in CPU_HEAD_SIZES:
-            raise ValueError(f"model.path: attention head size {head} is not supported by vLLM's CPU attention "
-                             f"(supported: {CPU_HEAD_SIZES}); use rollout.name=native for this model")  # fmt: skip
+            raise ConfigError(
+                f"model.path: attention head size {head} is not supported by vLLM's CPU attention "
+                f"(supported: {CPU_HEAD_SIZES}); use rollout.name=native for this model"
+            )
 
 
 def head_dim(model_config: Any) -> int:
@@ -181,7 +219,9 @@ def cpu_kv_cache_bytes(knobs: VLLMKnobs, model_config: Any, dtype: str) -> int:
     return knobs.max_num_seqs * tokens * kv_bytes_per_token(model_config, dtype)
 
 
-def llm_kwargs(knobs: VLLMKnobs, model_dir: str, dtype: str, seed: int, device: str, model_config: Any) -> dict:
+def llm_kwargs(
+    knobs: VLLMKnobs, model_dir: str, dtype: str, seed: int, device: str, model_config: Any
+) -> dict:
     """Keyword arguments of ``vllm.LLM`` for these knobs (device "cpu" or "cuda")."""
     k = knobs
     kwargs: dict[str, Any] = {

@@ -15,10 +15,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 # Checkpoint names of the members that vLLM fuses, per module: "<prefix>.<member>_proj.<leaf>".
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 TIED_GROUP = "<tied embed_tokens + lm_head>"
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -29,8 +35,6 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 def checkpoint_names(model_dir: str | Path) -> set[str] | None:
     """Tensor names stored in ``model_dir``'s safetensors checkpoint (headers only, no data), or None when the
     directory holds no safetensors files (names are then checked by structure alone)."""
-    from safetensors import safe_open
-
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         return None
@@ -108,10 +112,18 @@ def plan_buckets(
     for name, tensor in named_tensors:
         if known is not None and name not in known and not (tied and name == "lm_head.weight"):
             example = sorted(known)[0] if known else "?"
-            hint = (" (LoRA adapter tensors go through lora_sync.sync_policy(..., merge=False), which saves the "
-                    "adapter for vLLM to load)") if "lora_" in name else ""  # fmt: skip
-            raise ValueError(f"sync_weights got {name!r}, which is not a tensor of the engine's checkpoint; "
-                             f"names must be Hugging Face state_dict keys such as {example!r}{hint}")  # fmt: skip
+            hint = (
+                (
+                    " (LoRA adapter tensors go through lora_sync.sync_policy(..., merge=False), which saves the "
+                    "adapter for vLLM to load)"
+                )
+                if "lora_" in name
+                else ""
+            )
+            raise ValueError(
+                f"sync_weights got {name!r}, which is not a tensor of the engine's checkpoint; "
+                f"names must be Hugging Face state_dict keys such as {example!r}{hint}"
+            )
         if name in seen:
             raise ValueError(f"sync_weights got {name!r} twice in one call; give each tensor once")
         seen.add(name)
@@ -141,11 +153,14 @@ def plan_buckets(
 
 def _missing_message(pending: dict[str, dict[str, torch.Tensor]], need: dict[str, frozenset[str]]) -> str:
     lines = [
-        f"{key}: got {sorted(got)}, missing {sorted(need[key] - set(got))}" for key, got in sorted(pending.items())
+        f"{key}: got {sorted(got)}, missing {sorted(need[key] - set(got))}"
+        for key, got in sorted(pending.items())
     ]
     return (
         "sync_weights was given part of a fused group, which vLLM stores as one tensor (loading part of it gives "
-        "silently wrong outputs), so that group was not loaded: " + "; ".join(lines) + ". Give every member of "
+        "silently wrong outputs), so that group was not loaded: "
+        + "; ".join(lines)
+        + ". Give every member of "
         "a group in the same call (q/k/v of a layer, gate/up of a layer, a module's weight and bias, and both "
         "embed_tokens and lm_head when they are tied), e.g. the whole state_dict; complete groups given before "
         "it in this call were loaded."

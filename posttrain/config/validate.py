@@ -1,0 +1,64 @@
+"""Value rules the per-field bounds (``knob(min=, max=, choices=)``) cannot express: finiteness, list shapes,
+forbidden single values, names from a registry, and rules spanning several keys.
+
+:func:`check_value` runs on every key as it is applied; :func:`check_config` runs once on the finished
+config. Both raise ConfigError naming the key, its value, the rule and a fix, before any model loads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from posttrain.algorithms.advantages import GROUP_ESTIMATORS
+from posttrain.config.errors import ConfigError
+from posttrain.config.schema import PostTrainConfig
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# Estimators whose advantage is a sample's reward relative to the other samples of its prompt's group.
+
+
+def check_value(key: str, value: Any) -> None:
+    """Rules on one key's (already typed) value."""
+    leaf = key.rsplit(".", 1)[-1]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            f"config key '{key}' = {value!r} must be a finite number; NaN or infinity would poison every "
+            "value computed from it (give a plain number, e.g. the default from `posttrain explain --keys`)"
+        )
+    if leaf == "betas" and key.endswith("optim.betas"):
+        _check_betas(key, value)
+    elif key.endswith("optim.eps") and value <= 0:
+        raise ConfigError(f"config key '{key}' = {value!r} must be > 0 (it guards a division; e.g. 1e-8)")
+    elif key == "rollout.top_k" and value == 0:
+        raise ConfigError(
+            "config key 'rollout.top_k' = 0 is not valid: it would keep no token. Use -1 to disable top-k "
+            "sampling, or k >= 1 to sample among the k most likely tokens"
+        )
+    elif key == "trainer.loggers":
+        unknown = [name for name in value if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(
+                f"config key 'trainer.loggers' has unknown name(s) {unknown}; valid loggers are "
+                f"{', '.join(LOGGERS)} (e.g. trainer.loggers=[console,jsonl])"
+            )
+
+
+def _check_betas(key: str, betas: list[float]) -> None:
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(
+            f"config key '{key}' = {betas!r} must be exactly two numbers, each in [0, 1) (AdamW's decay "
+            f"rates of the first and second moments), e.g. {key}=[0.9,0.999]"
+        )
+
+
+def check_config(cfg: PostTrainConfig) -> None:
+    """Rules spanning several keys."""
+    r, estimator = cfg.rollout, cfg.algorithm.adv_estimator
+    if r.temperature == 0 and r.n > 1 and estimator in GROUP_ESTIMATORS:
+        raise ConfigError(
+            f"rollout.temperature=0 decodes greedily, so the rollout.n={r.n} responses of a prompt are all the "
+            f"same, and algorithm.adv_estimator={estimator} compares a response with its group: every "
+            "advantage would be zero and nothing would be learned. Sample with rollout.temperature > 0 "
+            "(e.g. 1.0), or use rollout.n=1 with an estimator that needs no group (e.g. gae or remax)"
+        )

@@ -1,0 +1,110 @@
+"""One run per run directory: `posttrain train` holds an exclusive lock on ``trainer.run_dir`` while it runs.
+
+Two runs writing the same directory would interleave metrics, overwrite each other's config and prune each
+other's checkpoints. The lock is an ``fcntl.flock`` on ``run_dir/.lock``, held through a file descriptor kept
+open for the run: the kernel releases it when the process ends, however it ends (a crash or SIGKILL
+included), so a lock file left behind by a dead run is stale by construction and is simply taken over. The
+file's text (pid, host, start time) is only there to name the holder in the second run's error.
+
+flock is per host on many network filesystems: two runs on different nodes sharing a run_dir over NFS may
+both get it. Within a distributed job only rank 0 takes the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import IO
+
+from posttrain.config.errors import ConfigError
+
+LOCK_FILENAME = ".lock"
+log = logging.getLogger("posttrain")
+
+try:  # flock is POSIX; elsewhere the lock is skipped (documented in docs/reliability.md)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory; :meth:`release` (or process exit) frees it."""
+
+    def __init__(self, run_dir: str | os.PathLike, key: str = "trainer.run_dir") -> None:
+        self.path = Path(run_dir) / LOCK_FILENAME
+        self.key = key
+        self.file: IO[str] | None = None
+        self.replaced_stale: dict | None = None
+
+    def acquire(self) -> RunDirLock:
+        """Take the lock or raise ConfigError naming the live holder (pid, host, start time)."""
+        if fcntl is None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(f)
+            f.close()
+            raise ConfigError(_held_message(self.key, self.path.parent, holder)) from None
+        # We hold it: any text left in the file is from a run that ended without releasing (killed).
+        self.replaced_stale = _read_holder(f) or None
+        if self.replaced_stale:
+            log.info("%s: took over a stale lock; its holder %s is gone", self.path, self.replaced_stale)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(_me()) + "\n")
+        f.flush()
+        self.file = f
+        return self
+
+    def release(self) -> None:
+        if self.file is None:
+            return
+        with contextlib.suppress(OSError):
+            self.file.seek(0)
+            self.file.truncate()  # an empty file: nobody holds it
+            fcntl.flock(self.file.fileno(), fcntl.LOCK_UN)
+        self.file.close()
+        self.file = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _me() -> dict:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+def _read_holder(f: IO[str]) -> dict:
+    f.seek(0)
+    try:
+        data = json.loads(f.read() or "{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _held_message(key: str, run_dir: Path, holder: dict) -> str:
+    who = (
+        f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (started {holder.get('started', '?')})"
+        if holder
+        else "another process"
+    )
+    return (
+        f"{key}={run_dir} is in use by {who}: two runs in one directory would overwrite each other's config, "
+        f"metrics and checkpoints. Wait for that run to end (or stop it), or choose another {key}"
+    )
