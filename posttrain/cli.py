@@ -25,6 +25,7 @@ from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
 from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
 from posttrain.tools.memory import Cluster, WhatIf, estimate_memory
+from posttrain.tools.preflight import preflight
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
 
@@ -83,6 +84,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"{key}{unit}: {field.metadata.get('help', '')}")
         return 0
     cfg = _load(args)
+    if not args.model_config:  # with --model-config the model need not be here: only its shape is used
+        preflight(cfg, "explain")
     world = _world_size(args)
     plan = build_plan(cfg, world_size=world)
     estimate, advice, shape, point = None, {}, _model_shape(cfg, args.model_config), None
@@ -138,6 +141,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked(args: argparse.Namespace, command: str):
+    """The config, after the checks every command runs before any model loads (posttrain.tools.preflight)."""
+    cfg = _load(args)
+    preflight(cfg, command, model_override=getattr(args, "model", None))
+    return cfg
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
 
     yamls, overrides = _split_args(args.config)
@@ -146,19 +156,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
 
-    run_training(_load(args))
+    run_training(_checked(args, "train"))
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
 
-    run_sft_command(_load(args))
+    run_sft_command(_checked(args, "sft"))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
 
-    run_eval_command(_load(args), model_path=args.model)
+    run_eval_command(_checked(args, "eval"), model_path=args.model)
     return 0
 
 

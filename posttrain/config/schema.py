@@ -53,8 +53,10 @@ class ModelConfig:
 
     path: str = knob(
         "builtin:tiny",
-        "Local Hugging Face causal-LM directory, or 'builtin:tiny' for the built-in tiny Qwen2 model "
-        "(built locally from trainer.seed and warm-started with SFT on the task).",
+        "Local Hugging Face causal-LM directory, a Hub id (e.g. 'Qwen/Qwen2.5-0.5B-Instruct': the local HF "
+        "cache, downloaded when online), 'builtin:tiny' (the arithmetic demo's tiny Qwen2, built from "
+        "trainer.seed and warm-started on the built-in task; refused with your own data files) or "
+        "'builtin:base' (the same tiny model, untrained: the start for your own SFT).",
     )
     dtype: str = knob("fp32", "Parameter and compute dtype of the trained models.", choices=DTYPES)
     use_remove_padding: bool = knob(
@@ -132,7 +134,11 @@ class DataConfig:
     )
     val_files: list[str] = knob(default_factory=list, help="Validation prompt files, same formats.")
     prompt_key: str = knob("prompt", "Field holding the prompt (a string or a list of chat messages).")
-    answer_key: str = knob("answer", "Field holding the ground truth handed to the reward function.")
+    answer_key: str = knob(
+        "answer",
+        "Field holding the ground truth handed to the reward function; a row without it is an error. "
+        "Empty: the reward needs no answers (ground_truth is None).",
+    )
     train_batch_size: int = knob(
         32, "Prompts sampled per training step (global, all DP ranks).", unit="prompts", min=1
     )
@@ -528,6 +534,11 @@ class SFTConfig:
         "training split, with the ground truth as the response.",
     )
     response_key: str = knob("response", "Field holding the target response.")
+    val_files: list[str] = knob(
+        default_factory=list,
+        help="Held-out prompt/response files: validation loss (and, with a reward, accuracy) every "
+        "trainer.test_freq steps and at the end. Empty: data.val_files when they hold sft.response_key.",
+    )
     batch_size: int = knob(64, "Examples per optimizer step (global).", unit="examples", min=1)
     micro_batch_size_per_gpu: int = knob(
         64, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1

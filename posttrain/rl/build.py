@@ -121,7 +121,7 @@ def build_components(
     device = dist.device
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
     splits = load_splits(cfg)
-    reward_fn = resolve_reward_function(splits.reward_spec)
+    reward_fn = resolve_reward_function(splits.reward_spec, splits.data_source)
     if cfg.rollout.val_greedy and cfg.rollout.val_n > 1:
         validation_params(cfg, 0)  # raises the explanatory error
     model_path = resolve_model_path(cfg, quiet=quiet)
