@@ -278,9 +278,23 @@ def with_sequence_parallel(options: PassOptions, cfg: PostTrainConfig, model_con
     )
 
 
-def write_run_metadata(run_dir: Path, cfg: PostTrainConfig, plan: BatchPlan) -> None:
-    """The resolved config and the plan, next to the metrics, so a run explains itself."""
+def write_run_info(run_dir: Path, cfg: PostTrainConfig, model_path: Path) -> Path:
+    """run_info.yaml: which model directory a run used (model.path as given, and what it resolved to)."""
+    info = {"model_path": cfg.model.path, "resolved_model_path": str(Path(model_path).resolve())}
+    path = run_dir / "run_info.yaml"
+    path.write_text(yaml.safe_dump(info, sort_keys=False))
+    return path
+
+
+def write_run_metadata(
+    run_dir: Path, cfg: PostTrainConfig, plan: BatchPlan, model_path: Path | None = None
+) -> None:
+    """The resolved config and the plan, next to the metrics, so a run explains itself. ``model_path``: the
+    directory model.path resolved to (a built-in model's cache entry, a Hub snapshot), recorded in
+    run_info.yaml, not config.yaml, so config.yaml stays a config that loads as it is."""
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if model_path is not None:
+        write_run_info(run_dir, cfg, model_path)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))

@@ -15,6 +15,7 @@ from posttrain.parallel.runtime import select_device
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.build import load_checkpoint_policy
+from posttrain.rl.eval_report import report_eval
 from posttrain.rl.evaluate import validate
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.sft.builtin import resolve_model_path
@@ -30,8 +31,10 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         raise ConfigError(f"--model {path} does not exist")
     if path is not None and (path / "config.json").exists():
         tokenizer, model = load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device)
+        described = str(path)
     else:
         base = resolve_model_path(cfg)
+        described = f"{path} on {base}" if path is not None else f"{base} (model.path={cfg.model.path})"
         tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)
         if path is not None and (path / "adapter_config.json").exists():  # an exported LoRA adapter
             model = apply_lora(
@@ -55,8 +58,9 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         enable_chunked_prefill=r.enable_chunked_prefill,
         enforce_eager=r.enforce_eager,
     )
-    with RewardRunner(resolve_reward_function(splits.reward_spec), timeout_s=cfg.reward.timeout_s) as runner:
-        metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed)
-    for key, value in metrics.items():
-        print(f"{key}: {value:.4f}")
+    reward_fn = resolve_reward_function(splits.reward_spec, splits.data_source)
+    rows: list[dict] = []
+    with RewardRunner(reward_fn, timeout_s=cfg.reward.timeout_s) as runner:
+        metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows)
+    report_eval(cfg, described, rows, metrics)
     return metrics

@@ -27,6 +27,7 @@ from posttrain.parallel.runtime import (
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.evaluate import validate
+from posttrain.rl.samples import log_validation_samples
 from posttrain.rl.step import step_seed, train_step
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -98,10 +99,11 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     return int(state["step"])
 
 
-def run_validation(c: Components, step: int) -> dict[str, float]:
+def run_validation(c: Components, step: int, quiet: bool = True) -> dict[str, float]:
     if c.val_prompts is None:
         return {}
-    return validate(
+    rows: list[dict] = []
+    metrics = validate(
         c.engine,
         c.tokenizer,
         c.val_prompts,
@@ -109,7 +111,11 @@ def run_validation(c: Components, step: int) -> dict[str, float]:
         c.cfg,
         seed=step_seed(c.cfg.trainer.seed, step, 2),
         dist=c.dist,
+        samples=rows,
     )
+    if c.dist.is_main:  # rank 0's share: what the model answers, in samples.jsonl and a few on the console
+        log_validation_samples(Path(c.cfg.trainer.run_dir), step, rows, console=not quiet)
+    return metrics
 
 
 def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
@@ -156,7 +162,11 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     c = build_components(cfg, quiet=quiet, dist=ctx)
     run_dir = Path(cfg.trainer.run_dir)
     if ctx.is_main:
-        write_run_metadata(run_dir, cfg, c.plan)
+        write_run_metadata(run_dir, cfg, c.plan, c.model_path)
+        if not quiet:
+            print(
+                f"Model: {c.model_path} (model.path={cfg.model.path}; recorded in {run_dir / 'run_info.yaml'})"
+            )
     t = cfg.trainer
     backends = [b for b in t.loggers if b != "console"]
     logger = MetricsLogger(run_dir, backends=backends, config=None) if ctx.is_main else None
@@ -182,14 +192,14 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     first_val: dict[str, float] = {}
     try:
         if start == 0 and t.test_freq > 0:
-            last = first_val = run_validation(c, 0)
+            last = first_val = run_validation(c, 0, quiet)
             if logger is not None:
                 logger.log(last, step=0)
             display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
             metrics = train_step(c, step, timer)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
-                metrics.update(run_validation(c, step))
+                metrics.update(run_validation(c, step, quiet))
             if logger is not None:
                 logger.log(metrics, step=step)
             display.update(step, metrics)
