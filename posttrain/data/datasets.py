@@ -156,9 +156,9 @@ def _row_to_record(row: Any, where: str, path: Path, prompt_key: str, answer_key
     prompt = _check_prompt(row[prompt_key], f"{source}: field {prompt_key!r}")
     if answer_key and answer_key not in row:
         raise DataError(
-            f"{path}: {where}: missing field {answer_key!r} (the answer); available fields: {sorted(row)}. "
-            f"Set the answer key to the field that holds it, or data.answer_key='' when the reward needs "
-            "no answers"
+            f"{path}: {where}: missing field {answer_key!r}; available fields: {sorted(row)}. Name the field "
+            "that holds the answer (data.answer_key; for SFT responses sft.response_key), or set "
+            "data.answer_key='' when the reward needs no answers"
         )
     answer = _check_answer(row.get(answer_key), f"{source}: field {answer_key!r}") if answer_key else None
     extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
