@@ -230,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="Where to measure")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per trial (default 1)")
-    p.add_argument("--output", default="tuned.yaml", help="Overlay YAML to write (default tuned.yaml)")
+    p.add_argument(
+        "--output", default=None, help="Overlay YAML to write (default <trainer.run_dir>/tuned.yaml)"
+    )
     p.add_argument(
         "--world-size",
         type=int,

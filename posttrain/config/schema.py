@@ -539,16 +539,22 @@ class SFTConfig:
         help="Held-out prompt/response files: validation loss (and, with a reward, accuracy) every "
         "trainer.test_freq steps and at the end. Empty: data.val_files when they hold sft.response_key.",
     )
-    batch_size: int = knob(64, "Examples per optimizer step (global).", unit="examples", min=1)
+    batch_size: int = knob(32, "Examples per optimizer step (global).", unit="examples", min=1)
     micro_batch_size_per_gpu: int = knob(
-        64, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1
+        32, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1
     )
-    epochs: int = knob(1, "Passes over the training examples.", unit="epochs", min=1)
+    epochs: int = knob(
+        10,
+        "Passes over the training examples. The defaults (10 epochs, lr 1e-3, batches of 32) suit the built-in "
+        "tiny models (docs/your-task.md); models of 0.5B+ want 1-3 epochs at lr 1e-5 to 2e-5.",
+        unit="epochs",
+        min=1,
+    )
     max_steps: int = knob(
         0, "Stop after this many optimizer steps (0: run all epochs).", unit="optimizer steps", min=0
     )
     output_dir: str = knob("", "Where `posttrain sft` saves the model; empty: <trainer.run_dir>/sft_model.")
-    optim: OptimConfig = section(OptimConfig)
+    optim: OptimConfig = section(OptimConfig, lr=1e-3)
 
 
 @dataclass
