@@ -17,19 +17,32 @@ from rich.console import Console
 
 from posttrain import __version__
 from posttrain.config.errors import ConfigError
-from posttrain.config.load import all_keys, build_config, field_info
+from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
 from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
+from posttrain.tools.keys import key_lines
 from posttrain.tools.memory import Cluster, WhatIf, estimate_memory
 from posttrain.tools.preflight import preflight
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
 
 EXIT_CONFIG_ERROR = 2
+KEYS_HINT = (
+    "\nEvery key with its type, default and allowed values: posttrain explain --keys "
+    "(also docs/config.md). Check a config before running it: posttrain explain CONFIG.yaml [key=value ...]."
+)
+TRAIN_EXAMPLES = """examples:
+  posttrain train                                      # GRPO on the built-in arithmetic demo, CPU, ~5 min
+  posttrain train trainer.total_steps=10 rollout.n=4   # dotted overrides, any number
+  posttrain train examples/gsm8k_grpo_qwen2.5_0.5b.yaml model.path=Qwen/Qwen2.5-0.5B-Instruct \\
+      data.train_files=[gsm8k/train.jsonl] data.val_files=[gsm8k/test.jsonl]
+  posttrain train model.path=runs/sft/sft_model data.train_files=[train.jsonl] \\
+      data.val_files=[val.jsonl] reward.function=reward.py:reward   # your own task: docs/your-task.md
+"""
 
 
 def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
@@ -78,10 +91,7 @@ def _world_size(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
 
     if args.keys:
-        for key in all_keys():
-            field, _ = field_info(key)
-            unit = f" [{field.metadata['unit']}]" if field.metadata.get("unit") else ""
-            print(f"{key}{unit}: {field.metadata.get('help', '')}")
+        print("\n".join(key_lines()))
         return 0
     cfg = _load(args)
     if not args.model_config:  # with --model-config the model need not be here: only its shape is used
@@ -179,13 +189,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help: str, epilog: str = ""
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=epilog or KEYS_HINT,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("config", nargs="*", help="YAML override files and key=value overrides")
         p.set_defaults(fn=fn)
         return p
 
-    add("train", cmd_train, "Run RL training (default: GRPO on the built-in arithmetic task, CPU-sized).")
+    add(
+        "train",
+        cmd_train,
+        "Run RL training (default: GRPO on the built-in arithmetic task, CPU-sized).",
+        TRAIN_EXAMPLES + KEYS_HINT,
+    )
     add("sft", cmd_sft, "Supervised fine-tuning on prompt/response data.")
     p = add("eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task.")
     p.add_argument("--model", default=None, help="Model directory or checkpoint (default: model.path)")
