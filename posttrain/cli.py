@@ -140,6 +140,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"
         )
         return 0
+    console.print(f"Memory estimate for {shape.name} ({shape.num_params() / 1e6:,.1f}M parameters)")
     console.print(estimate_table(estimate, advice))
     for line in advice_lines(estimate, advice):
         console.print(line)

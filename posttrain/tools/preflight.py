@@ -4,7 +4,7 @@ before any model loads, so a typo costs a second, not a model load.
 - the reward function imports and its signature fits one of the accepted styles;
 - every data file named exists; files without a reward are an error for RL (the reward scores them);
 - model.path is a built-in name allowed with this data, a local model directory, or a Hub id that is
-  cached (or may be downloaded);
+  cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
 - the optional packages the configured loggers need are installed.
 """
 
@@ -31,7 +31,11 @@ def preflight(cfg: PostTrainConfig, command: str, model_override: str | None = N
     """
     _check_data_files(cfg, command)
     _check_reward(cfg, command)
-    if not (model_override and (Path(model_override) / "config.json").exists()):
+    if command == "explain":
+        # explain plans before the model is at hand: a missing model.path only drops the memory estimate
+        # (it says so), but a built-in model that cannot be used with this data is still an error.
+        check_builtin_choice(cfg)
+    elif not (model_override and (Path(model_override) / "config.json").exists()):
         check_model_path(cfg)
     if command == "train":
         check_loggers(cfg.trainer.loggers)

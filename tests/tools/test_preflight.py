@@ -68,3 +68,12 @@ def test_missing_sft_response_is_a_data_error_before_loading(tmp_path, no_model_
     rows.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n" + json.dumps({"prompt": "q"}) + "\n")
     assert cli.main(["sft", "model.path=builtin:base", f"sft.train_files=[{rows}]"]) == 2
     assert "sft.jsonl: row 1 (line 2): missing field 'response'" in capsys.readouterr().err
+
+
+def test_explain_checks_data_files_but_plans_without_the_model(data, tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    assert cli.main(["explain", f"data.train_files=[{missing}]", "reward.function=exact_match"]) == 2
+    assert "not found" in capsys.readouterr().err
+    args = [f"data.train_files=[{data}]", "reward.function=exact_match", f"model.path={tmp_path / 'later'}"]
+    assert cli.main(["explain", *args]) == 0
+    assert "no memory estimate" in capsys.readouterr().out

@@ -103,7 +103,7 @@ def test_tune_cli_with_no_time_budget_writes_an_estimated_overlay(tmp_path, caps
         main(["tune", *OVERRIDES, "--time-budget-s", "0", "--memory-cap-gb", "2", "--output", str(out)]) == 0
     )
     text = capsys.readouterr().out
-    assert "starting point for a small" in text and "nothing measured" in text
+    assert "starting point for a tiny" in text and "nothing measured" in text
     overlay = yaml.safe_load(Path(out).read_text())
     assert overlay["actor"]["ppo_micro_batch_size_per_gpu"] >= 1
     build_plan(build_config([out], OVERRIDES))
