@@ -28,7 +28,7 @@ def report_eval(
     write_samples(path, rows)
     if quiet:
         return path
-    console = Console(width=120)
+    console = Console(width=120, soft_wrap=True)  # soft wrap: paths in the lines stay whole, copyable
     console.print(f"Evaluated {model} on {len(rows)} problems ({data_description(cfg)})")
     console.print(samples_table(rows, f"first {min(len(rows), 5)} of {len(rows)} samples", shown=5))
     for key, value in metrics.items():
