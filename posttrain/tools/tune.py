@@ -16,6 +16,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values, build_config, flatten, to_dict
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.models.hub import cached_snapshot, looks_like_hub_id
 from posttrain.tools.advice import starting_point
 from posttrain.tools.autotune import Target, TuneResult, autotune, tune_targets
 from posttrain.tools.memory import Cluster, estimate_memory
@@ -34,9 +35,10 @@ def model_config_dict(cfg: PostTrainConfig, model_config: str | None) -> dict:
     if model_config:
         p = Path(model_config)
         return json.loads((p / "config.json" if p.is_dir() else p).read_text())
-    if cfg.model.path == "builtin:tiny":
+    if cfg.model.path in ("builtin:tiny", "builtin:base"):
         return builtin_tiny_hf_config().to_dict()
-    p = Path(cfg.model.path) / "config.json"
+    snapshot = cached_snapshot(cfg.model.path) if looks_like_hub_id(cfg.model.path) else None
+    p = (snapshot or Path(cfg.model.path)) / "config.json"
     if not p.is_file():
         raise ConfigError(
             f"model.path={cfg.model.path!r} has no config.json; give a model directory or --model-config"
