@@ -88,6 +88,31 @@ def _world_size(args: argparse.Namespace) -> int:
     return args.world_size if args.world_size is not None else args.nodes * args.gpus_per_node
 
 
+def _explain_json(plan, estimate, advice, point) -> dict:
+    """explain --json: the plan's dict with the memory estimate, its advice and the starting point."""
+    out = plan.to_dict()
+    mem = None
+    if estimate is not None:
+        mem = estimate.to_dict()
+        mem["advice"] = {
+            k: {
+                "overrides": a.overrides,
+                "peak_gib": round(a.peak_bytes / 2**30, 3),
+                "fits": a.fits,
+                "reason": a.reason,
+            }
+            for k, a in advice.items()
+        }
+        if point is not None:
+            mem["starting_point"] = {
+                "tier": point.tier,
+                "source": point.source,
+                "overrides": point.overrides,
+            }
+    out["memory_estimate"] = mem
+    return out
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
 
     if args.keys:
@@ -108,27 +133,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         advice = advise(cfg, estimate, shape, cluster, what_if)
         point = starting_point(shape) if args.suggest else None
     if args.json:
-        out = plan.to_dict()
-        mem = None
-        if estimate is not None:
-            mem = estimate.to_dict()
-            mem["advice"] = {
-                k: {
-                    "overrides": a.overrides,
-                    "peak_gib": round(a.peak_bytes / 2**30, 3),
-                    "fits": a.fits,
-                    "reason": a.reason,
-                }
-                for k, a in advice.items()
-            }
-            if point is not None:
-                mem["starting_point"] = {
-                    "tier": point.tier,
-                    "source": point.source,
-                    "overrides": point.overrides,
-                }
-        out["memory_estimate"] = mem
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_explain_json(plan, estimate, advice, point), indent=2))
         return 0
     # Piped output (CI logs, files) gets a fixed width instead of rich's 80-column default.
     console = Console()

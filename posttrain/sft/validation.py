@@ -47,7 +47,10 @@ class SFTValidator:
         self.reward_fn = resolve_reward_function(reward_spec) if reward_spec else None
         template = bool(getattr(tokenizer, "chat_template", None))
         d = cfg.data
-        self.prompts = [encode_prompt(r.prompt, tokenizer, template, where=r.source) for r in records]
+        self.prompts = [
+            encode_prompt(r.prompt, tokenizer, template, where=r.source or f"validation row {i}")
+            for i, r in enumerate(records)
+        ]
         self.responses = [
             (
                 list(tokenizer(str(r.ground_truth), add_special_tokens=False)["input_ids"])

@@ -49,6 +49,15 @@ def _check_data_files(cfg: PostTrainConfig, command: str) -> None:
         for f in files:
             if not Path(f).exists():
                 raise MissingPathError(f"{key}: file {f!r} not found (relative paths start at {Path.cwd()})")
+    if (
+        command == "sft"
+        and (cfg.data.val_files or cfg.sft.val_files)
+        and not (cfg.sft.train_files or cfg.data.train_files)
+    ):
+        raise ConfigError(
+            "validation files are set but there is nothing to fine-tune on: set sft.train_files=[...] "
+            "(prompt and response per row) or data.train_files=[...] (their answers become the responses)"
+        )
     if command == "train" and cfg.data.val_files and not cfg.data.train_files:
         raise ConfigError(
             "data.val_files is set but data.train_files is empty: training needs prompts to train on; set "
