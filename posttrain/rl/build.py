@@ -46,7 +46,7 @@ from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_rl_switches
 from posttrain.rl.evaluate import validation_params
 from posttrain.rollout.native.engine import NativeEngine
-from posttrain.sft.builtin import resolve_model_path
+from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.checkpoint import load_module_weights
 from posttrain.train.trainable import Trainable
 
@@ -276,14 +276,6 @@ def with_sequence_parallel(options: PassOptions, cfg: PostTrainConfig, model_con
         options,
         **{p: dataclasses.replace(getattr(options, p), sp_group=groups[sp]) for p, sp in sizes.items()},
     )
-
-
-def write_run_info(run_dir: Path, cfg: PostTrainConfig, model_path: Path) -> Path:
-    """run_info.yaml: which model directory a run used (model.path as given, and what it resolved to)."""
-    info = {"model_path": cfg.model.path, "resolved_model_path": str(Path(model_path).resolve())}
-    path = run_dir / "run_info.yaml"
-    path.write_text(yaml.safe_dump(info, sort_keys=False))
-    return path
 
 
 def write_run_metadata(

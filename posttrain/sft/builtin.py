@@ -31,6 +31,8 @@ import random
 import shutil
 from pathlib import Path
 
+import yaml
+
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
@@ -223,4 +225,13 @@ def resolve_model_path(cfg: PostTrainConfig, quiet: bool = False) -> Path:
             "id ('org/name'); give a local directory saved with save_pretrained, a Hub id, "
             "model.path=builtin:base (untrained tiny model) or builtin:tiny (the arithmetic demo)"
         )
+    return path
+
+
+def write_run_info(run_dir: Path, cfg: PostTrainConfig, model_path: Path) -> Path:
+    """run_info.yaml: which model directory a run used (model.path as given, and what it resolved to)."""
+    info = {"model_path": cfg.model.path, "resolved_model_path": str(Path(model_path).resolve())}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "run_info.yaml"
+    path.write_text(yaml.safe_dump(info, sort_keys=False))
     return path

@@ -17,7 +17,7 @@ from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora, export_policy, is_lora_model, lora_memory_summary
 from posttrain.models.prepare import check_policy_switches, read_model_config
 from posttrain.parallel.runtime import select_device
-from posttrain.sft.builtin import resolve_model_path, user_data_keys
+from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
 from posttrain.sft.loop import run_sft, sft_records
 from posttrain.sft.validation import SFTValidator, sft_val_records
 from posttrain.utils.metrics import MetricsLogger
@@ -59,13 +59,14 @@ def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     seed_everything(cfg.trainer.seed)
     records, val_records, reward = _data(cfg)  # a bad file or row is reported before any model loads
     path = resolve_model_path(cfg, quiet=quiet)
+    run_dir = Path(cfg.trainer.run_dir)
+    info = write_run_info(run_dir, cfg, path)
     if not quiet:
-        print(f"Model: {path} (model.path={cfg.model.path})")
+        print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
     tokenizer = load_tokenizer(path)
     model = apply_lora(load_causal_lm(path, cfg.model.dtype, device), cfg)  # LoRA: only adapters train
     if is_lora_model(model) and not quiet:
         print(lora_memory_summary(model, uses_reference=False))
-    run_dir = Path(cfg.trainer.run_dir)
     validator = SFTValidator(cfg, tokenizer, val_records, reward) if val_records else None
     logger = MetricsLogger(run_dir, backends=[b for b in cfg.trainer.loggers if b != "console"])
     try:
