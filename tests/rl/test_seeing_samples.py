@@ -64,4 +64,5 @@ def test_sft_validates_during_and_after_and_logs_like_train(tiny_model_dir, tmp_
     assert all("val/accuracy" in m for m in metrics if "val/loss" in m)
     assert metrics[-1]["val/loss"] < metrics[0]["val/loss"]
     assert (tmp_path / "run" / "curves.png").exists()
-    assert yaml.safe_load((tmp_path / "run" / "run_info.yaml").read_text())["model_path"] == str(tiny_model_dir)
+    info = yaml.safe_load((tmp_path / "run" / "run_info.yaml").read_text())
+    assert info["model_path"] == str(tiny_model_dir)
