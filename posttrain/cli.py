@@ -17,20 +17,34 @@ from rich.console import Console
 
 from posttrain import __version__
 from posttrain.config.errors import ConfigError
-from posttrain.config.load import all_keys, build_config, field_info
+from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
 from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
+from posttrain.tools.keys import key_lines
 from posttrain.tools.memory import Cluster, estimate_memory
 from posttrain.tools.memory_bytes import WhatIf
+from posttrain.tools.preflight import preflight
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
 
 EXIT_CONFIG_ERROR = 2
+KEYS_HINT = (
+    "\nEvery key with its type, default and allowed values: posttrain explain --keys "
+    "(also docs/config.md). Check a config before running it: posttrain explain CONFIG.yaml [key=value ...]."
+)
+TRAIN_EXAMPLES = """examples:
+  posttrain train                                      # GRPO on the built-in arithmetic demo, CPU, ~5 min
+  posttrain train trainer.total_steps=10 rollout.n=4   # dotted overrides, any number
+  posttrain train examples/gsm8k_grpo_qwen2.5_0.5b.yaml model.path=Qwen/Qwen2.5-0.5B-Instruct \\
+      data.train_files=[gsm8k/train.jsonl] data.val_files=[gsm8k/test.jsonl]
+  posttrain train model.path=runs/sft/sft_model data.train_files=[train.jsonl] \\
+      data.val_files=[val.jsonl] reward.function=reward.py:reward   # your own task: docs/your-task.md
+"""
 
 
 def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
@@ -75,14 +89,38 @@ def _world_size(args: argparse.Namespace) -> int:
     return args.world_size if args.world_size is not None else args.nodes * args.gpus_per_node
 
 
+def _explain_json(plan, estimate, advice, point) -> dict:
+    """explain --json: the plan's dict with the memory estimate, its advice and the starting point."""
+    out = plan.to_dict()
+    mem = None
+    if estimate is not None:
+        mem = estimate.to_dict()
+        mem["advice"] = {
+            k: {
+                "overrides": a.overrides,
+                "peak_gib": round(a.peak_bytes / 2**30, 3),
+                "fits": a.fits,
+                "reason": a.reason,
+            }
+            for k, a in advice.items()
+        }
+        if point is not None:
+            mem["starting_point"] = {
+                "tier": point.tier,
+                "source": point.source,
+                "overrides": point.overrides,
+            }
+    out["memory_estimate"] = mem
+    return out
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     if args.keys:
-        for key in all_keys():
-            field, _ = field_info(key)
-            unit = f" [{field.metadata['unit']}]" if field.metadata.get("unit") else ""
-            print(f"{key}{unit}: {field.metadata.get('help', '')}")
+        print("\n".join(key_lines()))
         return 0
     cfg = _load(args)
+    if not args.model_config:  # with --model-config the model need not be here: only its shape is used
+        preflight(cfg, "explain")
     world = _world_size(args)
     plan = build_plan(cfg, world_size=world)
     estimate, advice, shape, point = None, {}, _model_shape(cfg, args.model_config), None
@@ -95,27 +133,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         advice = advise(cfg, estimate, shape, cluster, what_if)
         point = starting_point(shape) if args.suggest else None
     if args.json:
-        out = plan.to_dict()
-        mem = None
-        if estimate is not None:
-            mem = estimate.to_dict()
-            mem["advice"] = {
-                k: {
-                    "overrides": a.overrides,
-                    "peak_gib": round(a.peak_bytes / 2**30, 3),
-                    "fits": a.fits,
-                    "reason": a.reason,
-                }
-                for k, a in advice.items()
-            }
-            if point is not None:
-                mem["starting_point"] = {
-                    "tier": point.tier,
-                    "source": point.source,
-                    "overrides": point.overrides,
-                }
-        out["memory_estimate"] = mem
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_explain_json(plan, estimate, advice, point), indent=2))
         return 0
     # Piped output (CI logs, files) gets a fixed width instead of rich's 80-column default.
     console = Console()
@@ -127,6 +145,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"
         )
         return 0
+    console.print(f"Memory estimate for {shape.name} ({shape.num_params() / 1e6:,.1f}M parameters)")
     console.print(estimate_table(estimate, advice))
     for line in advice_lines(estimate, advice):
         console.print(line)
@@ -138,23 +157,30 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked(args: argparse.Namespace, command: str):
+    """The config, after the checks every command runs before any model loads (posttrain.tools.preflight)."""
+    cfg = _load(args)
+    preflight(cfg, command, model_override=getattr(args, "model", None))
+    return cfg
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     yamls, overrides = _split_args(args.config)
     return run_tune(args, _load(args), overrides, yamls)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    run_training(_load(args))
+    run_training(_checked(args, "train"))
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    run_sft_command(_load(args))
+    run_sft_command(_checked(args, "sft"))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    run_eval_command(_load(args), model_path=args.model)
+    run_eval_command(_checked(args, "eval"), model_path=args.model)
     return 0
 
 
@@ -165,13 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help: str, epilog: str = ""
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=epilog or KEYS_HINT,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("config", nargs="*", help="YAML override files and key=value overrides")
         p.set_defaults(fn=fn)
         return p
 
-    add("train", cmd_train, "Run RL training (default: GRPO on the built-in arithmetic task, CPU-sized).")
+    add(
+        "train",
+        cmd_train,
+        "Run RL training (default: GRPO on the built-in arithmetic task, CPU-sized).",
+        TRAIN_EXAMPLES + KEYS_HINT,
+    )
     add("sft", cmd_sft, "Supervised fine-tuning on prompt/response data.")
     p = add("eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task.")
     p.add_argument("--model", default=None, help="Model directory or checkpoint (default: model.path)")
@@ -216,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="Where to measure")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per trial (default 1)")
-    p.add_argument("--output", default="tuned.yaml", help="Overlay YAML to write (default tuned.yaml)")
+    p.add_argument(
+        "--output", default=None, help="Overlay YAML to write (default <trainer.run_dir>/tuned.yaml)"
+    )
     p.add_argument(
         "--world-size",
         type=int,

@@ -73,7 +73,16 @@ def test_explain_json_is_stable(capsys):
 def test_explain_keys_lists_units(capsys):
     assert main(["explain", "--keys"]) == 0
     text = capsys.readouterr().out
-    assert "actor.ppo_mini_batch_size [prompts]:" in text
+    assert "actor.ppo_mini_batch_size (int, default 16, range 1..) [prompts]:" in text
+    assert "model.dtype (str, default fp32, one of fp32|bf16|fp16):" in text
+    assert "actor.optim.lr (float, default 0.0002" in text  # a section's own default, not the class's
+
+
+def test_train_help_shows_examples_and_points_to_the_keys(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "examples:" in text and "posttrain explain --keys" in text and "docs/config.md" in text
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,10 @@ class ModelConfig:
 
     path: str = knob(
         "builtin:tiny",
-        "Local Hugging Face causal-LM directory, or 'builtin:tiny' for the built-in tiny Qwen2 model "
-        "(built locally from trainer.seed and warm-started with SFT on the task).",
+        "Local Hugging Face causal-LM directory, a Hub id (e.g. 'Qwen/Qwen2.5-0.5B-Instruct': the local HF "
+        "cache, downloaded when online), 'builtin:tiny' (the arithmetic demo's tiny Qwen2, built from "
+        "trainer.seed and warm-started on the built-in task; refused with your own data files) or "
+        "'builtin:base' (the same tiny model, untrained: the start for your own SFT).",
     )
     dtype: str = knob("fp32", "Parameter and compute dtype of the trained models.", choices=DTYPES)
     use_remove_padding: bool = knob(
@@ -120,7 +122,11 @@ class DataConfig:
     )
     val_files: list[str] = knob(default_factory=list, help="Validation prompt files, same formats.")
     prompt_key: str = knob("prompt", "Field holding the prompt (a string or a list of chat messages).")
-    answer_key: str = knob("answer", "Field holding the ground truth handed to the reward function.")
+    answer_key: str = knob(
+        "answer",
+        "Field holding the ground truth handed to the reward function; a row without it is an error. "
+        "Empty: the reward needs no answers (ground_truth is None).",
+    )
     train_batch_size: int = knob(
         32, "Prompts sampled per training step (global, all DP ranks).", unit="prompts", min=1
     )
@@ -652,16 +658,27 @@ class SFTConfig:
         "training split, with the ground truth as the response.",
     )
     response_key: str = knob("response", "Field holding the target response.")
-    batch_size: int = knob(64, "Examples per optimizer step (global).", unit="examples", min=1)
-    micro_batch_size_per_gpu: int = knob(
-        64, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1
+    val_files: list[str] = knob(
+        default_factory=list,
+        help="Held-out prompt/response files: validation loss (and, with a reward, accuracy) every "
+        "trainer.test_freq steps and at the end. Empty: data.val_files when they hold sft.response_key.",
     )
-    epochs: int = knob(1, "Passes over the training examples.", unit="epochs", min=1)
+    batch_size: int = knob(32, "Examples per optimizer step (global).", unit="examples", min=1)
+    micro_batch_size_per_gpu: int = knob(
+        32, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1
+    )
+    epochs: int = knob(
+        10,
+        "Passes over the training examples. The defaults (10 epochs, lr 1e-3, batches of 32) suit the built-in "
+        "tiny models (docs/your-task.md); models of 0.5B+ want 1-3 epochs at lr 1e-5 to 2e-5.",
+        unit="epochs",
+        min=1,
+    )
     max_steps: int = knob(
         0, "Stop after this many optimizer steps (0: run all epochs).", unit="optimizer steps", min=0
     )
     output_dir: str = knob("", "Where `posttrain sft` saves the model; empty: <trainer.run_dir>/sft_model.")
-    optim: OptimConfig = section(OptimConfig)
+    optim: OptimConfig = section(OptimConfig, lr=1e-3)
 
 
 @dataclass

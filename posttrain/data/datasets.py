@@ -29,8 +29,9 @@ def load_records(
     """Read every row of ``path`` into a :class:`PromptRecord`.
 
     ``prompt_key`` names the prompt field (a string or a list of ``{"role", "content"}`` messages);
-    ``answer_key`` names the ground-truth field (string or number; missing or null gives None).
-    All other fields go to ``PromptRecord.extra``.
+    ``answer_key`` names the ground-truth field (string or number; null gives None). A row without it is a
+    DataError unless ``answer_key`` is empty: ``data.answer_key=""`` says the reward needs no answers (every
+    ground truth is then None). All other fields go to ``PromptRecord.extra``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -64,21 +65,46 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     row = 0
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not rows
             where = f"row {row} (line {line_no})"
             try:
-                yield where, json.loads(line)
+                value = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}: {where}: invalid JSON: {exc.msg} at column {exc.colno}") from exc
+            yield where, _check_utf8(value, f"{path}: {where}")
             row += 1
+
+
+def _check_utf8(value: Any, where: str, field_name: str = "") -> Any:
+    """``value`` unchanged; a DataError naming the field when a string in it held bytes that are not UTF-8.
+
+    The file is decoded with ``surrogateescape``, so a bad byte survives JSON parsing as a lone surrogate
+    and can be traced to its field instead of failing the whole file at an anonymous byte offset.
+    """
+    if isinstance(value, str):
+        bad = next((i for i, ch in enumerate(value) if "\udc80" <= ch <= "\udcff"), None)
+        if bad is not None:
+            raise DataError(
+                f"{where}: field {field_name or '(key)'!r} is not valid UTF-8 (byte 0x{ord(value[bad]) - 0xDC00:02x} "
+                f"at character {bad}); re-save the file as UTF-8"
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_utf8(key, where, field_name or str(key))
+            _check_utf8(item, where, field_name or str(key))
+    elif isinstance(value, list):
+        for item in value:
+            _check_utf8(item, where, field_name)
+    return value
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8", errors="surrogateescape")
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
     if not isinstance(data, list):
@@ -87,7 +113,7 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
             "use .jsonl for one object per line"
         )
     for i, row in enumerate(data):
-        yield f"row {i}", row
+        yield f"row {i}", _check_utf8(row, f"{path}: row {i}")
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
@@ -126,15 +152,26 @@ def _row_to_record(row: Any, where: str, path: Path, prompt_key: str, answer_key
             f"{path}: {where}: missing field {prompt_key!r}; available fields: {sorted(row)}. "
             "Set prompt_key to the field that holds the prompt"
         )
-    prompt = _check_prompt(row[prompt_key], f"{path}: {where}: field {prompt_key!r}")
-    answer = _check_answer(row.get(answer_key), f"{path}: {where}: field {answer_key!r}")
+    source = f"{path}: {where}"
+    prompt = _check_prompt(row[prompt_key], f"{source}: field {prompt_key!r}")
+    if answer_key and answer_key not in row:
+        raise DataError(
+            f"{path}: {where}: missing field {answer_key!r}; available fields: {sorted(row)}. Name the field "
+            "that holds the answer (data.answer_key; for SFT responses sft.response_key), or set "
+            "data.answer_key='' when the reward needs no answers"
+        )
+    answer = _check_answer(row.get(answer_key), f"{source}: field {answer_key!r}") if answer_key else None
     extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-    return PromptRecord(prompt=prompt, ground_truth=answer, extra=extra)
+    return PromptRecord(
+        prompt=prompt, ground_truth=answer, extra=extra, source=f"{source}: field {prompt_key!r}"
+    )
 
 
 def _check_prompt(value: Any, where: str) -> str | list[dict[str, str]]:
     """Return ``value`` if it is a string or a list of chat messages, else raise naming ``where``."""
     if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: the prompt is empty; remove the row or give it a prompt")
         return value
     if not isinstance(value, list) or not value:
         raise DataError(
@@ -215,14 +252,16 @@ def tokenize_prompts(
     kept_ids: list[list[int]] = []
     kept: list[PromptRecord] = []
     for row, record in enumerate(records):
-        ids = encode_prompt(record.prompt, tokenizer, apply_chat_template, where=f"row {row}")
+        where = record.source or f"row {row}"
+        ids = encode_prompt(record.prompt, tokenizer, apply_chat_template, where=where)
         if len(ids) <= max_prompt_length:
             kept_ids.append(ids)
             kept.append(record)
         elif overlong == "error":
             raise DataError(
-                f"row {row}: prompt is {len(ids)} tokens, longer than max_prompt_length={max_prompt_length}; "
-                "raise max_prompt_length or set overlong='filter' to drop such prompts"
+                f"{where}: prompt is {len(ids)} tokens, longer than data.max_prompt_length={max_prompt_length} "
+                "(data.overlong_prompts=error); raise data.max_prompt_length or set "
+                "data.overlong_prompts=filter to drop such prompts"
             )
     if not kept:
         raise DataError(

@@ -18,8 +18,11 @@ class PromptRecord:
         ground_truth: the reference answer a rule reward compares against; None when the task has none
             (e.g. when a reward model scores responses).
         extra: every other field of the source row, passed unchanged to the reward function.
+        source: where the row came from (``"train.jsonl: row 3 (line 4)"``), for error messages; empty for
+            generated tasks. Not part of equality: the same prompt from two files is the same record.
     """
 
     prompt: str | ChatMessages
     ground_truth: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)

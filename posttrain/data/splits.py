@@ -4,6 +4,7 @@ files, or the generated built-in task."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from posttrain.config.errors import DataError
 from posttrain.config.schema import PostTrainConfig
@@ -18,11 +19,15 @@ class Splits:
     train: list[PromptRecord]
     val: list[PromptRecord]
     reward_spec: str  # a built-in reward name or 'file.py:fn'
+    data_source: str = ""  # what a verl-style reward gets as data_source: the task or the first file's name
 
 
 def load_splits(cfg: PostTrainConfig) -> Splits:
     """Training and validation records: GSM8K-format files (data.task=gsm8k), other prompt files
-    (data.train_files with a reward.function), or the generated arithmetic task."""
+    (data.train_files and/or data.val_files with a reward.function), or the generated arithmetic task.
+
+    data.val_files without data.train_files gives no training records: `posttrain eval` evaluates the given
+    files (the built-in task is generated only when no files are given at all)."""
     d = cfg.data
     reward = cfg.reward.function
     if d.task == "gsm8k":
@@ -33,16 +38,17 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
             )
         train = [r for f in d.train_files for r in load_gsm8k(f)]
         val = [r for f in d.val_files for r in load_gsm8k(f)]
-        return Splits(train, val, reward or "gsm8k")
-    if d.train_files:
+        return Splits(train, val, reward or "gsm8k", "gsm8k")
+    if d.train_files or d.val_files:
         train = [r for f in d.train_files for r in load_records(f, d.prompt_key, d.answer_key)]
         val = [r for f in d.val_files for r in load_records(f, d.prompt_key, d.answer_key)]
         if not reward:
             raise DataError(
-                "reward.function is empty but data.train_files are given: name a reward, e.g. "
+                "reward.function is empty but data files are given: name a reward, e.g. "
                 "reward.function=exact_match, reward.function=gsm8k or reward.function=path/to/file.py:fn"
             )
-        return Splits(train, val, reward)
+        first = (d.train_files or d.val_files)[0]
+        return Splits(train, val, reward, Path(first).stem)
     train, val = load_task(
         d.task,
         cfg.trainer.seed,
@@ -50,4 +56,4 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
         n_val=d.num_val_examples,
         max_operand=d.max_operand,
     )
-    return Splits(train, val, reward or get_task(d.task).default_reward)
+    return Splits(train, val, reward or get_task(d.task).default_reward, d.task)

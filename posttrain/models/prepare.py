@@ -19,8 +19,8 @@ from posttrain.utils.console import warn_once
 
 def read_model_config(path: str):
     """The Hugging Face config of a model directory without loading weights (None when there is none:
-    the model loader reports that). ``builtin:tiny`` is a tiny Qwen2."""
-    if path == "builtin:tiny":
+    the model loader reports that). The built-in models (``builtin:tiny``, ``builtin:base``) are tiny Qwen2s."""
+    if path.startswith("builtin:"):
         return Qwen2Config()  # posttrain.models.tiny builds a Qwen2; only model_type and the head matter here
     if not (Path(path) / "config.json").is_file():
         return None

@@ -178,8 +178,10 @@ def abort_on_collective_failure(exc: BaseException, ctx: DistContext, timeout_s:
     os._exit(EXIT_COLLECTIVE_FAILURE)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
+def shutdown_distributed(ctx: DistContext | None = None) -> None:
+    """Tear down the process group this run joined. A world of one never created one: a group that exists
+    then belongs to someone else (an in-process vLLM engine makes its own) and is left alone."""
+    if (ctx is None or ctx.distributed) and dist.is_initialized():
         dist.destroy_process_group()
 
 

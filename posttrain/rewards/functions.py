@@ -1,11 +1,15 @@
 """Rule-based reward functions and how a config names one.
 
-Every reward function has the signature::
+Every reward function is called as::
 
     fn(prompt: str, response: str, ground_truth: str | None, extra: dict) -> float
 
 ``extra`` is the record's other fields (``PromptRecord.extra``). A config names a built-in by its key in
-:data:`REWARD_FUNCTIONS` or a user function as ``path/to/file.py:fn_name``.
+:data:`REWARD_FUNCTIONS` or a user function as ``path/to/file.py:fn_name``. A user function may be written in
+one of three styles, told apart by its signature (:func:`adapt_signature`): ours (positional, as above),
+keyword style (``def reward(prompt=None, response="", ground_truth="", **kwargs)``, called with keywords), or
+verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``; the last two are wrapped so
+every caller sees the signature above.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 }
 
 
-def resolve_reward_function(spec: str | RewardFn) -> RewardFn:
+def resolve_reward_function(spec: str | RewardFn, data_source: str = "") -> RewardFn:
     """The reward function named by ``spec``: a key of :data:`REWARD_FUNCTIONS` or ``file.py:fn_name``.
 
-    A callable is returned unchanged, so code may pass a function directly.
+    A callable is returned unchanged, so code may pass a function directly. ``data_source`` is what a
+    verl-style function receives as ``data_source`` when the record has no ``data_source`` field (the task
+    or data file name).
     """
     if callable(spec):
         return spec
@@ -70,8 +76,7 @@ def resolve_reward_function(spec: str | RewardFn) -> RewardFn:
     fn = getattr(module, fn_name)
     if not callable(fn):
         raise ConfigError(f"reward function {spec!r}: {fn_name!r} is a {type(fn).__name__}, not a function")
-    _check_signature(fn, spec)
-    return fn
+    return adapt_signature(fn, spec, data_source)
 
 
 def _load_module(path: Path, spec: str) -> Any:
@@ -97,16 +102,72 @@ def _load_module(path: Path, spec: str) -> Any:
     return module
 
 
-def _check_signature(fn: Callable[..., Any], spec: str) -> None:
-    """Fail at start-up, not mid-run, when ``fn`` cannot take the four reward arguments."""
+_OURS = ("prompt", "response", "ground_truth", "extra")
+_VERL = ("data_source", "solution_str", "ground_truth", "extra_info")
+STYLES = (
+    "ours: fn(prompt, response, ground_truth, extra); "
+    "keyword style: fn(prompt=None, response='', ground_truth='', **kwargs); "
+    "verl's: compute_score(data_source, solution_str, ground_truth, extra_info)"
+)
+
+
+class KeywordReward:
+    """A keyword-style function, called as ``fn(prompt=..., response=..., ground_truth=..., extra=...)``.
+    A class, not a closure, so it pickles where workers are spawned rather than forked."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> Any:
+        return self.fn(prompt=prompt, response=response, ground_truth=ground_truth, extra=extra)
+
+
+class VerlReward:
+    """verl's ``compute_score``: data_source is the record's ``data_source`` field, else the task or file
+    name; solution_str is the response; extra_info is the record's other fields. Only the keywords the
+    function declares are passed (older verl scorers take ``(solution_str, ground_truth)``)."""
+
+    def __init__(self, fn: Callable[..., Any], names: set[str], data_source: str) -> None:
+        self.fn, self.names, self.data_source = fn, names, data_source
+
+    def __call__(self, prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> Any:
+        values = {
+            "data_source": extra.get("data_source", self.data_source),
+            "solution_str": response,
+            "ground_truth": ground_truth,
+            "extra_info": extra,
+        }
+        return self.fn(**{k: v for k, v in values.items() if k in self.names})
+
+
+def adapt_signature(fn: Callable[..., Any], spec: str, data_source: str = "") -> RewardFn:
+    """``fn`` callable as ``fn(prompt, response, ground_truth, extra)``, told from its signature; a
+    ConfigError at start-up, not mid-run, when it fits none of the three styles."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return  # some builtins have no introspectable signature; the call itself will tell
+        return fn  # some builtins have no introspectable signature; the call itself will tell
+    params = signature.parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "solution_str" in params:
+        try:
+            signature.bind(**{k: None for k in _VERL if k in params or takes_kwargs})
+            return VerlReward(fn, set(_VERL) if takes_kwargs else set(params), data_source)
+        except TypeError:
+            pass  # e.g. a required parameter verl does not pass; the error below lists the styles
+    if _binds(signature, args=_OURS):
+        return fn
+    if _binds(signature, kwargs=_OURS):
+        return KeywordReward(fn)
+    raise ConfigError(
+        f"reward function {spec!r} has signature {signature}, which fits none of the accepted styles "
+        f"({STYLES}); change its parameters to one of them"
+    )
+
+
+def _binds(signature: inspect.Signature, args: tuple[str, ...] = (), kwargs: tuple[str, ...] = ()) -> bool:
     try:
-        signature.bind("prompt", "response", "ground_truth", {})
-    except TypeError as exc:
-        raise ConfigError(
-            f"reward function {spec!r} has signature {signature}; it must accept "
-            "(prompt, response, ground_truth, extra)"
-        ) from exc
+        signature.bind(*args, **{k: None for k in kwargs})
+    except TypeError:
+        return False
+    return True

@@ -48,7 +48,7 @@ from posttrain.rl.rollout_weights import RolloutWeights
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
-from posttrain.sft.builtin import resolve_model_path
+from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.checkpoint import load_module_weights
 from posttrain.train.trainable import Trainable
 
@@ -224,11 +224,12 @@ def build_engine(
     )
 
 
-def build_reward_runner(cfg: PostTrainConfig, reward_spec: str) -> RewardRunner:
-    """The reward function of ``reward_spec`` behind the `reward.*` guards (timeout, failure reward, fail fast)."""
+def build_reward_runner(cfg: PostTrainConfig, reward_spec: str, data_source: str = "") -> RewardRunner:
+    """The reward function of ``reward_spec`` behind the `reward.*` guards (timeout, failure reward, fail fast);
+    ``data_source`` is what a verl-style ``compute_score`` receives."""
     rw = cfg.reward
     return RewardRunner(
-        resolve_reward_function(reward_spec),
+        resolve_reward_function(reward_spec, data_source),
         timeout_s=rw.timeout_s or None,
         failure_reward=rw.failure_reward,
         fail_fast=rw.fail_fast,
@@ -304,7 +305,9 @@ def build_components(
     """
     dist = dist or DistContext(device=select_device(cfg))
     plan, splits = check_run(cfg, dist.world_size, dist.device)
-    runner = build_reward_runner(cfg, splits.reward_spec)  # imports the user's reward before any model loads
+    runner = build_reward_runner(
+        cfg, splits.reward_spec, splits.data_source
+    )  # imports the user's reward before any model loads
     model_path = resolve_model_path(cfg, quiet=quiet)
     tokenizer = load_tokenizer(model_path)
     policy = build_policy(cfg, plan, dist, model_path, quiet)
@@ -362,9 +365,15 @@ def with_sequence_parallel(options: PassOptions, cfg: PostTrainConfig, model_con
     )
 
 
-def write_run_metadata(run_dir: Path, cfg: PostTrainConfig, plan: BatchPlan) -> None:
-    """The resolved config and the plan, next to the metrics, so a run explains itself."""
+def write_run_metadata(
+    run_dir: Path, cfg: PostTrainConfig, plan: BatchPlan, model_path: Path | None = None
+) -> None:
+    """The resolved config and the plan, next to the metrics, so a run explains itself. ``model_path``: the
+    directory model.path resolved to (a built-in model's cache entry, a Hub snapshot), recorded in
+    run_info.yaml, not config.yaml, so config.yaml stays a config that loads as it is."""
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if model_path is not None:
+        write_run_info(run_dir, cfg, model_path)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))

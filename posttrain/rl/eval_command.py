@@ -15,19 +15,23 @@ from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
+from posttrain.rl.eval_report import report_eval
 from posttrain.rl.evaluate import validate
+from posttrain.rl.rollout_weights import RolloutWeights
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
 from posttrain.utils.seed import seed_everything
 
 
-def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module]:
-    """(tokenizer, model) of ``--model``: a Hugging Face directory, an exported LoRA adapter over model.path, or
-    a training checkpoint's actor over model.path (a LoRA run's checkpoint holds the adapters of model.lora_*)."""
+def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module, str]:
+    """(tokenizer, model, which model in words) of ``--model``: a Hugging Face directory, an exported LoRA
+    adapter over model.path, or a training checkpoint's actor over model.path (a LoRA run's checkpoint holds
+    the adapters of model.lora_*)."""
     if path is not None and (path / "config.json").exists():
         check_model_dir(path)  # a truncated weights file is named here, not deep in the loader
-        return load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device)
+        return load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device), str(path)
     base = resolve_model_path(cfg)
+    described = f"{path} on {base}" if path is not None else f"{base} (model.path={cfg.model.path})"
     tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)
     if path is not None and (path / "adapter_config.json").exists():
         adapter = apply_values(cfg, {"model.lora_rank": 0, "model.lora_adapter_path": str(path)})
@@ -35,7 +39,7 @@ def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[ob
     elif path is not None:
         model = apply_lora(model, cfg)
         load_checkpoint_policy(path, model)
-    return tokenizer, model
+    return tokenizer, model, described
 
 
 def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dict[str, float]:
@@ -52,13 +56,17 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     splits = load_splits(cfg)
     if not splits.val:
         raise ConfigError("no validation prompts: set data.val_files (or use a built-in task)")
-    with build_reward_runner(cfg, splits.reward_spec) as runner:
-        tokenizer, model = load_eval_model(cfg, path, device)
+    rows: list[dict] = []
+    with build_reward_runner(cfg, splits.reward_spec, splits.data_source) as runner:
+        tokenizer, model, described = load_eval_model(cfg, path, device)
         prompts = tokenize_prompts(
             splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
         )
-        engine = build_engine(cfg, model, tokenizer, device)
-        metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed)
-    for key, value in metrics.items():
-        print(f"{key}: {value:.4f}")
+        hf_dir = path if path is not None and (path / "config.json").exists() else resolve_model_path(cfg)
+        engine = build_engine(cfg, model, tokenizer, device, hf_dir)
+        RolloutWeights(cfg, engine).push(
+            model
+        )  # vLLM reads hf_dir; a checkpoint's or adapter's weights follow
+        metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows)
+    report_eval(cfg, described, rows, metrics)
     return metrics

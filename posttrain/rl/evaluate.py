@@ -45,10 +45,13 @@ def validate(
     cfg: PostTrainConfig,
     seed: int = 0,
     dist: DistContext | None = None,
+    samples: list[dict] | None = None,
 ) -> dict[str, float]:
     """Generate for every validation prompt (in batches of data.val_batch_size) and score it.
 
     With several ranks each validates a contiguous share of the prompts and the results are gathered.
+    ``samples``, when given, receives one dict per sample of this rank's share (prompt, response,
+    ground_truth, reward), for the sample logs of posttrain.rl.samples.
     """
     params = validation_params(cfg, seed)
     rewards: list[float] = []
@@ -66,6 +69,11 @@ def validate(
             for p, text in zip(result.prompt_index, texts)
         ]
         scores, _ = runner.score(inputs)
+        if samples is not None:
+            samples.extend(
+                {"prompt": i.prompt, "response": i.response, "ground_truth": i.ground_truth, "reward": s}
+                for i, s in zip(inputs, scores)
+            )
         rewards.extend(scores)
         lengths.extend(len(r) for r in result.response_ids)
     if world > 1:

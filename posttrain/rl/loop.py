@@ -31,6 +31,7 @@ from posttrain.parallel.runtime import (
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.evaluate import validate
 from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
+from posttrain.rl.samples import log_validation_samples
 from posttrain.rl.sampling import step_seed
 from posttrain.rl.step import train_step
 from posttrain.sft.builtin import resolve_model_path
@@ -106,16 +107,23 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     return int(state["step"])
 
 
-def run_validation(c: Components, step: int) -> dict[str, float]:
-    """Generate for the validation prompts and score them; the engine holds its cache memory only meanwhile."""
+def run_validation(c: Components, step: int, quiet: bool = True) -> dict[str, float]:
+    """Generate for the validation prompts and score them (the engine holds its cache memory only meanwhile);
+    rank 0 logs what the model answered (samples.jsonl, a few on the console)."""
     if c.val_prompts is None:
         return {}
+    rows: list[dict] = []
     c.engine.wake_up()
     try:
         seed = step_seed(c.cfg.trainer.seed, step, 2)
-        return validate(c.engine, c.tokenizer, c.val_prompts, c.reward_runner, c.cfg, seed=seed, dist=c.dist)
+        metrics = validate(
+            c.engine, c.tokenizer, c.val_prompts, c.reward_runner, c.cfg, seed=seed, dist=c.dist, samples=rows
+        )
     finally:
         c.engine.release_memory()
+    if c.dist.is_main:
+        log_validation_samples(Path(c.cfg.trainer.run_dir), step, rows, console=not quiet)
+    return metrics
 
 
 def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
@@ -147,7 +155,7 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
         abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
         raise
     finally:
-        shutdown_distributed()
+        shutdown_distributed(ctx)
         if lock is not None:
             lock.release()
 
@@ -156,7 +164,11 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     c = build_components(cfg, quiet=quiet, dist=ctx)
     run_dir = Path(cfg.trainer.run_dir)
     if ctx.is_main:
-        write_run_metadata(run_dir, cfg, c.plan)
+        write_run_metadata(run_dir, cfg, c.plan, c.model_path)
+        if not quiet:
+            print(
+                f"Model: {c.model_path} (model.path={cfg.model.path}; recorded in {run_dir / 'run_info.yaml'})"
+            )
     t = cfg.trainer
     backends = [b for b in t.loggers if b != "console"]
     logger = MetricsLogger(run_dir, backends=backends, config=None) if ctx.is_main else None
@@ -184,14 +196,14 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
     first_val: dict[str, float] = {}
     try:
         if start == 0 and t.test_freq > 0:
-            last = first_val = run_validation(c, 0)
+            last = first_val = run_validation(c, 0, quiet)
             if logger is not None:
                 logger.log(last, step=0)
             display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
             metrics = train_step(c, step, timer)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
-                metrics.update(run_validation(c, step))
+                metrics.update(run_validation(c, step, quiet))
             if logger is not None:
                 logger.log(metrics, step=step)
             skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl

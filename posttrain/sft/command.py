@@ -1,38 +1,103 @@
-"""`posttrain sft`: fine-tune model.path (or the built-in tiny model) on prompt/response data and save it."""
+"""`posttrain sft`: fine-tune model.path (builtin:base for your own task) on prompt/response data and save it.
+
+Logged like `train`: a progress line per step on the console, ``metrics.jsonl`` and ``curves.png`` in
+trainer.run_dir, validation (held-out loss, and accuracy when a reward is configured) before the first
+step, every trainer.test_freq steps and at the end (posttrain.sft.validation).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from posttrain.config.schema import PostTrainConfig
+from posttrain.data.datasets import load_records
 from posttrain.data.splits import load_splits
+from posttrain.data.tasks import get_task
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora, export_policy, is_lora_model, lora_memory_summary
 from posttrain.models.prepare import check_policy_switches, read_model_config
 from posttrain.parallel.runtime import select_device
-from posttrain.sft.builtin import builtin_base_dir
+from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
 from posttrain.sft.loop import run_sft, sft_records
+from posttrain.sft.validation import SFTValidator, sft_val_records
+from posttrain.utils.metrics import MetricsLogger
+from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.seed import seed_everything
 
 
-def run_sft_command(cfg: PostTrainConfig) -> Path:
-    """`posttrain sft`: fine-tune model.path (or the built-in tiny model) and save it."""
+def _data(cfg: PostTrainConfig):
+    """(training records, held-out records, reward spec for accuracy): read before any weights load."""
+    if not user_data_keys(cfg):  # the built-in task: its answers are the responses, its reward scores them
+        splits = load_splits(cfg)
+        reward = cfg.reward.function or get_task(cfg.data.task).default_reward
+        return sft_records(cfg, splits.train), sft_val_records(cfg, splits.val), reward
+    d = cfg.data
+    # Without sft.train_files, data.train_files' answers are the responses (no reward needed to read them).
+    fallback = (
+        []
+        if cfg.sft.train_files
+        else [r for f in d.train_files for r in load_records(f, d.prompt_key, d.answer_key)]
+    )
+    return sft_records(cfg, fallback), sft_val_records(cfg, []), cfg.reward.function
 
+
+def _validation_hook(cfg, model, validator, logger):
+    freq = cfg.trainer.test_freq
+
+    def on_step(step: int, total: int, metrics: dict[str, float]) -> dict[str, float]:
+        extra = validator(model) if validator and freq and (step % freq == 0 or step == total) else {}
+        logger.log({**metrics, **extra}, step=step)
+        return extra
+
+    return on_step
+
+
+def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
+    """`posttrain sft`: fine-tune model.path and save it; returns the saved directory."""
     device = select_device(cfg)
     check_policy_switches(cfg, device, read_model_config(cfg.model.path))  # before any weights load
     seed_everything(cfg.trainer.seed)
-    # Data first: a bad file or row is reported before any model loads.
-    records = sft_records(cfg, load_splits(cfg).train if not cfg.sft.train_files else [])
-    path = builtin_base_dir(cfg) if cfg.model.path == "builtin:tiny" else cfg.model.path
+    records, val_records, reward = _data(cfg)  # a bad file or row is reported before any model loads
+    path = resolve_model_path(cfg, quiet=quiet)
+    run_dir = Path(cfg.trainer.run_dir)
+    info = write_run_info(run_dir, cfg, path)
+    if not quiet:
+        print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
     tokenizer = load_tokenizer(path)
     model = apply_lora(load_causal_lm(path, cfg.model.dtype, device), cfg)  # LoRA: only adapters train
-    if is_lora_model(model):
+    if is_lora_model(model) and not quiet:
         print(lora_memory_summary(model, uses_reference=False))
-    history = run_sft(cfg, model, tokenizer, records)
-    out = Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
+    validator = SFTValidator(cfg, tokenizer, val_records, reward) if val_records else None
+    logger = MetricsLogger(run_dir, backends=[b for b in cfg.trainer.loggers if b != "console"])
+    try:
+        if validator is not None and cfg.trainer.test_freq:
+            first = validator(model)
+            logger.log(first, step=0)
+            if not quiet:
+                print("initial validation: " + ", ".join(f"{k}={v:.4f}" for k, v in first.items()))
+        history = run_sft(
+            cfg,
+            model,
+            tokenizer,
+            records,
+            quiet=quiet,
+            on_step=_validation_hook(cfg, model, validator, logger),
+        )
+    finally:
+        logger.close()
+    out = Path(cfg.sft.output_dir or run_dir / "sft_model")
     out, how = export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)
-    last = history[-1] if history else {}
-    print(
-        f"SFT done: {len(history)} optimizer steps, final loss {last.get('sft/loss', float('nan')):.4f}; saved {out} ({how})"
-    )
+    plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    if not quiet:
+        _summary(history, out, how, run_dir)
     return out
+
+
+def _summary(history: list[dict[str, float]], out: Path, how: str, run_dir: Path) -> None:
+    last = history[-1] if history else {}
+    val = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("val/"))
+    print(
+        f"SFT done: {len(history)} optimizer steps, final loss {last.get('sft/loss', float('nan')):.4f}"
+        + (f", {val}" if val else "")
+        + f"; saved {out} ({how})\nMetrics: {run_dir / 'metrics.jsonl'}, curves: {run_dir / 'curves.png'}"
+    )

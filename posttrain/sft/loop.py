@@ -8,6 +8,7 @@ code are the RL trainer's own (`engine.micro_batches`, `engine.roles`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
 from posttrain.batching.micro import micro_batch_rows
-from posttrain.config.errors import ConfigError
+from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
@@ -30,6 +31,9 @@ from posttrain.utils.console import TrainingDisplay
 
 log = logging.getLogger("posttrain.sft")
 
+# on_step(step, total_steps, step_metrics) -> extra metrics (e.g. validation) for that step
+StepHook = Callable[[int, int, dict[str, float]], dict[str, float]]
+
 
 @dataclass(frozen=True)
 class SFTExample:
@@ -43,7 +47,8 @@ def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int
     examples = []
     for i, rec in enumerate(records):
         if rec.ground_truth is None:
-            raise ConfigError(f"SFT example {i} has no response (ground truth); every example needs one")
+            where = rec.source or f"SFT example {i}"
+            raise DataError(f"{where}: the response is null; every SFT example needs one (sft.response_key)")
         prompt = encode_prompt(rec.prompt, tokenizer, template, where=f"row {i}")
         response = tokenizer(str(rec.ground_truth), add_special_tokens=False)["input_ids"]
         response = (list(response) + [tokenizer.eos_token_id])[:max_response_length]
@@ -76,10 +81,13 @@ def train_sft(
     max_steps: int = 0,
     display: TrainingDisplay | None = None,
     options: ForwardOptions = DEFAULT_OPTIONS,
+    on_step: StepHook | None = None,
 ) -> list[dict[str, float]]:
     """Epochs over shuffled examples; one optimizer step per `plan.mini_batch_samples` examples.
 
     ``options``: how the forward runs (packing, activation offload), from the model section of the config.
+    ``on_step(step, total, metrics)``: called after each optimizer step; the metrics it returns (validation)
+    join the step's, on the console and in the history.
     """
     gen = torch.Generator().manual_seed(seed)
     history: list[dict[str, float]] = []
@@ -122,6 +130,8 @@ def train_sft(
                 "sft/grad_norm": metrics["grad_norm"],
                 "sft/lr": trainable.lr,
             }
+            if on_step is not None:
+                metrics.update(on_step(len(history) + 1, total, metrics))
             history.append(metrics)
             if display is not None:
                 display.update(len(history), metrics)
@@ -138,7 +148,12 @@ def sft_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[Prom
 
 
 def run_sft(
-    cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[PromptRecord], quiet: bool = False
+    cfg: PostTrainConfig,
+    model: nn.Module,
+    tokenizer,
+    records: list[PromptRecord],
+    quiet: bool = False,
+    on_step: StepHook | None = None,
 ):
     """SFT `model` in place on `records` with the `sft` section's settings; returns the metric history.
 
@@ -172,6 +187,7 @@ def run_sft(
             max_steps=cfg.sft.max_steps,
             display=display,
             options=options,
+            on_step=on_step,
         )
     finally:
         display.stop()

@@ -201,6 +201,28 @@ class StartingPoint:
 #  micro samples per GPU, trlx chunk_size prompts). SkyRL's policy_mini_batch_size counts samples: posttrain's
 #  ppo_mini_batch_size counts prompts = samples / n (docs/batch-plan.md, "Translating a samples-based config").
 _TIERS: tuple[tuple[float, str, str, int, int, int, int, int], ...] = (
+    # Below 0.5B the seeds have no table. The tiny tier is posttrain's own CPU demo (README, measured); the
+    # next one sits between it and the small tier (chunk size from trlx's 125M-1B row), not measured.
+    (
+        5.0e7,
+        "tiny (under 50M, CPU-sized)",
+        "posttrain's built-in CPU demo (measured, README)",
+        32,
+        8,
+        128,
+        64,
+        64,
+    ),
+    (
+        5.0e8,
+        "sub-0.5B (50M-0.5B)",
+        "between the built-in demo and the small tier; trlx 125M-1B chunk_size 128 (not measured)",
+        128,
+        8,
+        128,
+        8,
+        128,
+    ),
     (
         3.5e9,
         "small (0.5B-3B)",
@@ -236,6 +258,8 @@ def starting_point(shape: ModelShape, gradient_checkpointing_default: bool = Tru
     }
     if gradient_checkpointing_default and params > 3.5e9:
         overrides["model.enable_gradient_checkpointing"] = True
+    # Learning rates by size: tiny models need large steps (the demo's 2e-4), 0.5B+ models the seeds' 1e-6.
+    overrides["actor.optim.lr"] = 2e-4 if params <= 5.0e7 else 1e-5 if params <= 5.0e8 else 1e-6
     return StartingPoint(tier, source, overrides)
 
 

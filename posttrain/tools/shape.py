@@ -8,12 +8,14 @@ says so (``model_type=qwen2`` always has them). Mixture-of-experts, MLA and visi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import ConfigError, MissingPathError
+from posttrain.models.hub import cached_snapshot, looks_like_hub_id
 from posttrain.models.tiny import build_tiny_tokenizer, tiny_config
 
 GIB = 1024**3
@@ -143,9 +145,13 @@ def builtin_tiny_hf_config():
 
 
 def shape_for_model_path(model_path: str) -> ModelShape | None:
-    """The shape of ``model.path`` (``builtin:tiny`` or a directory with config.json); None when absent."""
-    if model_path == "builtin:tiny":
-        return ModelShape.from_hf_config(builtin_tiny_hf_config(), name="builtin:tiny")
+    """The shape of ``model.path``: a built-in model, a directory with config.json, or a Hub id in the local
+    Hugging Face cache (named by the id); None when absent."""
+    if model_path in ("builtin:tiny", "builtin:base"):
+        return ModelShape.from_hf_config(builtin_tiny_hf_config(), name=model_path)
     if (Path(model_path) / "config.json").is_file():
         return ModelShape.from_path(model_path)
+    snapshot = cached_snapshot(model_path) if looks_like_hub_id(model_path) else None
+    if snapshot is not None:
+        return dataclasses.replace(ModelShape.from_path(snapshot), name=model_path)
     return None

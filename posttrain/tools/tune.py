@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values, build_config, flatten, to_dict
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.models.hub import cached_snapshot, looks_like_hub_id
 from posttrain.tools.advice import starting_point
 from posttrain.tools.autotune import Target, TuneResult, autotune, tune_targets
 from posttrain.tools.memory import Cluster, estimate_memory
@@ -33,9 +35,10 @@ def model_config_dict(cfg: PostTrainConfig, model_config: str | None) -> dict:
     if model_config:
         p = Path(model_config)
         return json.loads((p / "config.json" if p.is_dir() else p).read_text())
-    if cfg.model.path == "builtin:tiny":
+    if cfg.model.path in ("builtin:tiny", "builtin:base"):
         return builtin_tiny_hf_config().to_dict()
-    p = Path(cfg.model.path) / "config.json"
+    snapshot = cached_snapshot(cfg.model.path) if looks_like_hub_id(cfg.model.path) else None
+    p = (snapshot or Path(cfg.model.path)) / "config.json"
     if not p.is_file():
         raise ConfigError(
             f"model.path={cfg.model.path!r} has no config.json; give a model directory or --model-config"
@@ -183,7 +186,9 @@ def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str
         )
         print_results(result, limit)
         overlay = result.overlay()
-    out = Path(args.output)
+    # The run directory, not the current one: the overlay belongs with the run it was measured for.
+    out = Path(args.output) if args.output else Path(cfg.trainer.run_dir) / "tuned.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(overlay, sort_keys=False))
     # Command-line overrides win over YAML files, so the tuned keys are dropped from them; then the overlay
     # must make a valid plan on top of the same config, as `posttrain train` will build it: checked now.
@@ -191,7 +196,8 @@ def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str
     rest = [o for o in overrides if o.split("=", 1)[0] not in tuned]
     build_plan(build_config([*yamls, out], rest), world)
     print(f"wrote {out}: " + (" ".join(f"{k}={v}" for k, v in flatten(overlay).items()) or "(nothing fit)"))
-    print(f"use it: posttrain train {' '.join([*yamls, str(out), *rest])}")
+    # Quoted for a POSIX shell: overrides such as data.train_files=[a.jsonl] must survive the paste.
+    print(f"use it: posttrain train {' '.join(shlex.quote(str(w)) for w in [*yamls, out, *rest])}")
     return 0
 
 

@@ -21,6 +21,9 @@ from posttrain.utils.metrics import read_metrics
 DEFAULT_CURVES: tuple[tuple[str, ...], ...] = (
     ("reward/mean", "rewards/mean", "reward_mean", "reward"),
     ("val/accuracy", "validation/accuracy", "val/acc", "val_accuracy"),
+    ("val/reward_mean", "validation/reward_mean"),
+    ("sft/loss",),
+    ("val/loss",),
     ("response_length/mean", "response_length", "response_len/mean"),
     ("actor/kl_loss", "actor/reward_kl_penalty", "kl/mean", "actor/kl", "kl"),
     ("actor/entropy", "entropy/mean", "entropy"),

@@ -47,7 +47,7 @@ algorithm.rollout_correction.rollout_rs_threshold algorithm.rollout_correction.r
 algorithm.rollout_correction.rollout_token_veto_threshold
 trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
 trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf trainer.export_merged
-sft.train_files sft.response_key sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir
+sft.train_files sft.response_key sft.val_files sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir
 actor.fsdp_config.fsdp_size actor.fsdp_config.param_offload actor.fsdp_config.optimizer_offload actor.fsdp_config.forward_prefetch actor.fsdp_config.reshard_after_forward ref.fsdp_config.fsdp_size ref.fsdp_config.param_offload ref.fsdp_config.forward_prefetch ref.fsdp_config.reshard_after_forward critic.fsdp_config.fsdp_size critic.fsdp_config.param_offload critic.fsdp_config.optimizer_offload critic.fsdp_config.forward_prefetch critic.fsdp_config.reshard_after_forward
 trainer.dist_timeout_s
 sft.optim.lr sft.optim.weight_decay sft.optim.betas sft.optim.warmup_steps sft.optim.lr_schedule

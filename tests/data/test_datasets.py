@@ -6,6 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from posttrain.config.errors import DataError
 from posttrain.data.datasets import load_records, tokenize_prompts
 from posttrain.data.records import PromptRecord
 
@@ -92,9 +93,13 @@ def test_saved_dataset_dict_names_splits(tmp_path):
         load_records(tmp_path / "dd")
 
 
-def test_missing_answer_is_none(tmp_path):
-    records = load_records(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]))
-    assert records[0].ground_truth is None
+def test_missing_answer_is_an_error_unless_answers_are_optional(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "a"}, {"prompt": "hi"}])
+    with pytest.raises(DataError, match=r"p\.jsonl: row 1 \(line 2\): missing field 'answer'.*answer_key=''"):
+        load_records(path)
+    records = load_records(path, answer_key="")
+    assert [r.ground_truth for r in records] == [None, None]
+    assert records[0].extra == {"answer": "a"}  # with no answer key, the field is just another extra
 
 
 def test_missing_prompt_field_names_file_row_field_and_available(tmp_path):

@@ -49,7 +49,7 @@ def test_answer_without_marker_names_file_row_field(tmp_path):
 
 
 def test_missing_answer(tmp_path):
-    with pytest.raises(ValueError, match=r"row 0: field 'answer' is missing"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl: row 0 \(line 1\): missing field 'answer'"):
         load_gsm8k(write(tmp_path / "bad.jsonl", [{"question": "q"}]))
 
 

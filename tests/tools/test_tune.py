@@ -1,5 +1,6 @@
 """`posttrain tune`: the pick is within 10% of a brute-force sweep's best; the overlay is a valid config."""
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,20 @@ def test_tune_cli_with_no_time_budget_writes_an_estimated_overlay(tmp_path, caps
         main(["tune", *OVERRIDES, "--time-budget-s", "0", "--memory-cap-gb", "2", "--output", str(out)]) == 0
     )
     text = capsys.readouterr().out
-    assert "starting point for a small" in text and "nothing measured" in text
+    assert "starting point for a tiny" in text and "nothing measured" in text
     overlay = yaml.safe_load(Path(out).read_text())
     assert overlay["actor"]["ppo_micro_batch_size_per_gpu"] >= 1
     build_plan(build_config([out], OVERRIDES))
     assert main(["tune", "--headroom", "1.5", "--time-budget-s", "0"]) == 2
+
+
+def test_tune_writes_into_the_run_directory_and_suggests_a_quoted_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "t"
+    args = [*OVERRIDES, f"trainer.run_dir={run_dir}", "--time-budget-s", "0", "--memory-cap-gb", "2"]
+    assert main(["tune", *args]) == 0
+    assert (run_dir / "tuned.yaml").is_file() and not (tmp_path / "tuned.yaml").exists()
+    use = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("use it: "))
+    words = shlex.split(use.removeprefix("use it: "))
+    assert words[:2] == ["posttrain", "train"] and str(run_dir / "tuned.yaml") in words
+    build_plan(build_config([w for w in words[2:] if "=" not in w], [w for w in words[2:] if "=" in w]))

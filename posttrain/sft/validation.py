@@ -1,0 +1,109 @@
+"""Validation during and after `posttrain sft`: held-out loss, and accuracy when a reward is configured.
+
+The held-out records are sft.val_files, else data.val_files, read with data.prompt_key and
+sft.response_key (a row without the response is a DataError naming file, row and key). Accuracy is
+the share of held-out prompts whose greedy response gets reward >= 1 from reward.function, or from the
+built-in task's reward when no files are given; it is measured like `train`'s validation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from posttrain.config.schema import PostTrainConfig
+from posttrain.data.batch import build_rollout_batch
+from posttrain.data.datasets import encode_prompt, load_records
+from posttrain.data.records import PromptRecord
+from posttrain.forward.passes import policy_logprobs
+from posttrain.rewards.functions import resolve_reward_function
+from posttrain.rewards.runner import RewardInput, RewardRunner
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.native.engine import NativeEngine
+
+CORRECT_THRESHOLD = 1.0  # as train's validation: the rule rewards give 1.0 for a right answer
+
+
+def sft_val_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[PromptRecord]:
+    """The held-out prompt/response records: sft.val_files, else data.val_files, else ``fallback``."""
+    files = cfg.sft.val_files or cfg.data.val_files
+    if not files:
+        return fallback
+    return [r for f in files for r in load_records(f, cfg.data.prompt_key, cfg.sft.response_key)]
+
+
+def sft_reward_spec(cfg: PostTrainConfig, default: str) -> str:
+    """reward.function, else ``default`` (the built-in task's reward; empty with user files: no accuracy)."""
+    return cfg.reward.function or default
+
+
+class SFTValidator:
+    """Computes ``val/loss`` (token-mean NLL of the held-out responses) and ``val/accuracy``."""
+
+    def __init__(
+        self, cfg: PostTrainConfig, tokenizer, records: list[PromptRecord], reward_spec: str
+    ) -> None:
+        self.cfg, self.tokenizer, self.records = cfg, tokenizer, records
+        self.reward_fn = resolve_reward_function(reward_spec) if reward_spec else None
+        template = bool(getattr(tokenizer, "chat_template", None))
+        d = cfg.data
+        self.prompts = [
+            encode_prompt(r.prompt, tokenizer, template, where=r.source or f"validation row {i}")
+            for i, r in enumerate(records)
+        ]
+        self.responses = [
+            (
+                list(tokenizer(str(r.ground_truth), add_special_tokens=False)["input_ids"])
+                + [tokenizer.eos_token_id]
+            )[: d.max_response_length]
+            for r in records
+        ]
+
+    @torch.no_grad()
+    def loss(self, model: nn.Module) -> float:
+        was_training = model.training
+        model.eval()
+        total, tokens = 0.0, 0.0
+        step = self.cfg.sft.micro_batch_size_per_gpu
+        for lo in range(0, len(self.prompts), step):
+            idx = list(range(lo, min(lo + step, len(self.prompts))))
+            batch = build_rollout_batch(
+                [self.prompts[i] for i in idx],
+                [self.responses[i] for i in idx],
+                list(range(len(idx))),
+                self.tokenizer.pad_token_id,
+            ).to(next(model.parameters()).device)
+            logprobs, _ = policy_logprobs(model, batch)
+            total += float(-(logprobs * batch.response_mask).sum())
+            tokens += float(batch.response_mask.sum())
+        model.train(was_training)
+        return total / max(tokens, 1.0)
+
+    @torch.no_grad()
+    def accuracy(self, model: nn.Module) -> dict[str, float]:
+        if self.reward_fn is None:
+            return {}
+        was_training = model.training
+        model.eval()
+        engine = NativeEngine(
+            model, [self.tokenizer.eos_token_id], self.tokenizer.pad_token_id, self.cfg.rollout.chunk_size
+        )
+        params = SamplingParams(
+            max_tokens=self.cfg.data.max_response_length, greedy=True, seed=self.cfg.trainer.seed
+        )
+        result = engine.generate(self.prompts, params)
+        texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+        inputs = [
+            RewardInput(self.records[p].prompt, t, self.records[p].ground_truth, self.records[p].extra)
+            for p, t in zip(result.prompt_index, texts)
+        ]
+        with RewardRunner(self.reward_fn, timeout_s=self.cfg.reward.timeout_s or None) as runner:
+            scores, _ = runner.score(inputs)
+        model.train(was_training)
+        return {
+            "val/accuracy": sum(s >= CORRECT_THRESHOLD for s in scores) / len(scores),
+            "val/reward_mean": sum(scores) / len(scores),
+        }
+
+    def __call__(self, model: nn.Module) -> dict[str, float]:
+        return {"val/loss": self.loss(model), **self.accuracy(model)}

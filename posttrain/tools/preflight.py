@@ -1,0 +1,111 @@
+"""Checks every command runs first (train, eval, sft, explain): what a user names must exist and import
+before any model loads, so a typo costs a second, not a model load.
+
+- the reward function imports and its signature fits one of the accepted styles;
+- every data file named exists; files without a reward are an error for RL (the reward scores them);
+- model.path is a built-in name allowed with this data, a local model directory, or a Hub id that is
+  cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
+- the optional packages the configured loggers need are installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from posttrain.config.errors import ConfigError, DataError, MissingPathError
+from posttrain.config.schema import PostTrainConfig
+from posttrain.data.tasks import get_task
+from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
+from posttrain.rewards.functions import resolve_reward_function
+from posttrain.sft.builtin import check_builtin_choice
+
+# logger -> (module it imports, extra that installs it)
+_LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def preflight(cfg: PostTrainConfig, command: str, model_override: str | None = None) -> None:
+    """Raise a ConfigError naming the key and the fix for the first thing that cannot work.
+
+    ``model_override``: eval's --model, which replaces model.path when it is a model directory.
+    """
+    _check_data_files(cfg, command)
+    _check_reward(cfg, command)
+    if command == "explain":
+        # explain plans before the model is at hand: a missing model.path only drops the memory estimate
+        # (it says so), but a built-in model that cannot be used with this data is still an error.
+        check_builtin_choice(cfg)
+    elif not (model_override and (Path(model_override) / "config.json").exists()):
+        check_model_path(cfg)
+    if command == "train":
+        check_loggers(cfg.trainer.loggers)
+
+
+def _check_data_files(cfg: PostTrainConfig, command: str) -> None:
+    named = [("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)]
+    if command == "sft":
+        named += [("sft.train_files", cfg.sft.train_files), ("sft.val_files", cfg.sft.val_files)]
+    for key, files in named:
+        for f in files:
+            if not Path(f).exists():
+                raise MissingPathError(f"{key}: file {f!r} not found (relative paths start at {Path.cwd()})")
+    if (
+        command == "sft"
+        and (cfg.data.val_files or cfg.sft.val_files)
+        and not (cfg.sft.train_files or cfg.data.train_files)
+    ):
+        raise ConfigError(
+            "validation files are set but there is nothing to fine-tune on: set sft.train_files=[...] "
+            "(prompt and response per row) or data.train_files=[...] (their answers become the responses)"
+        )
+    if command == "train" and cfg.data.val_files and not cfg.data.train_files:
+        raise ConfigError(
+            "data.val_files is set but data.train_files is empty: training needs prompts to train on; set "
+            "data.train_files=[...] (or use `posttrain eval` to evaluate the validation files alone)"
+        )
+
+
+def _check_reward(cfg: PostTrainConfig, command: str) -> None:
+    """Import the reward and check its signature, as the run will (build_components, eval, SFT's accuracy)."""
+    spec = cfg.reward.function
+    user_files = cfg.data.train_files or cfg.data.val_files
+    if not spec and cfg.data.task == "gsm8k":
+        spec = "gsm8k"
+    if not spec and user_files and command != "sft":
+        raise DataError(
+            "reward.function is empty but data files are given: name a reward, e.g. reward.function=exact_match "
+            "or reward.function=path/to/file.py:fn"
+        )
+    if not spec and not user_files:
+        spec = get_task(cfg.data.task).default_reward
+    if spec:
+        resolve_reward_function(spec)
+
+
+def check_model_path(cfg: PostTrainConfig) -> None:
+    """model.path exists (without loading or downloading anything)."""
+    path = cfg.model.path
+    if path.startswith("builtin:"):
+        check_builtin_choice(cfg)
+    elif not Path(path).exists() and looks_like_hub_id(path):
+        resolve_hub_model(path, download=False)  # raises when offline and not cached
+    elif not (Path(path) / "config.json").exists():
+        raise MissingPathError(
+            f"model.path={path!r} is not a Hugging Face model directory (no config.json) nor a Hub id "
+            "('org/name'); give a local directory saved with save_pretrained, a Hub id, model.path=builtin:base "
+            "(the untrained tiny model) or builtin:tiny (the arithmetic demo)"
+        )
+
+
+def check_loggers(loggers: list[str]) -> None:
+    """A configured logger whose package is missing fails now, with the install command, not at step 1."""
+    for name in loggers:
+        if name not in _LOGGER_PACKAGES:
+            continue
+        module, extra = _LOGGER_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"trainer.loggers includes {name!r} but the {module} package is not installed: "
+                f'pip install "posttrain[{extra}]" (from a source checkout: pip install -e ".[{extra}]"), '
+                f"or remove {name!r} from trainer.loggers (e.g. trainer.loggers=[console,jsonl])"
+            )
