@@ -8,7 +8,7 @@ from posttrain.config.load import all_keys
 EXPECTED_KEYS = """
 model.path model.dtype model.use_remove_padding model.remove_padding_max_row_tokens
 model.enable_gradient_checkpointing model.enable_activation_offload model.use_liger
-model.lora_rank model.lora_alpha model.target_modules model.lora_dropout model.lora_adapter_path
+model.lora_rank model.lora_alpha model.target_modules model.lora_dropout model.lora_merge model.lora_adapter_path
 data.task data.train_files data.val_files data.prompt_key data.answer_key data.train_batch_size
 data.val_batch_size data.max_prompt_length data.max_response_length data.overlong_prompts
 data.num_train_examples data.num_val_examples data.max_operand
