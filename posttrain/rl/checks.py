@@ -54,6 +54,14 @@ def check_rollout_backend(cfg: PostTrainConfig, device: torch.device, world_size
     r = cfg.rollout
     if r.name != "vllm":
         return
+    filtered = r.top_k != -1 or r.top_p < 1.0
+    if cfg.algorithm.rollout_correction.bypass_mode and filtered:
+        raise ConfigError(
+            f"algorithm.rollout_correction.bypass_mode=true uses the rollout's log-probs as the old log-probs, but "
+            f"with rollout.top_k={r.top_k} / rollout.top_p={r.top_p} vLLM reports them renormalised after "
+            "filtering, not the trainer's log_softmax(logits / temperature); set bypass_mode=false (the actor "
+            "recomputes them), or rollout.top_k=-1 and rollout.top_p=1.0"
+        )
     knobs = knobs_from_config(
         r,
         cfg.data.max_prompt_length,
@@ -63,11 +71,3 @@ def check_rollout_backend(cfg: PostTrainConfig, device: torch.device, world_size
         device.type,
     )
     check_vllm_settings(knobs, device.type, cfg.model.dtype, read_model_config(cfg.model.path), world_size)
-    filtered = r.top_k != -1 or r.top_p < 1.0
-    if cfg.algorithm.rollout_correction.bypass_mode and filtered:
-        raise ConfigError(
-            f"algorithm.rollout_correction.bypass_mode=true uses the rollout's log-probs as the old log-probs, but "
-            f"with rollout.top_k={r.top_k} / rollout.top_p={r.top_p} vLLM reports them renormalised after "
-            "filtering, not the trainer's log_softmax(logits / temperature); set bypass_mode=false (the actor "
-            "recomputes them), or rollout.top_k=-1 and rollout.top_p=1.0"
-        )

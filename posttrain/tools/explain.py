@@ -43,6 +43,27 @@ def _forward_branch(tree: Tree, p: ForwardPlan, title: str, key: str) -> None:
     tree.add(f"[bold]{title}[/] forward-only, DP {p.dp_size}: {p.samples_per_rank} samples per rank; {how}")
 
 
+def weight_sync_line(cfg: PostTrainConfig, plan: BatchPlan) -> str:
+    """How the rollout engine sees the actor's updates (the sync plan)."""
+    r, lora = cfg.rollout, cfg.model.lora_rank > 0 or bool(cfg.model.lora_adapter_path)
+    if r.name == "native" and plan.world_size == 1:
+        return "weight sync: none (the engine decodes with the actor's own module)"
+    if r.name == "native":
+        return "weight sync: after every update the sharded actor is gathered into each rank's engine copy"
+    what = (
+        "the LoRA adapter alone (model.lora_merge=false)"
+        if lora and not cfg.model.lora_merge
+        else ("the weights with LoRA merged" if lora else "every weight")
+    )
+    per = (
+        "one decoder layer per bucket (rollout.layered_summon)" if r.layered_summon else "whole fused groups"
+    )
+    return (
+        f"weight sync: after every update, {what} pushed into vLLM in buckets of ≤ "
+        f"{r.update_weights_bucket_megabytes} MiB (rollout.update_weights_bucket_megabytes), {per}; prefix cache reset"
+    )
+
+
 def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
     """A rich Tree of the plan, one branch per role, plus the derived facts users ask about."""
     root = Tree(
@@ -50,11 +71,12 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         f"× rollout.n {plan.n} = [bold]{plan.samples_per_step} samples per step[/] "
         f"(world size {plan.world_size})"
     )
-    root.add(
-        f"[bold]rollout[/]: {plan.rollout_chunks_per_step} engine call(s) of ≤ {plan.rollout_chunk_prompts} prompts "
-        f"(rollout.chunk_size) × n {plan.n}; sequences ≤ {plan.max_seq_len} tokens "
-        f"({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
+    rollout = root.add(
+        f"[bold]rollout[/] ({cfg.rollout.name} engine): {plan.rollout_chunks_per_step} engine call(s) of "
+        f"≤ {plan.rollout_chunk_prompts} prompts (rollout.chunk_size) × n {plan.n}; sequences ≤ {plan.max_seq_len} "
+        f"tokens ({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
     )
+    rollout.add(weight_sync_line(cfg, plan))
     forward_passes = (
         (
             plan.old_log_prob,

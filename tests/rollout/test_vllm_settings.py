@@ -201,3 +201,33 @@ def test_llm_arguments_cpu_cuda_tp_lora(monkeypatch):
     assert tp["distributed_executor_backend"] == "external_launcher" and tp["data_parallel_size"] == 2
     lora = llm_kwargs(VLLMKnobs(enable_lora=True, max_lora_rank=12), "m", "fp32", 0, "cpu", CONFIG)
     assert lora["enable_lora"] and lora["max_lora_rank"] == 16  # rounded up to a rank vLLM accepts
+
+
+def test_train_refuses_bypass_mode_with_filtered_vllm_log_probs_before_loading(tmp_path):
+    """vLLM renormalises log-probs after top-k/top-p: they are not the old policy's, so bypass mode is refused
+    (exit 2, naming both keys) before anything loads; the native engine's log-probs are taken before filtering."""
+    from posttrain.cli import main
+
+    common = ["rollout.name=vllm", "algorithm.rollout_correction.bypass_mode=true", f"trainer.run_dir={tmp_path}"]
+    assert main(["train", *common, "rollout.top_k=20"]) == 2
+
+
+def test_train_names_the_install_command_when_vllm_is_missing(tmp_path, monkeypatch, capsys):
+    from posttrain.cli import main
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert main(["train", "rollout.name=vllm", f"trainer.run_dir={tmp_path}"]) == 2
+    assert "posttrain[vllm" in capsys.readouterr().err
+
+
+def test_explain_shows_the_engine_and_its_sync_plan(capsys):
+    from posttrain.cli import main
+
+    assert main(["explain", "rollout.name=vllm", "model.lora_rank=8", "model.lora_merge=false"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout (vllm engine)" in out
+    flat = " ".join(out.split())  # the tree wraps long lines
+    assert "the LoRA adapter alone (model.lora_merge=false) pushed into vLLM" in flat
+    assert "≤ 512 MiB" in flat
+    assert main(["explain"]) == 0
+    assert "weight sync: none" in capsys.readouterr().out
