@@ -13,7 +13,7 @@ from posttrain.config.schema import PostTrainConfig
 
 HEADER = """# Configuration reference
 
-Generated from `posttrain/config/schema.py` (the only place defaults live) by
+Generated from `posttrain/config/schema/` (the only place defaults live) by
 `python -m posttrain.config.reference > docs/config.md`; a test keeps this file in sync.
 
 Units: *prompts* count unique prompts, *samples* count prompt x response pairs (prompts x `rollout.n`).

@@ -35,21 +35,40 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from posttrain.config.errors import CheckpointError
+from posttrain.train.checkpoint_index import (  # noqa: F401 (re-exported: callers find them here)
+    _KEY_RE,
+    _REPLACED_RE,
+    COMPLETE_FILENAME,
+    FORMAT_VERSION,
+    LATEST_FILENAME,
+    LAYOUT,
+    MANIFEST_FILENAME,
+    RNG_FILENAME,
+    STATE_DIRNAME,
+    TRAINER_STATE_FILENAME,
+    _complete_by_step,
+    _from_main,
+    _is_main,
+    checkpoint_root,
+    find_checkpoint,
+    is_complete_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    read_manifest,
+    step_dirname,
+)
 from posttrain.train.integrity import CHECKSUM_KEY, checksums, read_json_file, verify_files
 from posttrain.train.rng_state import capture_rng_state, restore_rng_state
 from posttrain.train.sharded_state import (
@@ -59,171 +78,6 @@ from posttrain.train.sharded_state import (
     save_state,
     saved_shapes,
 )
-
-CHECKPOINTS_DIRNAME = "checkpoints"
-LATEST_FILENAME = "latest"
-COMPLETE_FILENAME = "COMPLETE"
-MANIFEST_FILENAME = "manifest.json"
-TRAINER_STATE_FILENAME = "trainer_state.json"
-RNG_FILENAME = "rng.pt"
-LAYOUT = "dcp"
-FORMAT_VERSION = 2
-STATE_DIRNAME = "state"
-RESUME_MODES = ("auto", "disable")
-
-_STEP_RE = re.compile(r"^step_(\d+)$")
-# An older copy of a step moved aside while the same step is saved again (see _publish).
-_REPLACED_RE = re.compile(r"^\.replaced-(step_\d+)-\d+$")
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-def checkpoint_root(run_dir: str | os.PathLike) -> Path:
-    """The directory holding all checkpoints of a run: ``run_dir/checkpoints``."""
-    return Path(run_dir) / CHECKPOINTS_DIRNAME
-
-
-def step_dirname(step: int) -> str:
-    """Directory name of the checkpoint for ``step`` (``step_000012``)."""
-    return f"step_{step:06d}"
-
-
-def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    """True when ``path`` holds a checkpoint whose save finished (manifest and COMPLETE marker)."""
-    path = Path(path)
-    return (path / COMPLETE_FILENAME).is_file() and (path / MANIFEST_FILENAME).is_file()
-
-
-def _complete_by_step(root: Path) -> dict[int, Path]:
-    """Complete checkpoints under ``root`` keyed by step, in ascending step order."""
-    found: dict[int, Path] = {}
-    aside: dict[int, Path] = {}
-    if not root.is_dir():
-        return found
-    for entry in root.iterdir():
-        if (match := _STEP_RE.match(entry.name)) and is_complete_checkpoint(entry):
-            found[int(match.group(1))] = entry
-        elif (match := _REPLACED_RE.match(entry.name)) and is_complete_checkpoint(entry):
-            aside[int(match.group(1)[len("step_") :])] = entry
-    # A crash between the two renames of a same-step re-save leaves only the moved-aside copy.
-    for step, entry in aside.items():
-        found.setdefault(step, entry)
-    return dict(sorted(found.items()))
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints of a run, oldest step first. Temporary and partial directories are skipped."""
-    return list(_complete_by_step(checkpoint_root(run_dir)).values())
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names, else the highest complete step, else None.
-
-    The pointer wins over the highest step because a run resumed from an older checkpoint keeps the
-    abandoned later steps on disk; ``latest`` is what the most recent save wrote.
-    """
-    root = checkpoint_root(run_dir)
-    complete = _complete_by_step(root)
-    if not complete:
-        return None
-    pointed = _read_latest(root)
-    match = _STEP_RE.match(pointed)
-    if match and int(match.group(1)) in complete:
-        return complete[int(match.group(1))]
-    return complete[max(complete)]
-
-
-def _read_latest(root: Path) -> str:
-    """The checkpoint name in ``latest`` ('' when absent); garbage there is a CheckpointError naming it."""
-    path = root / LATEST_FILENAME
-    try:
-        pointed = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        return ""
-    except (OSError, UnicodeDecodeError) as err:
-        pointed = f"<unreadable: {err}>"
-    if not _STEP_RE.match(pointed):
-        raise CheckpointError(
-            f"{path} is damaged: it holds {pointed[:60]!r}, not a checkpoint name like 'step_000012'. Delete it "
-            "(resume=auto then takes the highest complete step) or write the name of a checkpoint into it"
-        )
-    return pointed
-
-
-def _newest_intact(run_dir: str | os.PathLike) -> Path | None:
-    """The latest checkpoint whose files all verify, newest first; each damaged one is skipped with a
-    warning naming its damaged file (its directory is left alone for inspection)."""
-    newest = latest_checkpoint(run_dir)
-    candidates = [newest] if newest is not None else []
-    candidates += [p for p in reversed(list_checkpoints(run_dir)) if p != newest]
-    damaged = []
-    for path in candidates:
-        try:
-            verify_files(path, read_manifest(path))
-        except CheckpointError as err:
-            warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=3)
-            damaged.append(path.name)
-            continue
-        return path
-    if damaged:
-        # Starting fresh here would train over (and prune) checkpoints someone may want to repair.
-        raise CheckpointError(
-            f"every checkpoint in {checkpoint_root(run_dir)} is damaged ({damaged}; see the warnings above); "
-            "set trainer.resume=disable to start fresh, or use a new trainer.run_dir"
-        )
-    return None
-
-
-def find_checkpoint(run_dir: str | os.PathLike, resume: str) -> Path | None:
-    """Resolve ``resume``: ``auto`` (latest complete checkpoint or None), ``disable`` (None) or a path.
-
-    A relative path that does not exist is also tried under ``run_dir/checkpoints``, so
-    ``resume=step_000012`` names a checkpoint of this run. The checkpoint returned has been verified
-    (:mod:`posttrain.train.integrity`): ``auto`` falls back to the newest intact one with a warning naming
-    each damaged one; a named checkpoint that is damaged is a CheckpointError naming the file. With several
-    ranks, rank 0 alone reads the files and every rank gets its answer (or its error).
-    """
-    if resume == "disable":
-        return None
-    error, found = None, None
-    if _is_main():
-        try:
-            found = _resolve(run_dir, resume)
-        except CheckpointError as err:
-            error = str(err)
-    error, found = _from_main((error, found))
-    if error is not None:
-        raise CheckpointError(error)
-    return found
-
-
-def _resolve(run_dir: str | os.PathLike, resume: str) -> Path | None:
-    if resume == "auto":
-        return _newest_intact(run_dir)
-    if not isinstance(resume, str) or not resume:
-        raise CheckpointError(
-            f"resume={resume!r} is not valid; use one of {RESUME_MODES} or a checkpoint path"
-        )
-    candidate = Path(resume).expanduser()
-    if not candidate.exists() and not candidate.is_absolute():
-        candidate = checkpoint_root(run_dir) / resume
-    if is_complete_checkpoint(candidate):
-        verify_files(candidate, read_manifest(candidate))
-        return candidate
-    reason = (
-        "does not exist" if not candidate.exists() else "is not a complete checkpoint (interrupted save?)"
-    )
-    available = [p.name for p in list_checkpoints(run_dir)] or "none"
-    raise CheckpointError(
-        f"resume={resume!r}: {candidate} {reason}. Available checkpoints in "
-        f"{checkpoint_root(run_dir)}: {available}. Use resume=auto for the latest one or "
-        "resume=disable to start fresh."
-    )
-
-
-# --------------------------------------------------------------------------- save
 
 
 def save_checkpoint(
@@ -295,19 +149,6 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-
-
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _from_main(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (itself without torch.distributed)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _check_save_args(
@@ -479,31 +320,6 @@ def _prune(root: Path, keep_last: int, current_step: int) -> None:
 
 
 # --------------------------------------------------------------------------- load
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; ValueError for partial or foreign directories."""
-    path = Path(path)
-    if not is_complete_checkpoint(path):
-        raise CheckpointError(
-            f"path={path} is not a complete checkpoint (no {COMPLETE_FILENAME} marker or manifest); "
-            "pick one with find_checkpoint(run_dir, 'auto')"
-        )
-    manifest = read_json_file(path / MANIFEST_FILENAME, "the checkpoint's manifest")
-    if not isinstance(manifest, dict) or not all(
-        isinstance(manifest.get(k), list) for k in ("modules", "optimizers", "schedulers")
-    ):
-        raise CheckpointError(
-            f"checkpoint file {path / MANIFEST_FILENAME} is damaged: not a manifest written by posttrain; "
-            "resume from another checkpoint"
-        )
-    if manifest.get("layout") != LAYOUT or manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has layout={manifest.get('layout')!r}, "
-            f"format_version={manifest.get('format_version')!r}; this loader reads layout={LAYOUT!r} "
-            f"up to format_version={FORMAT_VERSION}"
-        )
-    return manifest
 
 
 def load_checkpoint(

@@ -1,0 +1,54 @@
+"""Reward functions and the optional reward model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.fields import knob, section
+from posttrain.config.schema.names import DTYPES
+
+
+@dataclass
+class RewardModelConfig:
+    """An optional Hugging Face sequence-classification reward model."""
+
+    enable: bool = knob(False, "Score responses with the reward model at `path`.")
+    path: str = knob("", "Local directory of an AutoModelForSequenceClassification with one label.")
+    micro_batch_size_per_gpu: int = knob(
+        32, "Samples per reward-model forward pass.", unit="samples per DP rank", min=1
+    )
+    use_dynamic_bsz: bool = knob(False, "Form reward-model micro-batches by token budget.")
+    dtype: str | None = knob(
+        None,
+        "Parameter and compute dtype of the reward model; null: the same as model.dtype.",
+        choices=DTYPES,
+    )
+    remove_padding_max_row_tokens: int | None = knob(
+        None,
+        "Row length of packed reward-model inputs; null: the same as model.remove_padding_max_row_tokens.",
+        unit="tokens",
+        min=1,
+    )
+    use_remove_padding: bool = knob(
+        False,
+        "Pack reward-model inputs into rows of reward.model.remove_padding_max_row_tokens tokens (no pad tokens "
+        "computed); needs an architecture verified for packing (docs/throughput.md).",
+    )
+    forward_max_token_len_per_gpu: int = knob(
+        32768, "Token budget of one reward-model forward pass.", unit="tokens per GPU", min=1
+    )
+
+
+@dataclass
+class RewardConfig:
+    """Rule-based or user reward functions, and the optional reward model."""
+
+    function: str = knob(
+        "",
+        "Reward function: a built-in name (exact_match, arithmetic, gsm8k) or 'path/to/file.py:fn'. "
+        "Empty: the task's own reward.",
+    )
+    timeout_s: float = knob(10.0, "Seconds one reward call may take (0 disables the guard).", min=0.0)
+    failure_reward: float = knob(0.0, "Reward given when the function raises or times out.")
+    fail_fast: bool = knob(False, "Abort the run on the first reward-function failure.")
+    model: RewardModelConfig = section(RewardModelConfig)

@@ -1,0 +1,84 @@
+"""The run (trainer) and supervised fine-tuning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.fields import knob, section
+from posttrain.config.schema.roles import OptimConfig
+
+
+@dataclass
+class TrainerConfig:
+    """The run: length, validation, checkpoints, logging, device."""
+
+    total_steps: int = knob(40, "Training steps (one rollout + update each).", unit="steps", min=1)
+    test_freq: int = knob(5, "Validate every this many steps (and before training); 0 disables.", min=0)
+    save_freq: int = knob(0, "Checkpoint every this many steps (and at the end); 0: only at the end.", min=0)
+    max_ckpt_to_keep: int = knob(2, "Complete checkpoints kept; older ones are deleted.", min=1)
+    run_dir: str = knob("runs/latest", "Directory for metrics, the resolved config, plots and checkpoints.")
+    resume: str = knob("auto", "'auto' (latest checkpoint in run_dir), 'disable', or a checkpoint path.")
+    seed: int = knob(1, "Seed for data order, sampling and the built-in model.")
+    device: str = knob(
+        "auto", "'auto' (CUDA when present), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda")
+    )
+    loggers: list[str] = knob(
+        default_factory=lambda: ["console", "jsonl"], help="Metric sinks: console, jsonl, tensorboard, wandb."
+    )
+    export_hf: bool = knob(True, "Export the final policy as a Hugging Face model directory.")
+    dist_timeout_s: float = knob(
+        600.0,
+        "With several ranks: seconds a collective may wait for the other ranks before the job fails with "
+        "an error (a dead or hung rank ends the run instead of hanging it).",
+        unit="seconds",
+        min=1.0,
+    )
+    max_skipped_steps: int = knob(
+        3,
+        "Stop with an error after this many consecutive training steps whose optimizer steps were all "
+        "skipped for a non-finite loss or gradient.",
+        unit="steps",
+        min=1,
+    )
+    save_on_terminate: bool = knob(
+        False, "On SIGTERM, finish the current step and save a checkpoint before exiting (code 143)."
+    )
+    export_merged: bool = knob(
+        False,
+        "With LoRA: export the policy with its adapters merged into the base weights, a plain Hugging Face "
+        "model (AutoModelForCausalLM), instead of the PEFT adapter directory (PeftModel.from_pretrained). "
+        "Applies to `posttrain train` and `posttrain sft`.",
+    )
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning (`posttrain sft`, and the built-in model's warm start)."""
+
+    train_files: list[str] = knob(
+        default_factory=list,
+        help="Prompt/response files (.parquet, .jsonl, .json, saved `datasets` dir). Empty: the task's "
+        "training split, with the ground truth as the response.",
+    )
+    response_key: str = knob("response", "Field holding the target response.")
+    val_files: list[str] = knob(
+        default_factory=list,
+        help="Held-out prompt/response files: validation loss (and, with a reward, accuracy) every "
+        "trainer.test_freq steps and at the end. Empty: data.val_files when they hold sft.response_key.",
+    )
+    batch_size: int = knob(32, "Examples per optimizer step (global).", unit="examples", min=1)
+    micro_batch_size_per_gpu: int = knob(
+        32, "Examples per forward/backward pass on one DP rank.", unit="examples per DP rank", min=1
+    )
+    epochs: int = knob(
+        10,
+        "Passes over the training examples. The defaults (10 epochs, lr 1e-3, batches of 32) suit the built-in "
+        "tiny models (docs/your-task.md); models of 0.5B+ want 1-3 epochs at lr 1e-5 to 2e-5.",
+        unit="epochs",
+        min=1,
+    )
+    max_steps: int = knob(
+        0, "Stop after this many optimizer steps (0: run all epochs).", unit="optimizer steps", min=0
+    )
+    output_dir: str = knob("", "Where `posttrain sft` saves the model; empty: <trainer.run_dir>/sft_model.")
+    optim: OptimConfig = section(OptimConfig, lr=1e-3)
