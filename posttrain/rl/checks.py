@@ -62,6 +62,13 @@ def check_rollout_backend(cfg: PostTrainConfig, device: torch.device, world_size
             "filtering, not the trainer's log_softmax(logits / temperature); set bypass_mode=false (the actor "
             "recomputes them), or rollout.top_k=-1 and rollout.top_p=1.0"
         )
+    lora = cfg.model.lora_rank > 0 or bool(cfg.model.lora_adapter_path)
+    if lora and not cfg.model.lora_merge and world_size > 1:
+        raise ConfigError(
+            f"model.lora_merge=false pushes the LoRA adapter alone into vLLM, which is not supported with "
+            f"{world_size} ranks yet (the sharded adapter would have to be gathered before it is saved); set "
+            "model.lora_merge=true (merged weights are pushed) or train on one rank"
+        )
     knobs = knobs_from_config(
         r,
         cfg.data.max_prompt_length,

@@ -34,6 +34,7 @@ from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
 from posttrain.rl.samples import log_validation_samples
 from posttrain.rl.sampling import step_seed
 from posttrain.rl.step import train_step
+from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.utils.console import TrainingDisplay
@@ -147,9 +148,10 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
             if ctx.is_main:
                 resolve_model_path(cfg, quiet=quiet)
             ctx.barrier()
-        result = _train(cfg, ctx, quiet=quiet or not ctx.is_main)
+        result, engine = _train(cfg, ctx, quiet=quiet or not ctx.is_main)
         # Leave together: gloo aborts a process whose group is torn down while a peer still talks to it.
         ctx.barrier()
+        engine.close()  # after the last collective: an in-process vLLM engine tears the process group down
         return result
     except Exception as exc:
         abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
@@ -160,7 +162,8 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
             lock.release()
 
 
-def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, float]:
+def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> tuple[dict[str, float], RolloutEngine]:
+    """Build, resume, train, export; returns the last metrics and the rollout engine (closed by the caller)."""
     c = build_components(cfg, quiet=quiet, dist=ctx)
     run_dir = Path(cfg.trainer.run_dir)
     if ctx.is_main:
@@ -227,7 +230,7 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> dict[str, flo
             f"Validation accuracy {before}{last['val/accuracy']:.1%} after {t.total_steps} steps "
             f"({time.monotonic() - began:.0f} s of training)"
         )
-    return last
+    return last, c.engine
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -148,6 +148,10 @@ class RolloutEngine(Protocol):
         """Re-acquire what :meth:`release_memory` freed, before the next ``generate``. No-op by default."""
         return None
 
+    def close(self) -> None:
+        """Free the engine for good (after the run's last collective). No-op by default."""
+        return None
+
     def sync_metrics(self) -> dict[str, float]:
         """Time and bytes of the last ``sync_weights`` (metric name → value); empty where not measured."""
         return {}

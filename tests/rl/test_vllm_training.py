@@ -89,3 +89,22 @@ def test_vllm_rollout_learns_like_the_native_engine(model_dir, tmp_path):
         assert row["rollout_corr/log_prob_abs_diff_max"] < 1e-4
         assert row["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
         assert "rollout/tokens_per_s" in row
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapter-only"])
+def test_vllm_follows_a_lora_policy(model_dir, tmp_path, merge):
+    """After each update vLLM decodes the updated LoRA policy, pushed merged or as the adapter alone: its
+    log-probs of the sampled tokens stay the trainer's (a stale engine would drift from step 2 on)."""
+    rows = train(
+        model_dir,
+        tmp_path / "run",
+        "rollout.name=vllm",
+        "trainer.total_steps=3",
+        "model.lora_rank=8",
+        "model.lora_alpha=32",
+        f"model.lora_merge={str(merge).lower()}",
+    )
+    assert len(rows) == 3
+    for row in rows:
+        assert row["rollout_corr/log_prob_abs_diff_max"] < 1e-4, row["step"]
+    assert rows[-1]["actor/grad_norm"] > 0

@@ -208,7 +208,11 @@ def test_train_refuses_bypass_mode_with_filtered_vllm_log_probs_before_loading(t
     (exit 2, naming both keys) before anything loads; the native engine's log-probs are taken before filtering."""
     from posttrain.cli import main
 
-    common = ["rollout.name=vllm", "algorithm.rollout_correction.bypass_mode=true", f"trainer.run_dir={tmp_path}"]
+    common = [
+        "rollout.name=vllm",
+        "algorithm.rollout_correction.bypass_mode=true",
+        f"trainer.run_dir={tmp_path}",
+    ]
     assert main(["train", *common, "rollout.top_k=20"]) == 2
 
 

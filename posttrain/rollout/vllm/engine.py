@@ -227,6 +227,14 @@ class VLLMEngine(RolloutEngine):
                 "rollout/sync_buckets": float(buckets),
             }
 
+    def close(self) -> None:
+        """Shut vLLM's in-process engine down now rather than at interpreter exit: its teardown destroys the
+        distributed state it set up, the default process group included, so the trainer calls this after its
+        last collective (then finds no group left to destroy)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
     def sync_metrics(self) -> dict[str, float]:
         """Seconds, bytes and buckets of the last ``sync_weights`` / adapter load (empty before the first)."""
         return dict(self._sync_metrics)
