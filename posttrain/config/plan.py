@@ -195,18 +195,43 @@ def _check_budget(cfg: PostTrainConfig, key: str, budget: int, sp: int) -> int:
     return budget * sp
 
 
-def _forward_plan(
-    cfg: PostTrainConfig,
-    role: str,
-    world_size: int,
-    sp: int,
-    sp_key: str,
-    dynamic: bool,
-    micro: int,
-    budget: int,
-    budget_key: str,
-) -> ForwardPlan:
-    dp = _dp_size(world_size, sp, sp_key)
+FORWARD_PASSES = {
+    # pass: (its config section, dynamic-batch key, micro-batch key, token-budget key); SP from the section
+    "old_log_prob": (
+        "actor",
+        "use_dynamic_bsz",
+        "log_prob_micro_batch_size_per_gpu",
+        "log_prob_max_token_len_per_gpu",
+    ),
+    "ref": (
+        "ref",
+        "log_prob_use_dynamic_bsz",
+        "log_prob_micro_batch_size_per_gpu",
+        "log_prob_max_token_len_per_gpu",
+    ),
+    "values": (
+        "critic",
+        "use_dynamic_bsz",
+        "forward_micro_batch_size_per_gpu",
+        "forward_max_token_len_per_gpu",
+    ),
+    "reward_model": (
+        "reward.model",
+        "use_dynamic_bsz",
+        "micro_batch_size_per_gpu",
+        "forward_max_token_len_per_gpu",
+    ),
+}
+
+
+def _forward_plan(cfg: PostTrainConfig, role: str, world_size: int) -> ForwardPlan:
+    """A forward-only pass's plan from its section's keys (:data:`FORWARD_PASSES`)."""
+    name, dynamic_key, micro_key, budget_key = FORWARD_PASSES[role]
+    section = cfg
+    for part in name.split("."):
+        section = getattr(section, part)
+    sp = getattr(section, "ulysses_sequence_parallel_size", 1)
+    dp = _dp_size(world_size, sp, f"{name}.ulysses_sequence_parallel_size")
     samples = cfg.data.train_batch_size * cfg.rollout.n
     if samples % dp != 0:
         raise ConfigError(
@@ -214,9 +239,10 @@ def _forward_plan(
             f"samples must split evenly over {dp} data-parallel ranks for the {role} pass"
         )
     per_rank = samples // dp
-    if dynamic:
-        per_rank_budget = _check_budget(cfg, budget_key, budget, sp)
-        return ForwardPlan(role, dp, sp, per_rank, True, None, per_rank_budget, None)
+    if getattr(section, dynamic_key):
+        budget = _check_budget(cfg, f"{name}.{budget_key}", getattr(section, budget_key), sp)
+        return ForwardPlan(role, dp, sp, per_rank, True, None, budget, None)
+    micro = getattr(section, micro_key)
     return ForwardPlan(role, dp, sp, per_rank, False, micro, None, -(-per_rank // micro))
 
 
@@ -253,18 +279,16 @@ def build_sft_plan(cfg: PostTrainConfig, world_size: int = 1) -> UpdatePlan:
     )
 
 
-def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
-    """Derive the frozen BatchPlan; raises ValueError on any inconsistent setting."""
+def _check_step_rules(cfg: PostTrainConfig, world_size: int, uses_ref: bool, uses_critic: bool) -> None:
+    """Rules 6-8 (groups need n >= 2, a forward holds every decoding sequence, FSDP groups divide the world)."""
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     est, n = cfg.algorithm.adv_estimator, cfg.rollout.n
-    needs = estimator_needs(est)
-    if needs.groups and n < 2:
+    if estimator_needs(est).groups and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={est} compares samples of the same prompt, so rollout.n ({n}) must be "
             f"at least 2 (typical: 4-16); with n=1 use reinforce_plus_plus, remax or gae"
         )
-    a, r = cfg.actor, cfg.ref
     ro = cfg.rollout
     if ro.max_num_batched_tokens < ro.max_num_seqs:
         raise ConfigError(
@@ -272,68 +296,18 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
             f"({ro.max_num_seqs}): each decoding sequence adds one token to every forward. Raise it to "
             f"rollout.max_num_batched_tokens={ro.max_num_seqs} or lower rollout.max_num_seqs"
         )
-    uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    for section, used in (("actor", True), ("ref", uses_ref), ("critic", needs.critic)):
+    for section, used in (("actor", True), ("ref", uses_ref), ("critic", uses_critic)):
         if used:
             key = f"{section}.fsdp_config.fsdp_size"
             fsdp_group_size(getattr(cfg, section).fsdp_config.fsdp_size, world_size, key)
-    actor = _update_plan(cfg, "actor", world_size)
-    old_lp = _forward_plan(
-        cfg,
-        "old_log_prob",
-        world_size,
-        a.ulysses_sequence_parallel_size,
-        "actor.ulysses_sequence_parallel_size",
-        a.use_dynamic_bsz,
-        a.log_prob_micro_batch_size_per_gpu,
-        a.log_prob_max_token_len_per_gpu,
-        "actor.log_prob_max_token_len_per_gpu",
-    )
-    ref = (
-        _forward_plan(
-            cfg,
-            "ref",
-            world_size,
-            r.ulysses_sequence_parallel_size,
-            "ref.ulysses_sequence_parallel_size",
-            r.log_prob_use_dynamic_bsz,
-            r.log_prob_micro_batch_size_per_gpu,
-            r.log_prob_max_token_len_per_gpu,
-            "ref.log_prob_max_token_len_per_gpu",
-        )
-        if uses_ref
-        else None
-    )
-    critic = values = None
-    if needs.critic:
-        c = cfg.critic
-        critic = _update_plan(cfg, "critic", world_size)
-        values = _forward_plan(
-            cfg,
-            "values",
-            world_size,
-            c.ulysses_sequence_parallel_size,
-            "critic.ulysses_sequence_parallel_size",
-            c.use_dynamic_bsz,
-            c.forward_micro_batch_size_per_gpu,
-            c.forward_max_token_len_per_gpu,
-            "critic.forward_max_token_len_per_gpu",
-        )
-    rm = None
-    if cfg.reward.model.enable:
-        m = cfg.reward.model
-        rm = _forward_plan(
-            cfg,
-            "reward_model",
-            world_size,
-            1,
-            "",
-            m.use_dynamic_bsz,
-            m.micro_batch_size_per_gpu,
-            m.forward_max_token_len_per_gpu,
-            "reward.model.forward_max_token_len_per_gpu",
-        )
-    tbs = cfg.data.train_batch_size
+
+
+def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
+    """Derive the frozen BatchPlan; raises ConfigError on any inconsistent setting."""
+    uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    uses_critic = estimator_needs(cfg.algorithm.adv_estimator).critic
+    _check_step_rules(cfg, world_size, uses_ref, uses_critic)
+    tbs, n = cfg.data.train_batch_size, cfg.rollout.n
     chunk = min(cfg.rollout.chunk_size, tbs)
     return BatchPlan(
         world_size=world_size,
@@ -343,10 +317,10 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         max_seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
         rollout_chunk_prompts=chunk,
         rollout_chunks_per_step=-(-tbs // chunk),
-        actor=actor,
-        old_log_prob=old_lp,
-        ref=ref,
-        critic=critic,
-        values=values,
-        reward_model=rm,
+        actor=_update_plan(cfg, "actor", world_size),
+        old_log_prob=_forward_plan(cfg, "old_log_prob", world_size),
+        ref=_forward_plan(cfg, "ref", world_size) if uses_ref else None,
+        critic=_update_plan(cfg, "critic", world_size) if uses_critic else None,
+        values=_forward_plan(cfg, "values", world_size) if uses_critic else None,
+        reward_model=_forward_plan(cfg, "reward_model", world_size) if cfg.reward.model.enable else None,
     )

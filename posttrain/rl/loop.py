@@ -175,7 +175,6 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> tuple[dict[st
     t = cfg.trainer
     backends = [b for b in t.loggers if b != "console"]
     logger = MetricsLogger(run_dir, backends=backends, config=None) if ctx.is_main else None
-    timer = PhaseTimer()
     began = time.monotonic()
     start = maybe_resume(c, run_dir)
     if start >= t.total_steps:
@@ -193,30 +192,9 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> tuple[dict[st
         disable=quiet or "console" not in t.loggers,
     )
     display.start()
-    last: dict[str, float] = {}
-    skipped = SkippedStepGuard(t.max_skipped_steps)
     signals = RunSignals(save_at_step_end=t.save_on_terminate).install()
-    first_val: dict[str, float] = {}
     try:
-        if start == 0 and t.test_freq > 0:
-            last = first_val = run_validation(c, 0, quiet)
-            if logger is not None:
-                logger.log(last, step=0)
-            display.message(f"initial validation: {_fmt(last)}")
-        for step in range(start + 1, t.total_steps + 1):
-            metrics = train_step(c, step, timer)
-            if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
-                metrics.update(run_validation(c, step, quiet))
-            if logger is not None:
-                logger.log(metrics, step=step)
-            skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
-            display.update(step, metrics)
-            last = metrics
-            saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
-            if saved:
-                with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
-                    save(c, run_dir, step)
-            signals.stop_after_step(step, saved, functools.partial(save, c, run_dir, step), c.dist.any_rank)
+        first_val, last = _run_steps(c, run_dir, start, logger, display, signals, quiet)
     finally:
         signals.restore()
         display.stop()
@@ -231,6 +209,37 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> tuple[dict[st
             f"({time.monotonic() - began:.0f} s of training)"
         )
     return last, c.engine
+
+
+def _run_steps(
+    c: Components, run_dir: Path, start: int, logger, display, signals: RunSignals, quiet: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Validate first (a fresh run), then steps start+1..total_steps: train, validate every test_freq, log,
+    checkpoint every save_freq; returns (the first validation, the last step's metrics)."""
+    t, timer = c.cfg.trainer, PhaseTimer()
+    last: dict[str, float] = {}
+    first_val: dict[str, float] = {}
+    skipped = SkippedStepGuard(t.max_skipped_steps)
+    if start == 0 and t.test_freq > 0:
+        last = first_val = run_validation(c, 0, quiet)
+        if logger is not None:
+            logger.log(last, step=0)
+        display.message(f"initial validation: {_fmt(last)}")
+    for step in range(start + 1, t.total_steps + 1):
+        metrics = train_step(c, step, timer)
+        if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
+            metrics.update(run_validation(c, step, quiet))
+        if logger is not None:
+            logger.log(metrics, step=step)
+        skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
+        display.update(step, metrics)
+        last = metrics
+        saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
+        if saved:
+            with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
+                save(c, run_dir, step)
+        signals.stop_after_step(step, saved, functools.partial(save, c, run_dir, step), c.dist.any_rank)
+    return first_val, last
 
 
 def _fmt(metrics: dict[str, float]) -> str:
