@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-from posttrain.rollout import native
 from posttrain.rollout.base import RolloutEngine, SamplingParams
+from posttrain.rollout.native import engine as native
 from posttrain.rollout.native.engine import NativeEngine, left_pad
 
 EOS, PAD = 2, 0

@@ -31,7 +31,8 @@ def test_builtin_base_is_the_untrained_tiny_model():
     assert not (path / "posttrain_builtin.json").exists()  # no warm start recorded: untrained
 
 
-def test_warm_start_cache_key_ignores_what_does_not_shape_the_model(monkeypatch):
+def test_warm_start_cache_key_ignores_what_does_not_shape_the_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))  # empty: other tests may have built one
     builds = []
     monkeypatch.setattr(
         builtin, "run_sft", lambda *a, **k: builds.append(1)
