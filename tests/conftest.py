@@ -29,3 +29,20 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "posttrain-cache"))
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """A tiny Qwen2 whose attention head size (32) vLLM's CPU attention supports (the fixture above has 16)."""
+    from posttrain.models.tiny import create_tiny_model_dir
+
+    path = tmp_path_factory.mktemp("vllm_tiny_model")
+    return create_tiny_model_dir(
+        path,
+        seed=0,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+    )

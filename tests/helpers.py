@@ -119,3 +119,10 @@ def assert_grads_equal(grads, ref, what):
         scale = float(r.abs().max()) + 1e-12
         err = float((g - r).abs().max())
         assert err <= 2e-5 * scale + 1e-7, f"{what}: parameter {i} differs by {err:.3g} (scale {scale:.3g})"
+
+
+VOWELS_REWARD = """
+def vowels(prompt, response, ground_truth, extra):
+    return sum(ch in "aeiou" for ch in response) / max(len(response), 1)
+"""
+"""A reward a tiny random model learns within ten GRPO steps (more vowels), for end-to-end engine tests."""

@@ -7,37 +7,16 @@ import sys
 
 import pytest
 
+from tests.helpers import VOWELS_REWARD
 from tests.parallel.conftest import REPO, free_port, loopback_env
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
-REWARD = """
-def vowels(prompt, response, ground_truth, extra):
-    return sum(ch in "aeiou" for ch in response) / max(len(response), 1)
-"""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Qwen2 whose head size (32) vLLM's CPU attention supports."""
-    from posttrain.models.tiny import create_tiny_model_dir
-
-    path = tmp_path_factory.mktemp("vllm_ranks_model")
-    return create_tiny_model_dir(
-        path,
-        seed=0,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-    )
-
 
 def run(model_dir, run_dir, nproc: int) -> list[dict]:
     reward = run_dir.parent / "vowels.py"
-    reward.write_text(REWARD)
+    reward.write_text(VOWELS_REWARD)
     args = [
         "-m",
         "posttrain",
@@ -70,8 +49,8 @@ def run(model_dir, run_dir, nproc: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_with_their_own_engines_train_like_one(model_dir, tmp_path):
-    one, two = run(model_dir, tmp_path / "one", 1), run(model_dir, tmp_path / "two", 2)
+def test_two_ranks_with_their_own_engines_train_like_one(vllm_model_dir, tmp_path):
+    one, two = run(vllm_model_dir, tmp_path / "one", 1), run(vllm_model_dir, tmp_path / "two", 2)
     for a, b in zip(one, two, strict=True):
         # The same samples: identical rewards and lengths; the update equals up to float summation order.
         for key in ("reward/mean", "response_length/mean", "finish/eos"):

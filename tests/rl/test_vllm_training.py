@@ -10,35 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import VOWELS_REWARD
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
-
-REWARD = """
-def vowels(prompt, response, ground_truth, extra):
-    return sum(ch in "aeiou" for ch in response) / max(len(response), 1)
-"""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Qwen2 whose head size (32) vLLM's CPU attention supports."""
-    from posttrain.models.tiny import create_tiny_model_dir
-
-    path = tmp_path_factory.mktemp("vllm_train_model")
-    return create_tiny_model_dir(
-        path,
-        seed=0,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-    )
 
 
 def train(model_dir: Path, run_dir: Path, *extra: str) -> list[dict]:
     reward = run_dir.parent / "vowels.py"
-    reward.write_text(REWARD)
+    reward.write_text(VOWELS_REWARD)
     overrides = [
         f"model.path={model_dir}",
         f"trainer.run_dir={run_dir}",
@@ -75,10 +55,13 @@ def _gain(rows: list[dict]) -> float:
     return sum(rewards[-2:]) / 2 - sum(rewards[:2]) / 2
 
 
-def test_vllm_rollout_learns_like_the_native_engine(model_dir, tmp_path):
-    native = train(model_dir, tmp_path / "native")
+def test_vllm_rollout_learns_like_the_native_engine(vllm_model_dir, tmp_path):
+    native = train(vllm_model_dir, tmp_path / "native")
     vllm = train(
-        model_dir, tmp_path / "vllm", "rollout.name=vllm", "algorithm.rollout_correction.rollout_is=token"
+        vllm_model_dir,
+        tmp_path / "vllm",
+        "rollout.name=vllm",
+        "algorithm.rollout_correction.rollout_is=token",
     )
     # The same task and settings learn with either engine (different draws: the engines' noise differs).
     assert _gain(native) > 0.2, [r["reward/mean"] for r in native]
@@ -92,11 +75,11 @@ def test_vllm_rollout_learns_like_the_native_engine(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapter-only"])
-def test_vllm_follows_a_lora_policy(model_dir, tmp_path, merge):
+def test_vllm_follows_a_lora_policy(vllm_model_dir, tmp_path, merge):
     """After each update vLLM decodes the updated LoRA policy, pushed merged or as the adapter alone: its
     log-probs of the sampled tokens stay the trainer's (a stale engine would drift from step 2 on)."""
     rows = train(
-        model_dir,
+        vllm_model_dir,
         tmp_path / "run",
         "rollout.name=vllm",
         "trainer.total_steps=3",
