@@ -9,21 +9,25 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A very small Qwen2 model + the built-in tokenizer, saved as a Hugging Face directory."""
+def _tiny_model(tmp_path_factory, name: str, hidden_size: int, intermediate_size: int):
+    """A small Qwen2 (2 layers, 4 heads, 2 KV heads) + the built-in tokenizer, as a Hugging Face directory."""
     from posttrain.models.tiny import create_tiny_model_dir
 
-    path = tmp_path_factory.mktemp("tiny_model")
     return create_tiny_model_dir(
-        path,
+        tmp_path_factory.mktemp(name),
         seed=0,
-        hidden_size=64,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=128,
+        intermediate_size=intermediate_size,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A very small Qwen2 model (attention heads of 16) + the built-in tokenizer."""
+    return _tiny_model(tmp_path_factory, "tiny_model", hidden_size=64, intermediate_size=128)
 
 
 @pytest.fixture(autouse=True)
@@ -34,15 +38,4 @@ def _private_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
     """A tiny Qwen2 whose attention head size (32) vLLM's CPU attention supports (the fixture above has 16)."""
-    from posttrain.models.tiny import create_tiny_model_dir
-
-    path = tmp_path_factory.mktemp("vllm_tiny_model")
-    return create_tiny_model_dir(
-        path,
-        seed=0,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-    )
+    return _tiny_model(tmp_path_factory, "vllm_tiny_model", hidden_size=128, intermediate_size=256)

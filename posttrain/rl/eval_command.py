@@ -23,13 +23,13 @@ from posttrain.train.integrity import check_model_dir
 from posttrain.utils.seed import seed_everything
 
 
-def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module, str]:
-    """(tokenizer, model, which model in words) of ``--model``: a Hugging Face directory, an exported LoRA
-    adapter over model.path, or a training checkpoint's actor over model.path (a LoRA run's checkpoint holds
-    the adapters of model.lora_*)."""
+def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module, Path, str]:
+    """(tokenizer, model, the Hugging Face directory it was read from, which model in words) of ``--model``: a
+    Hugging Face directory, an exported LoRA adapter over model.path, or a training checkpoint's actor over
+    model.path (a LoRA run's checkpoint holds the adapters of model.lora_*)."""
     if path is not None and (path / "config.json").exists():
         check_model_dir(path)  # a truncated weights file is named here, not deep in the loader
-        return load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device), str(path)
+        return load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device), path, str(path)
     base = resolve_model_path(cfg)
     described = f"{path} on {base}" if path is not None else f"{base} (model.path={cfg.model.path})"
     tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)
@@ -39,7 +39,7 @@ def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[ob
     elif path is not None:
         model = apply_lora(model, cfg)
         load_checkpoint_policy(path, model)
-    return tokenizer, model, described
+    return tokenizer, model, base, described
 
 
 def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dict[str, float]:
@@ -58,15 +58,13 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         raise ConfigError("no validation prompts: set data.val_files (or use a built-in task)")
     rows: list[dict] = []
     with build_reward_runner(cfg, splits.reward_spec, splits.data_source) as runner:
-        tokenizer, model, described = load_eval_model(cfg, path, device)
+        tokenizer, model, hf_dir, described = load_eval_model(cfg, path, device)
         prompts = tokenize_prompts(
             splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
         )
-        hf_dir = path if path is not None and (path / "config.json").exists() else resolve_model_path(cfg)
         engine = build_engine(cfg, model, tokenizer, device, hf_dir)
-        RolloutWeights(cfg, engine).push(
-            model
-        )  # vLLM reads hf_dir; a checkpoint's or adapter's weights follow
+        # vLLM reads hf_dir; a checkpoint's or an adapter's weights follow (a no-op for the native engine).
+        RolloutWeights(cfg, engine).push(model)
         metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows)
     report_eval(cfg, described, rows, metrics)
     return metrics

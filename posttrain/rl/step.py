@@ -177,40 +177,30 @@ def rollout_phase(c: Components, step: int, timer: PhaseTimer) -> tuple[RolloutB
 def update_phase(
     c: Components, batch: RolloutBatch, step: int, temperature: float, timer: PhaseTimer
 ) -> dict:
-    """The critic's update (when there is one), then the actor's (after the critic's warm-up steps)."""
+    """The critic's update (when there is one), then the actor's (after the critic's warm-up steps). Both draw
+    their mini-batch shuffles from one per-step generator, in that order."""
     cfg, metrics = c.cfg, {}
-    norm_constant = float(cfg.data.max_response_length)
     gen = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, salt=1))
+    roles = []
     if c.critic is not None:
-        with timer.phase("update_critic"):
-            loss_fn = critic_loss_fn(c.critic.module, cfg.critic, c.forward.critic)
-            metrics.update(
-                run_update(
-                    c.critic,
-                    batch,
-                    c.plan.critic,
-                    loss_fn,
-                    shuffle=cfg.critic.shuffle,
-                    norm_constant=norm_constant,
-                    generator=gen,
-                    prefix="critic",
-                    dp=c.dp("critic"),
-                )
-            )
+        roles.append(("critic", c.critic, critic_loss_fn(c.critic.module, cfg.critic, c.forward.critic)))
     if c.critic is None or step > cfg.critic.warmup_steps:
-        with timer.phase("update_actor"):
-            loss_fn = actor_loss_fn(c.actor.module, cfg.actor, temperature, c.forward.actor)
+        roles.append(
+            ("actor", c.actor, actor_loss_fn(c.actor.module, cfg.actor, temperature, c.forward.actor))
+        )
+    for role, trainable, loss_fn in roles:
+        with timer.phase(f"update_{role}"):
             metrics.update(
                 run_update(
-                    c.actor,
+                    trainable,
                     batch,
-                    c.plan.actor,
+                    getattr(c.plan, role),
                     loss_fn,
-                    shuffle=cfg.actor.shuffle,
-                    norm_constant=norm_constant,
+                    shuffle=getattr(cfg, role).shuffle,
+                    norm_constant=float(cfg.data.max_response_length),
                     generator=gen,
-                    prefix="actor",
-                    dp=c.dp("actor"),
+                    prefix=role,
+                    dp=c.dp(role),
                 )
             )
     return metrics
