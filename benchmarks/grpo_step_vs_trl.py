@@ -16,8 +16,9 @@ A *step* is one rollout and the optimizer steps trained on it. Both trainers get
 - the same work per step: ``--prompts`` prompts x ``--n`` samples (256 by default: the built-in job's rollout),
   at most ``--max-tokens`` response tokens (8, the built-in job's ``data.max_response_length``), temperature 1,
   no top-k/top-p; ``--optimizer-steps`` AdamW steps per rollout (2, as in the built-in job) on equal shares of
-  the samples, each as one forward/backward micro-batch; old log-probs recomputed once per rollout (both need
-  them, as the samples serve more than one optimizer step); no reference model, no KL term (TRL ``beta=0``,
+  the samples, each as one forward/backward micro-batch; old log-probs recomputed once per rollout when the
+  samples serve more than one optimizer step, and by neither trainer with ``--optimizer-steps 1`` (TRL then
+  takes them from the update's own forward, and posttrain's plan does the same); no reference model, no KL term (TRL ``beta=0``,
   posttrain ``actor.use_kl_loss=false``); token-mean loss over the mini-batch (TRL ``loss_type="dapo"``),
   PPO clip 0.2, group-normalised advantages (TRL ``scale_rewards="group"``), learning rate ``--lr`` constant with
   no warm-up, gradient clipping at 1.0.
@@ -320,9 +321,14 @@ def main() -> None:
         f"speed-up from {'CPU' if clock else 'wall'} time",
         rows,
     )
+    # Phases in order of first appearance over every variant; one that did not run (the old-log-prob pass
+    # with one optimizer step, or in bypass mode) is shown as 0.
+    keys = list(dict.fromkeys(k for runs in phases.values() for p in runs for k in p))
     phase_rows = []
     for name, runs in phases.items():
-        mean = {k.removeprefix("timing/"): round(statistics.mean(p[k] for p in runs), 3) for k in runs[0]}
+        mean = {
+            k.removeprefix("timing/"): round(statistics.mean(p.get(k, 0.0) for p in runs), 3) for k in keys
+        }
         phase_rows.append({"variant": name, **mean})
     print_table("posttrain step phases (mean wall seconds)", phase_rows)
     print(f"load average at end: {os.getloadavg()}")

@@ -78,11 +78,15 @@ class BatchPlan:
     critic: UpdatePlan | None
     values: ForwardPlan | None
     reward_model: ForwardPlan | None
+    old_log_prob_source: str = "recompute"  # see :func:`old_log_prob_source`
+    rollout_staleness: int = 0  # steps the rollout runs ahead of training (async_training), 0: synchronous
 
     @property
     def max_policy_lag(self) -> int:
-        """Optimizer steps between the rollout policy and the policy updating on the last mini-batch."""
-        return self.actor.optimizer_steps_per_step - 1
+        """Optimizer steps between the rollout policy and the policy updating on the last mini-batch: the
+        step's own updates, plus every update of the steps the rollout ran ahead of."""
+        steps = self.actor.optimizer_steps_per_step
+        return self.rollout_staleness * steps + steps - 1
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -302,6 +306,28 @@ def _check_step_rules(cfg: PostTrainConfig, world_size: int, uses_ref: bool, use
             fsdp_group_size(getattr(cfg, section).fsdp_config.fsdp_size, world_size, key)
 
 
+OLD_LOG_PROB_SOURCES = ("recompute", "rollout", "update")
+
+
+def old_log_prob_source(cfg: PostTrainConfig, actor: UpdatePlan) -> str:
+    """Where the PPO ratio's old log-probs come from (a plan fact, shown by ``explain``):
+
+    - ``"rollout"``: the engine's own log-probs (``algorithm.rollout_correction.bypass_mode``);
+    - ``"update"``: no pass at all. When the samples feed exactly one optimizer step (one mini-batch, one
+      epoch), the policy that would recompute them is the one the update starts from, so the update's own
+      forward gives them (detached): the ratio is exactly 1, as TRL does. Only when nothing needs them before
+      the update: no in-reward KL penalty, and no importance weights or rejection from the rollout correction;
+    - ``"recompute"``: a forward-only pass over the step's samples before the updates (verl's default).
+    """
+    rc = cfg.algorithm.rollout_correction
+    if rc.bypass_mode:
+        return "rollout"
+    corrects = rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold
+    if actor.optimizer_steps_per_step == 1 and not cfg.algorithm.use_kl_in_reward and not corrects:
+        return "update"
+    return "recompute"
+
+
 def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
     """Derive the frozen BatchPlan; raises ConfigError on any inconsistent setting."""
     uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -309,6 +335,7 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
     _check_step_rules(cfg, world_size, uses_ref, uses_critic)
     tbs, n = cfg.data.train_batch_size, cfg.rollout.n
     chunk = min(cfg.rollout.chunk_size, tbs)
+    actor = _update_plan(cfg, "actor", world_size)
     return BatchPlan(
         world_size=world_size,
         prompts_per_step=tbs,
@@ -317,10 +344,12 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         max_seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
         rollout_chunk_prompts=chunk,
         rollout_chunks_per_step=-(-tbs // chunk),
-        actor=_update_plan(cfg, "actor", world_size),
+        actor=actor,
         old_log_prob=_forward_plan(cfg, "old_log_prob", world_size),
         ref=_forward_plan(cfg, "ref", world_size) if uses_ref else None,
         critic=_update_plan(cfg, "critic", world_size) if uses_critic else None,
         values=_forward_plan(cfg, "values", world_size) if uses_critic else None,
         reward_model=_forward_plan(cfg, "reward_model", world_size) if cfg.reward.model.enable else None,
+        old_log_prob_source=old_log_prob_source(cfg, actor),
+        rollout_staleness=cfg.async_training.max_staleness if cfg.async_training.enable else 0,
     )

@@ -23,6 +23,7 @@ from posttrain.forward.options import PassOptions
 from posttrain.forward.passes import critic_values, policy_logprobs
 from posttrain.parallel.data_parallel import DataParallel
 from posttrain.rl.build import Components
+from posttrain.rl.rollout_ahead import RolloutAhead
 from posttrain.rl.sampling import (
     Scorer,
     greedy_baselines,
@@ -64,23 +65,24 @@ def fill_forward_passes(
     critic: nn.Module | None,
     passes: ForwardPasses,
     temperature: float,
-    bypass_mode: bool,
     timer: PhaseTimer,
 ) -> None:
-    """Old log-probs (recomputed, or the rollout's in bypass mode), reference log-probs and values, each in its
-    planned forward-only micro-batches."""
+    """Old log-probs (from where the plan says: recomputed, the rollout's, or left to the update's own
+    forward), reference log-probs and values, each in its planned forward-only micro-batches."""
     opts = passes.options
-    with timer.phase("old_log_prob"):
-        if bypass_mode:
-            # The engine sampled with the actor's current weights: its log-probs are the old policy's.
-            batch.old_log_probs = batch.rollout_log_probs
-        else:
+    source = passes.plan.old_log_prob_source
+    if source == "rollout":
+        # The engine sampled with the actor's current weights: its log-probs are the old policy's.
+        batch.old_log_probs = batch.rollout_log_probs
+    elif source == "recompute":
+        with timer.phase("old_log_prob"):
             policy.eval()
             batch.old_log_probs = passes.run(
                 "old_log_prob",
                 lambda mb: policy_logprobs(policy, mb, temperature=temperature, options=opts.old_log_prob)[0],
                 batch,
             )
+    # source == "update": the single optimizer step's forward is the old policy's (train.losses).
     if ref is not None:
         with timer.phase("ref"):
             batch.ref_log_probs = passes.run(
@@ -97,8 +99,9 @@ def fill_forward_passes(
 def correct_rollout_mismatch(batch: RolloutBatch, section: RolloutCorrectionConfig) -> dict[str, float]:
     """Compare the rollout engine's log-probs with the trainer's old log-probs: mismatch metrics every step,
     and (when configured) truncated importance weights for the policy loss and rejection of outlier tokens or
-    sequences (verl's `rollout_is` / `rollout_rs`). Nothing to do in bypass mode (they are the same)."""
-    if batch.rollout_log_probs is None or section.bypass_mode:
+    sequences (verl's `rollout_is` / `rollout_rs`). Nothing to do in bypass mode (they are the same), nor when
+    the update computes the old log-probs itself (its loss reports the token-level mismatch metrics)."""
+    if batch.rollout_log_probs is None or batch.old_log_probs is None or section.bypass_mode:
         return {}
     weights, mask, metrics = compute_rollout_correction(
         batch.old_log_probs,
@@ -206,15 +209,21 @@ def update_phase(
     return metrics
 
 
-def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
-    """Run one step (1-based `step`) and return its metrics."""
+def train_step(
+    c: Components, step: int, timer: PhaseTimer, ahead: RolloutAhead | None = None
+) -> dict[str, float]:
+    """Run one step (1-based `step`) and return its metrics. With ``ahead`` (`async_training.enable`) the
+    samples were generated in the background and the new weights are queued for the engine."""
     cfg = c.cfg
-    batch, metrics = rollout_phase(c, step, timer)
+    if ahead is None:
+        batch, metrics = rollout_phase(c, step, timer)
+    else:
+        with timer.phase("rollout_wait"):
+            batch, metrics = ahead.take(step)
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     critic = c.critic.module if c.critic is not None else None
     passes = ForwardPasses(c.plan, c.forward, c.parallel, c.device)
-    bypass = cfg.algorithm.rollout_correction.bypass_mode
-    fill_forward_passes(batch, c.actor.module, c.ref, critic, passes, temperature, bypass, timer)
+    fill_forward_passes(batch, c.actor.module, c.ref, critic, passes, temperature, timer)
     with timer.phase("advantage"):
         metrics.update(compute_advantages(batch, cfg.algorithm, c.kl_ctrl))
         # After the advantages: rejected tokens leave the loss, not the group statistics.
@@ -223,7 +232,10 @@ def train_step(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     # On one rank the native engine shares the actor's module, so this refresh is free; a sharded actor is
     # gathered (a collective: every rank calls it) into the engine's own copy.
     with timer.phase("sync_weights"):
-        metrics.update(c.rollout_weights.push(c.actor.module))
+        if ahead is None:
+            metrics.update(c.rollout_weights.push(c.actor.module))
+        else:
+            metrics.update(ahead.push(step, c.actor.module))
     tokens = float(batch.attention_mask.sum())
     metrics.update(timer.pop())
     step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))

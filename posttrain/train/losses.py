@@ -8,6 +8,7 @@ from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.masked import masked_mean
 from posttrain.algorithms.policy_loss import get_policy_loss
+from posttrain.algorithms.rollout_correction import mismatch_metrics
 from posttrain.algorithms.value_loss import compute_value_loss
 from posttrain.config.schema import ActorConfig, CriticConfig
 from posttrain.data.batch import RolloutBatch
@@ -29,8 +30,11 @@ def actor_loss_fn(
             model, mb, temperature=temperature, with_entropy=True, options=options
         )
         mask = mb.response_mask
+        old_log_probs = mb.old_log_probs
+        if old_log_probs is None:  # the plan skipped the old-log-prob pass: this forward is the old policy's
+            old_log_probs = logprobs.detach()
         loss, metrics = policy_loss(
-            old_log_prob=mb.old_log_probs,
+            old_log_prob=old_log_probs,
             log_prob=logprobs,
             advantages=mb.advantages,
             response_mask=mask,
@@ -42,6 +46,8 @@ def actor_loss_fn(
             rollout_is_weights=mb.rollout_is_weights,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        if mb.old_log_probs is None and mb.rollout_log_probs is not None:
+            metrics.update(_token_mismatch_metrics(old_log_probs, mb.rollout_log_probs, mask))
         metrics["actor/pg_loss"] = LossShare(loss.detach())  # a share of the mini-batch loss: summed
         if cfg.entropy_coeff != 0:
             loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.loss_agg_mode, normalizer)
@@ -54,6 +60,16 @@ def actor_loss_fn(
         return loss, metrics
 
     return loss_fn
+
+
+# The rollout-mismatch diagnostics that are token means: their token-weighted average over micro-batches (and
+# ranks) is exactly the whole batch's, so the update can report them when it computes the old log-probs itself.
+TOKEN_MEAN_MISMATCH_METRICS = ("log_prob_abs_diff_mean", "kl", "k3_kl", "chi2_token")
+
+
+def _token_mismatch_metrics(old_log_probs, rollout_log_probs, mask) -> dict[str, float]:
+    metrics = mismatch_metrics(old_log_probs, rollout_log_probs, mask)
+    return {f"rollout_corr/{k}": metrics[f"rollout_corr/{k}"] for k in TOKEN_MEAN_MISMATCH_METRICS}
 
 
 def critic_loss_fn(critic: nn.Module, cfg: CriticConfig, options: ForwardOptions = DEFAULT_OPTIONS) -> LossFn:

@@ -119,7 +119,7 @@ def test_prefix_grouper_and_bypass_mode_match_plain(tiny_model_dir, tmp_path):
             assert other["reward/mean"] == plain["reward/mean"], (name, step)
             for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
                 assert other[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), (name, step, key)
-    assert metrics["bypass"][0]["timing/old_log_prob"] < metrics["plain"][0]["timing/old_log_prob"]
+    assert "timing/old_log_prob" in metrics["plain"][0] and "timing/old_log_prob" not in metrics["bypass"][0]
 
 
 def test_bypass_mode_places_the_engine_log_probs_and_names_missing_ones():

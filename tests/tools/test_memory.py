@@ -337,6 +337,7 @@ def test_prefix_grouper_estimate_counts_what_the_grouper_computes(micro):
         f"rollout.n={n}",
         "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=4",
+        "actor.ppo_epochs=2",  # two optimizer steps per rollout: the old-log-prob pass runs
         "critic.ppo_mini_batch_size=4",
         f"actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor.log_prob_micro_batch_size_per_gpu={micro}",
