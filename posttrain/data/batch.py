@@ -28,6 +28,7 @@ _PER_ROW_FIELDS = (
     "reward_baselines",
     "rollout_log_probs",
     "rollout_is_weights",
+    "policy_versions",
 )
 
 
@@ -55,6 +56,7 @@ class RolloutBatch:
     rollout_is_weights: torch.Tensor | None = (
         None  # [B, R], truncated importance weights (rollout correction)
     )
+    policy_versions: torch.Tensor | None = None  # [B] long, the update whose weights sampled each row (async)
 
     @property
     def num_rows(self) -> int:

@@ -42,7 +42,7 @@ from posttrain.parallel.runtime import DistContext, select_device
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
-from posttrain.rl.checks import check_rl_switches, check_rollout_backend
+from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
 from posttrain.rl.evaluate import validation_params
 from posttrain.rl.rollout_weights import RolloutWeights
 from posttrain.rollout.base import RolloutEngine
@@ -119,6 +119,7 @@ def check_run(cfg: PostTrainConfig, world_size: int, device: torch.device) -> tu
     plan = build_plan(cfg, world_size)
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
     check_rollout_backend(cfg, device, world_size)
+    check_async_training(cfg, world_size)
     validation_params(cfg, 0)  # e.g. rollout.val_n > 1 with greedy validation
     splits = load_splits(cfg)
     return plan, splits
@@ -147,9 +148,10 @@ def build_policy(
     attn = attn_implementation(cfg.model.use_remove_padding, device, grouped)
     policy = load_causal_lm(model_path, master_dtype, device, attn)
     rollout_model = None
-    if dist.distributed and cfg.rollout.name == "native":
+    if (dist.distributed or cfg.async_training.enable) and cfg.rollout.name == "native":
         # Each rank's rollout engine holds a plain, unsharded copy, refreshed from the sharded actor after every
-        # update (with LoRA: the merged weights). On one rank the engine shares the actor's module instead.
+        # update (with LoRA: the merged weights); so does an engine sampling ahead of training while it trains.
+        # On one synchronous rank the engine shares the actor's module instead.
         rollout_model = copy.deepcopy(policy).to(resolve_dtype(cfg.model.dtype)).eval().requires_grad_(False)
     policy = apply_lora(policy, cfg)  # a PeftModel with model.lora_rank > 0; unchanged otherwise
     ref = None

@@ -78,3 +78,23 @@ def check_rollout_backend(cfg: PostTrainConfig, device: torch.device, world_size
         device.type,
     )
     check_vllm_settings(knobs, device.type, cfg.model.dtype, read_model_config(cfg.model.path), world_size)
+
+
+def check_async_training(cfg: PostTrainConfig, world_size: int) -> None:
+    """`async_training.enable`: the background rollout thread owns the engine and the prompt sampler, which is
+    only safe where no collective runs from two threads (one process) and where a weight push is a copy of
+    whole tensors (not vLLM's separate LoRA adapter)."""
+    if not cfg.async_training.enable:
+        return
+    if world_size > 1:
+        raise ConfigError(
+            f"async_training.enable=true runs on one process for now, but the world size is {world_size}: the "
+            "background rollout would issue collectives concurrently with the trainer's. Set "
+            "async_training.enable=false for multi-rank runs, or train on one process"
+        )
+    lora = cfg.model.lora_rank > 0 or bool(cfg.model.lora_adapter_path)
+    if cfg.rollout.name == "vllm" and lora and not cfg.model.lora_merge:
+        raise ConfigError(
+            "async_training.enable=true pushes weight snapshots taken after each update, but model.lora_merge="
+            "false sends vLLM the adapter alone; set model.lora_merge=true (merged weights are pushed)"
+        )

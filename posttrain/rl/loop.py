@@ -31,9 +31,10 @@ from posttrain.parallel.runtime import (
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.evaluate import validate
 from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
+from posttrain.rl.rollout_ahead import RolloutAhead
 from posttrain.rl.samples import log_validation_samples
 from posttrain.rl.sampling import step_seed
-from posttrain.rl.step import train_step
+from posttrain.rl.step import rollout_phase, train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -74,10 +75,12 @@ def _modules(c: Components) -> tuple[dict, dict, dict]:
     return modules, optims, scheds
 
 
-def save(c: Components, run_dir: Path, step: int) -> Path:
+def save(c: Components, run_dir: Path, step: int, ahead: RolloutAhead | None = None) -> Path:
     modules, optims, scheds = _modules(c)
     check_finite_weights(modules, c.dist)  # the last checkpoint stays a good one
-    state = {"step": step, "sampler": c.sampler.state_dict()}
+    # Rollouts generated ahead have drawn prompts past `step`: save where the synchronous loop would be.
+    sampler = c.sampler.state_dict() if ahead is None else ahead.sampler_state_after(step)
+    state = {"step": step, "sampler": sampler}
     if c.kl_ctrl is not None:
         state["kl_coef"] = float(c.kl_ctrl.value)
     return save_checkpoint(
@@ -225,21 +228,44 @@ def _run_steps(
         if logger is not None:
             logger.log(last, step=0)
         display.message(f"initial validation: {_fmt(last)}")
-    for step in range(start + 1, t.total_steps + 1):
-        metrics = train_step(c, step, timer)
-        if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
-            metrics.update(run_validation(c, step, quiet))
-        if logger is not None:
-            logger.log(metrics, step=step)
-        skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
-        display.update(step, metrics)
-        last = metrics
-        saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
-        if saved:
-            with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
-                save(c, run_dir, step)
-        signals.stop_after_step(step, saved, functools.partial(save, c, run_dir, step), c.dist.any_rank)
+    ahead = rollout_ahead(c, start)
+    try:
+        for step in range(start + 1, t.total_steps + 1):
+            metrics = train_step(c, step, timer, ahead)
+            if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
+                if ahead is not None:
+                    ahead.drain()  # the engine is idle and holds this step's weights
+                metrics.update(run_validation(c, step, quiet))
+            if logger is not None:
+                logger.log(metrics, step=step)
+            skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
+            display.update(step, metrics)
+            last = metrics
+            saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
+            save_now = functools.partial(save, c, run_dir, step, ahead)
+            if saved:
+                with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
+                    save_now()
+            signals.stop_after_step(step, saved, save_now, c.dist.any_rank)
+    finally:
+        if ahead is not None:
+            ahead.close()
     return first_val, last
+
+
+def rollout_ahead(c: Components, start: int) -> RolloutAhead | None:
+    """The background rollout queue of `async_training` (None when rollout and training alternate)."""
+    a = c.cfg.async_training
+    if not a.enable:
+        return None
+    return RolloutAhead(
+        generate=functools.partial(rollout_phase, c),
+        load=c.engine.sync_weights,
+        sampler=c.sampler,
+        max_staleness=a.max_staleness,
+        start_step=start,
+        total_steps=c.cfg.trainer.total_steps,
+    )
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -64,6 +64,15 @@ def weight_sync_line(cfg: PostTrainConfig, plan: BatchPlan) -> str:
     )
 
 
+OLD_LOG_PROB_LINES = {
+    "rollout": "[bold]old log-probs[/]: the rollout engine's, no forward pass "
+    "(algorithm.rollout_correction.bypass_mode)",
+    "update": "[bold]old log-probs[/]: no forward pass: the samples feed one optimizer step, so the update's "
+    "own forward is the old policy (ratio exactly 1). Set actor.ppo_mini_batch_size < data.train_batch_size, "
+    "actor.ppo_epochs > 1, algorithm.use_kl_in_reward or a rollout correction to bring the pass back",
+}
+
+
 def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
     """A rich Tree of the plan, one branch per role, plus the derived facts users ask about."""
     root = Tree(
@@ -104,11 +113,8 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         ),
     )
     for p, title, budget_key, micro_key in forward_passes:
-        if p is plan.old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
-            root.add(
-                "[bold]old log-probs[/]: the rollout engine's, no forward pass "
-                "(algorithm.rollout_correction.bypass_mode)"
-            )
+        if p is plan.old_log_prob and plan.old_log_prob_source != "recompute":
+            root.add(OLD_LOG_PROB_LINES[plan.old_log_prob_source])
         elif p is not None:
             _forward_branch(root, p, title, budget_key if p.use_dynamic_bsz else micro_key)
     if plan.critic is not None:
@@ -134,9 +140,16 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         if cfg.actor.use_dynamic_bsz:
             note = "; token-budget micro-batches pack whole prompt groups"
         facts.add(f"prefix grouper: each prompt runs once for its samples in a micro-batch{note}")
+    if plan.rollout_staleness:
+        k, steps = plan.rollout_staleness, a.optimizer_steps_per_step
+        facts.add(
+            f"rollouts ahead of training (async_training.max_staleness {k}): step s trains on samples of the "
+            f"policy after step s-{k + 1}, {k} step(s) = {k * steps} optimizer step(s) older than the policy it "
+            f"starts from; the lag is recorded per sample and corrected by algorithm.rollout_correction"
+        )
     if plan.max_policy_lag == 0:
         facts.add("fully on-policy: the single mini-batch is updated by the policy that generated it")
-    else:
+    elif not plan.rollout_staleness:
         facts.add(
             f"off-policy lag: mini-batch k of epoch e is updated by a policy e×{a.mini_batches_per_epoch}+k "
             f"optimizer steps newer than the rollout policy; the last one lags {plan.max_policy_lag} steps "

@@ -142,7 +142,12 @@ class MemoryEstimate:
         return max(self.phases, key=lambda p: p.total)
 
     def phase(self, name: str) -> PhaseEstimate:
-        return next(p for p in self.phases if p.phase == name)
+        for p in self.phases:
+            if p.phase == name:
+                return p
+        raise KeyError(
+            f"no {name!r} phase in this estimate (phases: {', '.join(p.phase for p in self.phases)})"
+        )
 
     def to_dict(self) -> dict:
         limit = self.cluster.gpu_memory_gb
@@ -289,8 +294,9 @@ def _resident(
             where = ["of the LoRA adapters"] if t.lora_rank > 0 else []
             where += ["in CPU memory between steps"] if moved else []
             out.append(Component(f"{name} optimizer", 0 if moved else optimizer, "; ".join(where)))
-    if cluster.world_size > 1 and w.rollout_engine == "native":
-        # Each rank's engine decodes with a plain copy of the policy, refreshed after every update.
+    if (cluster.world_size > 1 or cfg.async_training.enable) and w.rollout_engine == "native":
+        # Each rank's engine decodes with a plain copy of the policy, refreshed after every update (one rank:
+        # only when it samples ahead of training, which must not see the weights change under it).
         b = DTYPE_BYTES[cfg.model.dtype]
         out.append(Component("rollout weights", shape.num_params() * b, "each GPU's unsharded engine copy"))
     return out
@@ -415,7 +421,18 @@ def estimate_memory(
     w = what_if or WhatIf()
     resident = _resident(cfg, plan, shape, cluster, w)
     phases = [_rollout_phase(cfg, plan, shape, cluster, w, resident)]
-    phases.append(_forward_phase(cfg, plan, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
+    if plan.rollout_staleness or cfg.async_training.enable:
+        # The background rollout generates while every other phase runs: its memory is there too.
+        resident = [
+            *resident,
+            *(
+                Component(f"{c.name} (rollout ahead)", c.bytes, "the background rollout runs meanwhile")
+                for c in phases[0].components
+                if c not in resident
+            ),
+        ]
+    if plan.old_log_prob_source == "recompute":  # otherwise no pass runs (bypass mode, or the update's own)
+        phases.append(_forward_phase(cfg, plan, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
     if plan.ref is not None:
         phases.append(_forward_phase(cfg, plan, plan.ref, shape, resident, _head_chunk(cfg.ref)))
     if plan.values is not None:

@@ -53,6 +53,7 @@ trainer.dist_timeout_s
 sft.optim.lr sft.optim.weight_decay sft.optim.betas sft.optim.warmup_steps sft.optim.lr_schedule
 sft.optim.min_lr_ratio sft.optim.grad_clip
 actor.optim.eps critic.optim.eps sft.optim.eps trainer.max_skipped_steps trainer.save_on_terminate
+async_training.enable async_training.max_staleness
 """.split()
 
 

@@ -29,11 +29,12 @@ from posttrain.config.schema.roles import (
     ShardingConfig,
 )
 from posttrain.config.schema.rollout import RolloutConfig
-from posttrain.config.schema.run import SFTConfig, TrainerConfig
+from posttrain.config.schema.run import AsyncTrainingConfig, SFTConfig, TrainerConfig
 
 __all__ = [
     "ADV_ESTIMATORS",
     "ActorConfig",
+    "AsyncTrainingConfig",
     "AlgorithmConfig",
     "CriticConfig",
     "DTYPES",
@@ -70,4 +71,5 @@ class PostTrainConfig:
     reward: RewardConfig = section(RewardConfig)
     algorithm: AlgorithmConfig = section(AlgorithmConfig)
     trainer: TrainerConfig = section(TrainerConfig)
+    async_training: AsyncTrainingConfig = section(AsyncTrainingConfig)
     sft: SFTConfig = section(SFTConfig)

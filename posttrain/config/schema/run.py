@@ -1,4 +1,4 @@
-"""The run (trainer) and supervised fine-tuning."""
+"""The run (trainer), rollouts ahead of training, and supervised fine-tuning."""
 
 from __future__ import annotations
 
@@ -48,6 +48,26 @@ class TrainerConfig:
         "With LoRA: export the policy with its adapters merged into the base weights, a plain Hugging Face "
         "model (AutoModelForCausalLM), instead of the PEFT adapter directory (PeftModel.from_pretrained). "
         "Applies to `posttrain train` and `posttrain sft`.",
+    )
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """Rollouts generated ahead of training, overlapping the updates (one-step-off-policy and beyond)."""
+
+    enable: bool = knob(
+        False,
+        "Generate each step's samples on a background thread while earlier steps train, with a policy at most "
+        "max_staleness updates old (the engine keeps its own copy of the weights). Off: rollout and training "
+        "alternate (fully synchronous).",
+    )
+    max_staleness: int = knob(
+        1,
+        "How many updates the sampling policy may lag the one that trains on its samples; rollouts run this "
+        "many steps ahead. 1 is verl's one-step-off-policy schedule; 0 runs the synchronous schedule through "
+        "the same machinery. Correct the lag with algorithm.rollout_correction.",
+        unit="steps",
+        min=0,
     )
 
 
