@@ -11,7 +11,8 @@ Every estimator is called as::
         gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
     )
 
-and ignores the arguments it does not need. Both outputs are ``[B, T]`` in the rewards' dtype and computed
+and ignores the arguments it does not need. The registry below also holds OPO, GPG and GRPO pass@k, which live
+in :mod:`posttrain.algorithms.outcome_estimators`. Both outputs are ``[B, T]`` in the rewards' dtype and computed
 without gradient. Formulas, epsilons and the unbiased standard deviations match verl's ``core_algos`` (the
 loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberate differences:
 
@@ -32,6 +33,11 @@ import torch
 
 from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats
 from posttrain.algorithms.masked import masked_whiten
+from posttrain.algorithms.outcome_estimators import (
+    compute_gpg_advantages,
+    compute_grpo_passk_advantages,
+    compute_opo_advantages,
+)
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -280,6 +286,9 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
     "remax": compute_remax_advantages,
+    "opo": compute_opo_advantages,
+    "gpg": compute_gpg_advantages,
+    "grpo_passk": compute_grpo_passk_advantages,
 }
 """Every estimator by its config name (`algorithm.adv_estimator`): the single source of the names."""
 
@@ -306,6 +315,9 @@ ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
     "reinforce_plus_plus": EstimatorNeeds(),
     "reinforce_plus_plus_baseline": EstimatorNeeds(groups=True),
     "remax": EstimatorNeeds(greedy_baseline=True),
+    "opo": EstimatorNeeds(groups=True),
+    "gpg": EstimatorNeeds(groups=True),
+    "grpo_passk": EstimatorNeeds(groups=True),
 }
 
 ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.critic)
