@@ -45,6 +45,7 @@ from posttrain.algorithms.outcome_estimators import (
 )
 from posttrain.algorithms.policy_loss import (
     POLICY_LOSSES,
+    compute_policy_loss_gpg,
     compute_policy_loss_gspo,
     compute_policy_loss_vanilla,
     get_policy_loss,
@@ -81,6 +82,7 @@ __all__ = [
     "compute_grpo_advantages",
     "compute_grpo_passk_advantages",
     "compute_opo_advantages",
+    "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_advantages",

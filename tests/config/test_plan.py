@@ -178,8 +178,8 @@ def test_group_estimators_need_several_samples():
 
 @pytest.mark.parametrize("estimator", ["opo", "gpg", "grpo_passk"])
 def test_outcome_estimators_are_accepted_and_need_several_samples(estimator):
-    cfg = build_config(overrides=[f"algorithm.adv_estimator={estimator}"])
-    assert cfg.algorithm.adv_estimator == estimator
+    cfg = build_config(overrides=[f"algorithm.adv_estimator={estimator}", "actor.policy_loss=gpg"])
+    assert cfg.algorithm.adv_estimator == estimator and cfg.actor.policy_loss == "gpg"
     plan = build_plan(cfg_of(32, 4, 8, 4, algorithm__adv_estimator=estimator))
     assert plan.critic is None  # no critic, no value model
     with pytest.raises(ValueError) as info:
