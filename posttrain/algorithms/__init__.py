@@ -38,8 +38,14 @@ from posttrain.algorithms.logprobs import (
     logprobs_from_logits,
 )
 from posttrain.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from posttrain.algorithms.outcome_estimators import (
+    compute_gpg_advantages,
+    compute_grpo_passk_advantages,
+    compute_opo_advantages,
+)
 from posttrain.algorithms.policy_loss import (
     POLICY_LOSSES,
+    compute_policy_loss_gpg,
     compute_policy_loss_gspo,
     compute_policy_loss_vanilla,
     get_policy_loss,
@@ -72,7 +78,11 @@ __all__ = [
     "check_rollout_correction",
     "compute_drgrpo_advantages",
     "compute_gae_advantages",
+    "compute_gpg_advantages",
     "compute_grpo_advantages",
+    "compute_grpo_passk_advantages",
+    "compute_opo_advantages",
+    "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_advantages",

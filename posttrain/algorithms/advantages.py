@@ -11,7 +11,8 @@ Every estimator is called as::
         gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
     )
 
-and ignores the arguments it does not need. Both outputs are ``[B, T]`` in the rewards' dtype and computed
+and ignores the arguments it does not need. The registry below also holds OPO, GPG and GRPO pass@k, which live
+in :mod:`posttrain.algorithms.outcome_estimators`. Both outputs are ``[B, T]`` in the rewards' dtype and computed
 without gradient. Formulas, epsilons and the unbiased standard deviations match verl's ``core_algos`` (the
 loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberate differences:
 
@@ -25,59 +26,20 @@ loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats
 from posttrain.algorithms.masked import masked_whiten
+from posttrain.algorithms.outcome_estimators import (
+    compute_gpg_advantages,
+    compute_grpo_passk_advantages,
+    compute_opo_advantages,
+)
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-GroupIds = Sequence[Hashable] | torch.Tensor | None
-"""Per-sample group ids: a list, tuple, numpy array or tensor of hashables (e.g. prompt uids)."""
-
-
-def _float_mask(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    if token_level_rewards.dim() != 2:
-        raise ValueError(f"token_level_rewards must be [B, T], got shape {tuple(token_level_rewards.shape)}")
-    if response_mask.shape != token_level_rewards.shape:
-        raise ValueError(
-            f"response_mask shape {tuple(response_mask.shape)} != token_level_rewards shape "
-            f"{tuple(token_level_rewards.shape)}"
-        )
-    return response_mask.to(token_level_rewards.dtype)
-
-
-def group_index(group_ids: GroupIds, batch_size: int, device: torch.device | None = None) -> torch.Tensor:
-    """Map arbitrary per-sample group ids to contiguous ``[B]`` long indices ``0..G-1`` (first-seen order)."""
-    if group_ids is None:
-        raise ValueError(
-            "group_ids is required by group-based estimators (grpo, drgrpo, rloo, ...); got None"
-        )
-    ids = group_ids.reshape(-1).tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
-    if len(ids) != batch_size:
-        raise ValueError(f"group_ids has {len(ids)} entries but the batch has {batch_size} rows")
-    seen: dict[Hashable, int] = {}
-    index = [seen.setdefault(gid, len(seen)) for gid in ids]
-    return torch.tensor(index, dtype=torch.long, device=device)
-
-
-def group_stats(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample group mean, unbiased std and group size, broadcast back to ``[B]``.
-
-    A group of one sample gets mean 0 and std 1 (verl's convention), so its GRPO advantage is
-    ``score / (1 + epsilon)`` rather than 0.
-    """
-    num_groups = int(index.max().item()) + 1 if index.numel() else 0
-    zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
-    count = zeros.index_add(0, index, torch.ones_like(scores))
-    mean = zeros.index_add(0, index, scores) / count
-    sq_dev = zeros.index_add(0, index, (scores - mean[index]) ** 2)
-    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
-    single = count <= 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
-    return mean[index], std[index], count[index]
 
 
 @torch.no_grad()
@@ -105,7 +67,7 @@ def compute_gae_advantages(
     Returns:
         ``(advantages [B, T] whitened, returns [B, T])``, both 0 outside the mask.
     """
-    mask = _float_mask(token_level_rewards, response_mask)
+    mask = float_mask(token_level_rewards, response_mask)
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values; got values=None")
     if values.shape != token_level_rewards.shape:
@@ -149,7 +111,7 @@ def compute_grpo_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice: the scalar broadcast over the mask.
     """
-    mask = _float_mask(token_level_rewards, response_mask)
+    mask = float_mask(token_level_rewards, response_mask)
     scores = token_level_rewards.sum(dim=-1)
     index = group_index(group_ids, scores.shape[0], scores.device)
     mean, std, _count = group_stats(scores, index)
@@ -205,7 +167,7 @@ def compute_rloo_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
     """
-    mask = _float_mask(token_level_rewards, response_mask)
+    mask = float_mask(token_level_rewards, response_mask)
     scores = token_level_rewards.sum(dim=-1)
     index = group_index(group_ids, scores.shape[0], scores.device)
     mean, _std, count = group_stats(scores, index)
@@ -244,7 +206,7 @@ def compute_reinforce_plus_plus_advantages(
     Returns:
         ``(advantages [B, T], returns [B, T])``; returns are the un-whitened discounted reward-to-go.
     """
-    mask = _float_mask(token_level_rewards, response_mask)
+    mask = float_mask(token_level_rewards, response_mask)
     returns = _discounted_returns(token_level_rewards, mask, gamma)
     advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
@@ -271,7 +233,7 @@ def compute_reinforce_plus_plus_baseline_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
     """
-    mask = _float_mask(token_level_rewards, response_mask)
+    mask = float_mask(token_level_rewards, response_mask)
     scores = token_level_rewards.sum(dim=-1)
     index = group_index(group_ids, scores.shape[0], scores.device)
     mean, _std, _count = group_stats(scores, index)
@@ -301,7 +263,7 @@ def compute_remax_advantages(
     Returns:
         ``(advantages [B, T], returns [B, T])``.
     """
-    mask = _float_mask(token_level_rewards, response_mask)
+    mask = float_mask(token_level_rewards, response_mask)
     if reward_baselines is None:
         raise ValueError("advantage estimator 'remax' needs reward_baselines (greedy rewards [B]); got None")
     baselines = torch.as_tensor(
@@ -324,6 +286,9 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
     "remax": compute_remax_advantages,
+    "opo": compute_opo_advantages,
+    "gpg": compute_gpg_advantages,
+    "grpo_passk": compute_grpo_passk_advantages,
 }
 """Every estimator by its config name (`algorithm.adv_estimator`): the single source of the names."""
 
@@ -350,6 +315,9 @@ ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
     "reinforce_plus_plus": EstimatorNeeds(),
     "reinforce_plus_plus_baseline": EstimatorNeeds(groups=True),
     "remax": EstimatorNeeds(greedy_baseline=True),
+    "opo": EstimatorNeeds(groups=True),
+    "gpg": EstimatorNeeds(groups=True),
+    "grpo_passk": EstimatorNeeds(groups=True),
 }
 
 ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.critic)

@@ -184,9 +184,43 @@ def compute_policy_loss_gspo(
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
+def compute_policy_loss_gpg(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    normalizer: LossNormalizer,
+    loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG's plain policy gradient, as verl's ``gpg`` policy loss: ``-A * log_prob`` per token, no ratio.
+
+    There is no importance ratio and no clipping (``clip_ratio_*`` are accepted for the uniform signature and
+    ignored; ``old_log_prob`` only feeds the ``ppo_kl`` metric). On-policy (the first mini-batch of a step) its
+    gradient equals the unclipped PPO gradient; later mini-batches of the same step are not corrected for the
+    policy having moved, so GPG is usually run with one mini-batch per step. ``rollout_is_weights`` (optional
+    ``[B, T]``) multiply the per-token losses before aggregation, as in verl.
+
+    Returns:
+        ``(loss, metrics)``; metrics hold ``ppo_kl`` (mean of ``old_log_prob - log_prob``), a diagnostic verl's
+        ``gpg`` does not report (it reports none).
+    """
+    _check_inputs(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    pg_losses = _apply_rollout_is_weights(-advantages * log_prob, rollout_is_weights)
+    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, normalizer)
+    with torch.no_grad():
+        ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
+    return loss, {"ppo_kl": ppo_kl.detach()}
+
+
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "vanilla": compute_policy_loss_vanilla,
     "gspo": compute_policy_loss_gspo,
+    "gpg": compute_policy_loss_gpg,
 }
 
 

@@ -118,7 +118,7 @@ def test_identical_rewards_in_group_give_zero_advantage(name):
     np.testing.assert_allclose(adv, 0.0, atol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"])
 def test_interleaved_groups_equal_contiguous_permuted(name):
     perm = [0, 2, 4, 1, 3, 5]  # contiguous order: a a a b b c
     rewards = dense_rewards(3)
@@ -205,7 +205,10 @@ def full_kwargs(seed=0):
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
 def test_uniform_signature_finite_and_zero_outside_mask(name):
-    adv, ret = ADVANTAGE_ESTIMATORS[name](**full_kwargs())
+    kwargs = full_kwargs()
+    if name == "grpo_passk":  # needs two samples in every group: the singleton "z" joins "y"
+        kwargs["group_ids"] = np.array(["x", "y", "x", "y", "x", "y"])
+    adv, ret = ADVANTAGE_ESTIMATORS[name](**kwargs)
     assert adv.shape == ret.shape == (B, T)
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     outside = ~torch.tensor(MASK).bool()
@@ -213,7 +216,9 @@ def test_uniform_signature_finite_and_zero_outside_mask(name):
     assert torch.all(adv[5] == 0)  # fully masked row
 
 
-@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize(
+    "name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk"]
+)
 def test_group_estimators_require_group_ids(name):
     kwargs = full_kwargs()
     kwargs["group_ids"] = None
@@ -233,6 +238,9 @@ def test_registry_and_critic_helpers():
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",
+        "opo",
+        "gpg",
+        "grpo_passk",
     }
     assert set(ESTIMATORS_NEEDING_CRITIC) == {"gae"}
     assert needs_critic("gae") and not needs_critic("grpo")

@@ -1,4 +1,4 @@
-"""PPO (vanilla, clip-higher, dual-clip) and GSPO policy losses against per-token Python references."""
+"""PPO (vanilla, clip-higher, dual-clip), GSPO and GPG policy losses against per-token Python references."""
 
 import math
 
@@ -142,9 +142,36 @@ def test_gspo_ratio_is_per_sequence():
     assert loss.item() == pytest.approx(-1.1)  # geometric mean of 1.21 and 1.0, token-mean of two equal terms
 
 
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_gpg_matches_reference_value_and_gradient(mode):
+    old, new, adv = inputs(3)
+    loss, metrics = run("gpg", old, new, adv, mode=mode)
+    loss.backward()
+    # GPG: the per-token loss is -A * log_prob (no ratio, no clipping), so d/d log_prob = -A
+    mat = [[-adv[i, t].item() * new[i, t].item() for t in range(MASK.shape[1])] for i in range(MASK.shape[0])]
+    norm = LossNormalizer.from_mask(MASK, MASK.shape[1])
+    assert loss.item() == pytest.approx(
+        aggregate_loss(torch.tensor(mat, dtype=torch.float64), MASK, mode, norm).item(), rel=1e-10
+    )
+    weights = torch.zeros(MASK.shape, dtype=torch.float64, requires_grad=True)
+    aggregate_loss(weights, MASK, mode, norm).backward()
+    np.testing.assert_allclose(new.grad.numpy(), -adv.numpy() * weights.grad.numpy(), atol=1e-12)
+    kl = sum(old[i, t].item() - new[i, t].item() for i in range(5) for t in range(4) if MASK[i, t])
+    assert set(metrics) == {"ppo_kl"} and metrics["ppo_kl"].item() == pytest.approx(kl / MASK.sum().item())
+
+
+def test_gpg_hand_computed_cases_ignore_the_ratio():
+    # p = 0.5, A = 2: loss -2 * log 0.5 = 2 log 2; gradient -A = -2 (old log-prob 0: the ratio 0.5 is not used)
+    loss, grad, _ = one_token(0.5, 2.0, name="gpg")
+    assert loss == pytest.approx(2 * math.log(2)) and grad == pytest.approx(-2.0)
+    # p = 5 (ratio 5, far past any clip or dual-clip bound), A = -1: loss log 5, gradient +1, never clipped
+    loss, grad, _ = one_token(5.0, -1.0, name="gpg")
+    assert loss == pytest.approx(math.log(5)) and grad == pytest.approx(1.0)
+
+
 def test_registry():
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo"}
-    with pytest.raises(ValueError, match=r"'ppo'.*gspo.*vanilla"):
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "gpg"}
+    with pytest.raises(ValueError, match=r"'ppo'.*gpg.*gspo.*vanilla"):
         get_policy_loss("ppo")
 
 

@@ -72,13 +72,18 @@ def weighted_reference(name, old, new, adv, weights):
         seq = sum(n[i][j] - o[i][j] for j in valid) / max(len(valid), 1)
         row = []
         for j in range(len(o[i])):
-            base = vanilla_token(o[i][j], n[i][j], a[i][j]) if name == "vanilla" else gspo_token(seq, a[i][j])
+            if name == "vanilla":
+                base = vanilla_token(o[i][j], n[i][j], a[i][j])
+            elif name == "gspo":
+                base = gspo_token(seq, a[i][j])
+            else:  # gpg: -A * log_prob
+                base = -a[i][j] * n[i][j]
             row.append(base * w[i][j])
         out.append(row)
     return out
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo"])
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg"])
 @pytest.mark.parametrize("mode", MODES)
 def test_weighted_loss_matches_verl_formula(name, mode):
     old, new, adv, weights = inputs(1)
@@ -88,7 +93,7 @@ def test_weighted_loss_matches_verl_formula(name, mode):
     )  # eps in the mean denominators
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo"])
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg"])
 @pytest.mark.parametrize("mode", MODES)
 def test_unit_weights_give_the_unweighted_loss_bit_for_bit(name, mode):
     old, new, adv, _ = inputs(2)
@@ -100,7 +105,7 @@ def test_unit_weights_give_the_unweighted_loss_bit_for_bit(name, mode):
     assert all(torch.equal(plain_metrics[k], ones_metrics[k]) for k in plain_metrics)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo"])
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg"])
 def test_weights_scale_the_gradient_and_not_the_metrics(name):
     old, new, adv, weights = inputs(3)
     _, plain_metrics = run(name, old, new, adv)

@@ -207,7 +207,14 @@ def accumulated(mode: str, terms: str, policy: str, micro_batch_size: int):
     )
 
 
-CASES = [("policy", "vanilla"), ("policy", "gspo"), ("value", "vanilla"), ("all", "vanilla"), ("all", "gspo")]
+CASES = [
+    ("policy", "vanilla"),
+    ("policy", "gspo"),
+    ("policy", "gpg"),
+    ("value", "vanilla"),
+    ("all", "vanilla"),
+    ("all", "gspo"),
+]
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

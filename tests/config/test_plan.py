@@ -176,6 +176,19 @@ def test_group_estimators_need_several_samples():
         build_plan(cfg_of(32, 1, 8, 4))
 
 
+@pytest.mark.parametrize("estimator", ["opo", "gpg", "grpo_passk"])
+def test_outcome_estimators_are_accepted_and_need_several_samples(estimator):
+    cfg = build_config(overrides=[f"algorithm.adv_estimator={estimator}", "actor.policy_loss=gpg"])
+    assert cfg.algorithm.adv_estimator == estimator and cfg.actor.policy_loss == "gpg"
+    plan = build_plan(cfg_of(32, 4, 8, 4, algorithm__adv_estimator=estimator))
+    assert plan.critic is None  # no critic, no value model
+    with pytest.raises(ValueError) as info:
+        build_plan(cfg_of(32, 1, 8, 4, algorithm__adv_estimator=estimator))
+    msg = str(info.value)
+    assert f"algorithm.adv_estimator={estimator} compares samples of the same prompt" in msg
+    assert "rollout.n (1) must be at least 2" in msg
+
+
 def test_plan_is_frozen_and_config_untouched():
     cfg = cfg_of(32, 4, 8, 4)
     before = dataclasses.asdict(cfg)

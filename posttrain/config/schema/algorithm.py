@@ -77,7 +77,7 @@ class AlgorithmConfig:
     adv_estimator: str = knob("grpo", "Advantage estimator; 'gae' trains a critic.", choices=ADV_ESTIMATORS)
     gamma: float = knob(1.0, "Discount factor.", min=0.0, max=1.0)
     lam: float = knob(1.0, "GAE lambda.", min=0.0, max=1.0)
-    norm_adv_by_std_in_grpo: bool = knob(True, "Divide GRPO advantages by the group's std.")
+    norm_adv_by_std_in_grpo: bool = knob(True, "Divide GRPO (and grpo_passk) advantages by the group's std.")
     use_kl_in_reward: bool = knob(False, "Subtract a per-token KL penalty from the rewards.")
     kl_penalty: str = knob("k1", "KL estimator of the in-reward penalty.", choices=KL_ESTIMATORS)
     kl_ctrl: KLControlConfig = section(KLControlConfig)

@@ -114,7 +114,11 @@ class ActorConfig:
         "fewer tokens: saves (n - 1) prompt copies per group. sdpa attention, no Ulysses SP "
         "(docs/throughput.md).",
     )
-    policy_loss: str = knob("vanilla", "Policy loss: PPO clip ('vanilla') or GSPO.", choices=POLICY_LOSSES)
+    policy_loss: str = knob(
+        "vanilla",
+        "Policy loss: PPO clip ('vanilla'), GSPO, or GPG's plain policy gradient ('gpg', no ratio).",
+        choices=POLICY_LOSSES,
+    )
     clip_ratio_low: float = knob(0.2, "PPO ratio clip below: 1 - clip_ratio_low.", min=0.0)
     clip_ratio_high: float = knob(0.2, "PPO ratio clip above: 1 + clip_ratio_high (clip-higher).", min=0.0)
     clip_ratio_c: float = knob(
