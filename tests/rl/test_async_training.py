@@ -5,6 +5,7 @@ corrected by the rollout correction, and a checkpoint resumes the prompt order o
 import json
 
 import pytest
+import torch
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
@@ -93,4 +94,37 @@ def test_async_training_on_several_ranks_is_refused_before_loading(tiny_model_di
     with pytest.raises(
         ConfigError, match=r"async_training.enable=true runs on one process .* world size is 2"
     ):
-        check_run(cfg, 2, pytest.importorskip("torch").device("cpu"))
+        check_run(cfg, 2, torch.device("cpu"))
+
+
+def test_each_row_records_the_version_that_sampled_it():
+    """The queue alone, with a stand-in generator: rollout s is generated after the load of version s-1-k."""
+    import threading
+
+    from posttrain.data.batch import build_rollout_batch
+    from posttrain.data.sampler import PromptSampler
+    from posttrain.rl.rollout_ahead import RolloutAhead
+
+    loaded, seen, worker = [], [], set()
+
+    def generate(step, timer):
+        worker.add(threading.current_thread().name)
+        seen.append((step, list(loaded)))
+        return build_rollout_batch([[1, 2]] * 3, [[3]] * 3, [0, 0, 0], pad_token_id=0), {}
+
+    def load(snapshot):
+        loaded.append(len(loaded) + 1)
+
+    k, policy = 2, torch.nn.Linear(2, 2)
+    ahead = RolloutAhead(generate, load, PromptSampler(8, 2, seed=0), k, start_step=0, total_steps=6)
+    try:
+        for step in range(1, 7):
+            batch, metrics = ahead.take(step)
+            assert batch.policy_versions.tolist() == [max(0, step - 1 - k)] * 3
+            assert metrics["async/policy_lag_max"] == min(step - 1, k)
+            ahead.push(step, policy)
+    finally:
+        ahead.close()
+    assert [s for s, _ in seen] == [1, 2, 3, 4, 5, 6]
+    assert [len(versions) for _, versions in seen] == [0, 0, 0, 1, 2, 3]
+    assert worker and threading.current_thread().name not in worker
