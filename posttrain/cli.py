@@ -190,48 +190,68 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    def add(
-        name: str, fn: Callable[[argparse.Namespace], int], help: str, epilog: str = ""
-    ) -> argparse.ArgumentParser:
-        p = sub.add_parser(
-            name,
-            help=help,
-            description=help,
-            epilog=epilog or KEYS_HINT,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        p.add_argument("config", nargs="*", help="YAML override files and key=value overrides")
-        p.set_defaults(fn=fn)
-        return p
-
-    add(
+    _add_command(
+        sub,
         "train",
         cmd_train,
         "Run RL training (default: GRPO on the built-in arithmetic task, CPU-sized).",
         TRAIN_EXAMPLES + KEYS_HINT,
     )
-    add("sft", cmd_sft, "Supervised fine-tuning on prompt/response data.")
-    p = add("eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task.")
+    _add_command(sub, "sft", cmd_sft, "Supervised fine-tuning on prompt/response data.")
+    p = _add_command(
+        sub, "eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task."
+    )
     p.add_argument("--model", default=None, help="Model directory or checkpoint (default: model.path)")
-    p = add(
-        "explain", cmd_explain, "Print the batch plan and the per-GPU memory estimate derived from a config."
+    _add_explain_args(
+        _add_command(
+            sub,
+            "explain",
+            cmd_explain,
+            "Print the batch plan and the per-GPU memory estimate derived from a config.",
+        )
     )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="Number of GPUs/processes (default: nodes x gpus-per-node)",
+    _add_tune_args(
+        _add_command(
+            sub,
+            "tune",
+            cmd_tune,
+            "Measure micro-batch sizes / token budgets on this device; write a config overlay.",
+        )
     )
+    return parser
+
+
+def _add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    fn: Callable[[argparse.Namespace], int],
+    help: str,
+    epilog: str = "",
+) -> argparse.ArgumentParser:
+    """A subcommand that takes YAML files and key=value overrides and runs ``fn``."""
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=help,
+        epilog=epilog or KEYS_HINT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="*", help="YAML override files and key=value overrides")
+    p.set_defaults(fn=fn)
+    return p
+
+
+def _add_explain_args(p: argparse.ArgumentParser) -> None:
+    _add_world_size_arg(p)
     p.add_argument("--json", action="store_true", help="Print the plan as JSON (stable keys)")
     p.add_argument("--keys", action="store_true", help="List every config key with its unit and help")
     p.add_argument(
         "--suggest", action="store_true", help="Also print the seeds' starting point for this model size"
     )
     _add_cluster_args(p)
-    p = add(
-        "tune", cmd_tune, "Measure micro-batch sizes / token budgets on this device; write a config overlay."
-    )
+
+
+def _add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-cap-gb",
         type=float,
@@ -258,14 +278,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output", default=None, help="Overlay YAML to write (default <trainer.run_dir>/tuned.yaml)"
     )
+    _add_world_size_arg(p)
+    _add_cluster_args(p)
+
+
+def _add_world_size_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--world-size",
         type=int,
         default=None,
         help="Number of GPUs/processes (default: nodes x gpus-per-node)",
     )
-    _add_cluster_args(p)
-    return parser
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:

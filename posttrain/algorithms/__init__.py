@@ -53,11 +53,13 @@ from posttrain.algorithms.policy_loss import (
 from posttrain.algorithms.rollout_correction import (
     check_rollout_correction,
     compute_rollout_correction,
+    rollout_correction_kwargs,
+)
+from posttrain.algorithms.rollout_mismatch import (
     compute_rollout_is_weights,
     compute_rollout_rejection_mask,
     compute_token_veto_mask,
     mismatch_metrics,
-    rollout_correction_kwargs,
 )
 from posttrain.algorithms.value_loss import compute_value_loss
 

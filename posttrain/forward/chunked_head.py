@@ -203,25 +203,44 @@ def chunked_logprobs_entropy(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dtype = _compute_dtype(hidden, lm_head_weight, bias)
-    # Cast once: casting inside each chunk would store one [V, H] copy per chunk for backward.
-    weight = lm_head_weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, lm_head_weight, bias)
     )
+    args = (
+        hidden,
+        lm_head_weight,
+        bias,
+        labels,
+        chunk_size,
+        float(temperature),
+        compute_entropy,
+        ignore_index,
+        dtype,
+    )
     if checkpoint and fused and needs_grad and hidden.shape[0] > 0:
-        out = _FusedChunkedHead.apply(
-            hidden,
-            lm_head_weight,
-            bias,
-            labels,
-            chunk_size,
-            float(temperature),
-            compute_entropy,
-            ignore_index,
-            dtype,
-        )
+        out = _FusedChunkedHead.apply(*args)
         return out[0], (out[1] if compute_entropy else None)
+    return _chunk_by_chunk(*args, recompute=checkpoint and needs_grad)
+
+
+def _chunk_by_chunk(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    chunk_size: int,
+    temperature: float,
+    compute_entropy: bool,
+    ignore_index: int,
+    dtype: torch.dtype,
+    *,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unfused path: :func:`_chunk` on each chunk, under :func:`torch.utils.checkpoint.checkpoint` when
+    ``recompute`` (else each chunk keeps its autograd graph, or none without grad)."""
+    # Cast once: casting inside each chunk would store one [V, H] copy per chunk for backward.
+    weight = lm_head_weight.to(dtype)
+    b = bias.to(dtype) if bias is not None else None
     logprob_chunks: list[torch.Tensor] = []
     entropy_chunks: list[torch.Tensor] = []
     for start in range(0, hidden.shape[0], chunk_size):
@@ -230,11 +249,11 @@ def chunked_logprobs_entropy(
             weight,
             b,
             labels[start : start + chunk_size],
-            float(temperature),
+            temperature,
             compute_entropy,
             ignore_index,
         )
-        if checkpoint and needs_grad:
+        if recompute:
             out = _checkpoint(_chunk, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             out = _chunk(*args)

@@ -77,18 +77,8 @@ def group_by_prompt(batch: RolloutBatch) -> PrefixGroups:
     p = batch.prompt_width
     real = batch.attention_mask.bool().cpu()
     ids = batch.input_ids.cpu()
-    prompt_lens = real[:, :p].sum(-1)
     resp_lens = real[:, p:].sum(-1)
-    if bool(((prompt_lens == 0) & (resp_lens > 0)).any()):
-        raise ConfigError("a row has response tokens but no prompt token: nothing predicts its first token")
-    # Left-padded prompts of one batch share their width, so equal rows of this key mean equal prompt tokens.
-    keys = ids[:, :p].masked_fill(~real[:, :p], -1)
-    _, group_of = torch.unique(keys, dim=0, return_inverse=True)
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(group_of.tolist()):
-        if int(prompt_lens[i]) > 0:
-            members.setdefault(g, []).append(i)
-
+    members = _rows_by_prompt(ids, real, p, resp_lens)
     segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (tokens, positions, blocks)
     first_col: dict[int, int] = {}  # sample -> column (in its segment) predicting response token 1
     segment_of: dict[int, int] = {}
@@ -111,27 +101,8 @@ def group_by_prompt(batch: RolloutBatch) -> PrefixGroups:
         prompt_end.append(lp - 1)
         segments.append((torch.cat(tokens), torch.cat(positions), torch.cat(blocks)))
 
-    lens = [int(s[0].shape[0]) for s in segments]
-    layout = plan_rows(lens, max(lens, default=1))
-    width = max((sum(lens[s] for s in row) for row in layout), default=1)
-    num_rows = max(len(layout), 1)
-    input_ids = torch.zeros(num_rows, width, dtype=torch.long)
-    position_ids = torch.arange(width).repeat(num_rows, 1)
-    # Pad columns get ids past every segment's, unique per column.
-    segment_ids = len(segments) + torch.arange(num_rows * width).view(num_rows, width)
-    block_ids = torch.zeros(num_rows, width, dtype=torch.long)
-    seg_row, seg_start = [0] * len(segments), [0] * len(segments)
-    for r, row in enumerate(layout):
-        col = 0
-        for s in row:
-            tokens, positions, blocks = segments[s]
-            n = lens[s]
-            input_ids[r, col : col + n] = tokens
-            position_ids[r, col : col + n] = positions
-            segment_ids[r, col : col + n] = s
-            block_ids[r, col : col + n] = blocks
-            seg_row[s], seg_start[s] = r, col
-            col += n
+    input_ids, position_ids, segment_ids, block_ids, seg_row, seg_start = _pack_segments(segments)
+    width = input_ids.shape[1]
 
     b, r_width = batch.num_rows, batch.response_width
     t = torch.arange(r_width)
@@ -154,6 +125,55 @@ def group_by_prompt(batch: RolloutBatch) -> PrefixGroups:
         valid=valid.to(device),
         prompt_tokens_saved=saved,
     )
+
+
+def _rows_by_prompt(
+    ids: torch.Tensor, real: torch.Tensor, p: int, resp_lens: torch.Tensor
+) -> dict[int, list[int]]:
+    """The rows of each distinct prompt (rows without a prompt token, which must have no response, are left out)."""
+    prompt_lens = real[:, :p].sum(-1)
+    if bool(((prompt_lens == 0) & (resp_lens > 0)).any()):
+        raise ConfigError("a row has response tokens but no prompt token: nothing predicts its first token")
+    # Left-padded prompts of one batch share their width, so equal rows of this key mean equal prompt tokens.
+    keys = ids[:, :p].masked_fill(~real[:, :p], -1)
+    _, group_of = torch.unique(keys, dim=0, return_inverse=True)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_of.tolist()):
+        if int(prompt_lens[i]) > 0:
+            members.setdefault(g, []).append(i)
+    return members
+
+
+def _pack_segments(
+    segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """First-fit the ``(tokens, positions, blocks)`` segments into rows as long as the longest segment.
+
+    Returns ``input_ids, position_ids, segment_ids, block_ids`` (``[rows, L]``) and each segment's row and start
+    column.
+    """
+    lens = [int(s[0].shape[0]) for s in segments]
+    layout = plan_rows(lens, max(lens, default=1))
+    width = max((sum(lens[s] for s in row) for row in layout), default=1)
+    num_rows = max(len(layout), 1)
+    input_ids = torch.zeros(num_rows, width, dtype=torch.long)
+    position_ids = torch.arange(width).repeat(num_rows, 1)
+    # Pad columns get ids past every segment's, unique per column.
+    segment_ids = len(segments) + torch.arange(num_rows * width).view(num_rows, width)
+    block_ids = torch.zeros(num_rows, width, dtype=torch.long)
+    seg_row, seg_start = [0] * len(segments), [0] * len(segments)
+    for r, row in enumerate(layout):
+        col = 0
+        for s in row:
+            tokens, positions, blocks = segments[s]
+            n = lens[s]
+            input_ids[r, col : col + n] = tokens
+            position_ids[r, col : col + n] = positions
+            segment_ids[r, col : col + n] = s
+            block_ids[r, col : col + n] = blocks
+            seg_row[s], seg_start[s] = r, col
+            col += n
+    return input_ids, position_ids, segment_ids, block_ids, seg_row, seg_start
 
 
 def prefix_attention_mask(groups: PrefixGroups, *, boolean: bool, dtype: torch.dtype) -> torch.Tensor:

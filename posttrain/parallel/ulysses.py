@@ -318,15 +318,10 @@ def shard_inputs(
     sp, _ = _size_rank(group)
     check_sequence_parallel_supported(config, sp)
     install_ulysses_attention()
-    rows, length = input_ids.shape
-    extra = -length % sp
-    if extra:
-        input_ids = pad_to_multiple(input_ids, sp, pad_token_id)
-        tail = torch.arange(extra, device=position_ids.device, dtype=position_ids.dtype)
-        position_ids = torch.cat([position_ids, tail.expand(rows, extra)], dim=1)
-        if attention_mask is not None:
-            attention_mask = pad_to_multiple(attention_mask, sp, 0)
-    full_len = length + extra
+    input_ids, position_ids, attention_mask = _pad_for_sp(
+        input_ids, position_ids, attention_mask, sp, pad_token_id
+    )
+    rows, full_len = input_ids.shape
     # create_causal_mask reads only the batch size, length, dtype and device of inputs_embeds.
     shape_only = torch.empty((rows, full_len, 0), dtype=dtype, device=input_ids.device)
     mask = create_causal_mask(
@@ -348,6 +343,26 @@ def shard_inputs(
         start=start,
         full_len=full_len,
     )
+
+
+def _pad_for_sp(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    sp: int,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Append columns up to a multiple of ``sp``: ids ``pad_token_id``, mask 0, positions ``0, 1, ...`` (in packed
+    rows, a sequence of their own)."""
+    rows, length = input_ids.shape
+    extra = -length % sp
+    if extra:
+        input_ids = pad_to_multiple(input_ids, sp, pad_token_id)
+        tail = torch.arange(extra, device=position_ids.device, dtype=position_ids.dtype)
+        position_ids = torch.cat([position_ids, tail.expand(rows, extra)], dim=1)
+        if attention_mask is not None:
+            attention_mask = pad_to_multiple(attention_mask, sp, 0)
+    return input_ids, position_ids, attention_mask
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -107,35 +107,47 @@ def train_sft(
             chunk = [
                 examples[i] for i in order[s * plan.mini_batch_samples : (s + 1) * plan.mini_batch_samples]
             ]
-            mini = build_rollout_batch(
-                [e.prompt_ids for e in chunk],
-                [e.response_ids for e in chunk],
-                list(range(len(chunk))),
-                pad_token_id,
-            )
-            normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=mini.response_width)
-            rows = micro_batch_rows(mini, plan.micro_batch_size_per_rank, None)
-            metrics = accumulate_and_step(
-                model,
-                trainable.optimizer,
-                trainable.scheduler,
-                mini,
-                rows,
-                loss_fn,
-                normalizer,
-                trainable.grad_clip,
-            )
-            metrics = {
-                "sft/loss": metrics["loss"],
-                "sft/grad_norm": metrics["grad_norm"],
-                "sft/lr": trainable.lr,
-            }
+            metrics = _sft_step(model, chunk, plan, trainable, loss_fn, pad_token_id)
             if on_step is not None:
                 metrics.update(on_step(len(history) + 1, total, metrics))
             history.append(metrics)
             if display is not None:
                 display.update(len(history), metrics)
     return history
+
+
+def _sft_step(
+    model: nn.Module,
+    chunk: list[SFTExample],
+    plan: UpdatePlan,
+    trainable: Trainable,
+    loss_fn: Callable,
+    pad_token_id: int,
+) -> dict[str, float]:
+    """One optimizer step on ``chunk``, laid out as a rollout batch and split into the plan's micro-batches."""
+    mini = build_rollout_batch(
+        [e.prompt_ids for e in chunk],
+        [e.response_ids for e in chunk],
+        list(range(len(chunk))),
+        pad_token_id,
+    )
+    normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=mini.response_width)
+    rows = micro_batch_rows(mini, plan.micro_batch_size_per_rank, None)
+    metrics = accumulate_and_step(
+        model,
+        trainable.optimizer,
+        trainable.scheduler,
+        mini,
+        rows,
+        loss_fn,
+        normalizer,
+        trainable.grad_clip,
+    )
+    return {
+        "sft/loss": metrics["loss"],
+        "sft/grad_norm": metrics["grad_norm"],
+        "sft/lr": trainable.lr,
+    }
 
 
 def sft_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[PromptRecord]:

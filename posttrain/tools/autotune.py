@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import BatchPlan
@@ -78,67 +79,72 @@ def tune_targets(
     max_rows: int | None = None,
 ) -> list[Target]:
     """The knob and candidate values of each role the config uses (valid for the plan by construction)."""
-    seq = plan.max_seq_len
-    out: list[Target] = []
-
-    def update(role: str, p, micro_key: str, budget_key: str) -> None:
-        if p.use_dynamic_bsz:
-            values = [seq * k for k in BUDGET_MULTIPLES]
-            rows = max(1, min(max_rows or 10**9, p.mini_batch_samples_per_rank, values[-1] // seq))
-            values = [v for v in values if v <= rows * seq]
-            out.append(Target(role, budget_key, tuple(values), True, rows))
-            return
-        per_rank = p.mini_batch_samples_per_rank
-        values = [v for v in _powers_of_two(per_rank) if per_rank % v == 0] + [per_rank]  # rule 3 of the plan
-        values = sorted({v for v in values if v <= (max_micro or per_rank)})
-        out.append(Target(role, micro_key, tuple(values), False, min(max(values), max_rows or per_rank)))
-
-    def forward(role: str, p, micro_key: str, budget_key: str) -> None:
-        if p.use_dynamic_bsz:
-            rows = max(1, min(max_rows or 10**9, p.samples_per_rank))
-            values = [seq * k for k in BUDGET_MULTIPLES if seq * k <= rows * seq]
-            out.append(Target(role, budget_key, tuple(values), True, rows))
-            return
-        values = sorted({*_powers_of_two(p.samples_per_rank), p.samples_per_rank})
-        values = [v for v in values if v <= (max_micro or p.samples_per_rank)]
-        out.append(
-            Target(role, micro_key, tuple(values), False, min(max(values), max_rows or p.samples_per_rank))
-        )
-
     wanted = roles or ["actor", "old_log_prob"] + (["critic", "values"] if plan.critic is not None else [])
-    for role in wanted:
-        if role == "actor":
-            update(role, plan.actor, "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu")
-        elif role == "old_log_prob":
-            forward(
-                role,
-                plan.old_log_prob,
-                "actor.log_prob_micro_batch_size_per_gpu",
-                "actor.log_prob_max_token_len_per_gpu",
-            )
-        elif role in ("critic", "values"):
-            if plan.critic is None:
-                raise ConfigError(
-                    f"--roles {role}: this config trains no critic (algorithm.adv_estimator="
-                    f"{cfg.algorithm.adv_estimator}); use algorithm.adv_estimator=gae or drop {role}"
-                )
-            if role == "critic":
-                update(
-                    role,
-                    plan.critic,
-                    "critic.ppo_micro_batch_size_per_gpu",
-                    "critic.ppo_max_token_len_per_gpu",
-                )
-            else:
-                forward(
-                    role,
-                    plan.values,
-                    "critic.forward_micro_batch_size_per_gpu",
-                    "critic.forward_max_token_len_per_gpu",
-                )
-        else:
-            raise ConfigError(f"--roles {role!r}: choose from actor, old_log_prob, critic, values")
-    return out
+    return [_role_target(role, cfg, plan, max_micro, max_rows) for role in wanted]
+
+
+# role -> (its plan, an update (not a forward pass)?, micro-batch size key, token budget key)
+_ROLE_KNOBS = {
+    "actor": ("actor", True, "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu"),
+    "old_log_prob": (
+        "old_log_prob",
+        False,
+        "actor.log_prob_micro_batch_size_per_gpu",
+        "actor.log_prob_max_token_len_per_gpu",
+    ),
+    "critic": ("critic", True, "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu"),
+    "values": (
+        "values",
+        False,
+        "critic.forward_micro_batch_size_per_gpu",
+        "critic.forward_max_token_len_per_gpu",
+    ),
+}
+
+
+def _role_target(
+    role: str, cfg: PostTrainConfig, plan: BatchPlan, max_micro: int | None, max_rows: int | None
+) -> Target:
+    if role not in _ROLE_KNOBS:
+        raise ConfigError(f"--roles {role!r}: choose from actor, old_log_prob, critic, values")
+    if role in ("critic", "values") and plan.critic is None:
+        raise ConfigError(
+            f"--roles {role}: this config trains no critic (algorithm.adv_estimator="
+            f"{cfg.algorithm.adv_estimator}); use algorithm.adv_estimator=gae or drop {role}"
+        )
+    plan_name, is_update, micro_key, budget_key = _ROLE_KNOBS[role]
+    target = _update_target if is_update else _forward_target
+    return target(
+        role, getattr(plan, plan_name), micro_key, budget_key, plan.max_seq_len, max_micro, max_rows
+    )
+
+
+def _update_target(
+    role: str, p, micro_key: str, budget_key: str, seq: int, max_micro: int | None, max_rows: int | None
+) -> Target:
+    """An update's candidates: token budgets up to its mini-batch, or micro-batch sizes dividing it."""
+    if p.use_dynamic_bsz:
+        values = [seq * k for k in BUDGET_MULTIPLES]
+        rows = max(1, min(max_rows or 10**9, p.mini_batch_samples_per_rank, values[-1] // seq))
+        values = [v for v in values if v <= rows * seq]
+        return Target(role, budget_key, tuple(values), True, rows)
+    per_rank = p.mini_batch_samples_per_rank
+    values = [v for v in _powers_of_two(per_rank) if per_rank % v == 0] + [per_rank]  # rule 3 of the plan
+    values = sorted({v for v in values if v <= (max_micro or per_rank)})
+    return Target(role, micro_key, tuple(values), False, min(max(values), max_rows or per_rank))
+
+
+def _forward_target(
+    role: str, p, micro_key: str, budget_key: str, seq: int, max_micro: int | None, max_rows: int | None
+) -> Target:
+    """A forward pass's candidates: token budgets or micro-batch sizes up to its samples per rank."""
+    if p.use_dynamic_bsz:
+        rows = max(1, min(max_rows or 10**9, p.samples_per_rank))
+        values = [seq * k for k in BUDGET_MULTIPLES if seq * k <= rows * seq]
+        return Target(role, budget_key, tuple(values), True, rows)
+    values = sorted({*_powers_of_two(p.samples_per_rank), p.samples_per_rank})
+    values = [v for v in values if v <= (max_micro or p.samples_per_rank)]
+    return Target(role, micro_key, tuple(values), False, min(max(values), max_rows or p.samples_per_rank))
 
 
 def autotune(
@@ -165,66 +171,105 @@ def autotune(
     """
     if not 0 <= headroom < 1:
         raise ConfigError(f"--headroom ({headroom}) must be in [0, 1): the fraction of the cap kept free")
-    limit = int(memory_cap_bytes * (1 - headroom))
-    result = TuneResult()
-    start = time.monotonic()
     d = cfg.data
+    search = _Search(
+        limit=int(memory_cap_bytes * (1 - headroom)),
+        memory_cap_bytes=memory_cap_bytes,
+        time_budget_s=time_budget_s,
+        start=time.monotonic(),
+        estimate=estimate,
+        runner=runner,
+        progress=progress,
+        spec=partial(
+            TrialSpec,
+            model_config=model_config,
+            overrides=tuple(overrides),
+            prompt_len=d.max_prompt_length,
+            response_len=d.max_response_length,
+            repeats=repeats,
+            device=device,
+            threads=threads,
+            memory_cap_bytes=memory_cap_bytes,
+        ),
+    )
+    trials = search.result.trials
     for index, target in enumerate(targets):
+        # Each remaining role gets an equal share of the remaining trials, so the last role is not starved.
+        share = max(1, (max_trials - len(trials)) // (len(targets) - index))
+        best = search.best_setting(target, role_limit=min(max_trials, len(trials) + share))
+        if best is not None:
+            search.result.best[target.key] = best
+    return search.result
+
+
+@dataclass
+class _Search:
+    """What the searches of all roles share: the memory limit, the clock, how a trial runs, the trials so far."""
+
+    limit: int  # bytes a trial's peak must stay under
+    memory_cap_bytes: int
+    time_budget_s: float
+    start: float  # time.monotonic() when the search began
+    estimate: Callable[[Target, int], int | None] | None
+    runner: Callable[[TrialSpec], TrialResult]
+    progress: Callable[[str], None]
+    spec: Callable[..., TrialSpec]  # TrialSpec with the fields every trial shares already given
+    result: TuneResult = field(default_factory=TuneResult)
+
+    def best_setting(self, target: Target, role_limit: int) -> Trial | None:
+        """Try ``target``'s candidates smallest first; the fastest that fits, or None if none was measured to fit.
+
+        Stops at ``role_limit`` trials in all, at the time budget, at a candidate estimated far above the cap,
+        at the first one that does not fit, or after ``PLATEAU_TRIALS`` without a ``PLATEAU_GAIN`` speed-up.
+        """
         best: Trial | None = None
         stale = 0
-        # Each remaining role gets an equal share of the remaining trials, so the last role is not starved.
-        share = max(1, (max_trials - len(result.trials)) // (len(targets) - index))
-        role_limit = min(max_trials, len(result.trials) + share)
         for value in target.candidates:
-            elapsed = time.monotonic() - start
-            if len(result.trials) >= role_limit or elapsed >= time_budget_s:
-                progress(
-                    f"stopping: {len(result.trials)} trials, {elapsed:.0f} s used (--max-trials / --time-budget-s)"
+            elapsed = time.monotonic() - self.start
+            if len(self.result.trials) >= role_limit or elapsed >= self.time_budget_s:
+                self.progress(
+                    f"stopping: {len(self.result.trials)} trials, {elapsed:.0f} s used (--max-trials / --time-budget-s)"
                 )
                 break
-            predicted = estimate(target, value) if estimate else None
-            if predicted is not None and predicted > SKIP_FACTOR * memory_cap_bytes:
-                progress(
+            predicted = self.estimate(target, value) if self.estimate else None
+            if predicted is not None and predicted > SKIP_FACTOR * self.memory_cap_bytes:
+                self.progress(
                     f"{target.key}={value}: skipped, estimated {predicted / GIB:.2f} GiB > {SKIP_FACTOR} x cap"
                 )
                 break
-            spec = TrialSpec(
-                role=target.role,
-                model_config=model_config,
-                overrides=tuple(overrides),
-                prompt_len=d.max_prompt_length,
-                response_len=d.max_response_length,
-                rows=target.rows,
-                micro_batch_size=None if target.dynamic else value,
-                max_tokens=value if target.dynamic else None,
-                repeats=repeats,
-                device=device,
-                threads=threads,
-                memory_cap_bytes=memory_cap_bytes,
-            )
-            progress(
-                f"trial {len(result.trials) + 1}: {target.role} {target.key}={value} ({target.rows} samples) ..."
-            )
-            res = runner(spec)
-            fits = res.status == "ok" and res.peak_bytes is not None and res.peak_bytes <= limit
-            trial = Trial(target, value, res, fits, predicted)
-            result.trials.append(trial)
-            speed = f"{res.tokens_per_s:,.0f} tokens/s" if res.tokens_per_s else res.status
-            peak = f"{res.peak_bytes / GIB:.3f} GiB" if res.peak_bytes is not None else "-"
-            progress(f"  -> {speed}, peak {peak}, {'fits' if fits else 'does not fit'} {res.error}".rstrip())
-            if not fits:
+            trial = self._measure(target, value, predicted)
+            if not trial.fits:
                 break  # larger settings need more memory
-            if best is None or res.tokens_per_s > best.result.tokens_per_s * (1 + PLATEAU_GAIN):
+            speed = trial.result.tokens_per_s
+            if best is None or speed > best.result.tokens_per_s * (1 + PLATEAU_GAIN):
                 best, stale = trial, 0
             else:
-                if res.tokens_per_s > best.result.tokens_per_s:
+                if speed > best.result.tokens_per_s:
                     best = trial
                 stale += 1
                 if stale >= PLATEAU_TRIALS:
-                    progress(
+                    self.progress(
                         f"  {target.key}: no gain over {PLATEAU_TRIALS} larger settings; stopping this role"
                     )
                     break
-        if best is not None:
-            result.best[target.key] = best
-    return result
+        return best
+
+    def _measure(self, target: Target, value: int, predicted: int | None) -> Trial:
+        """Run one trial of ``target`` at ``value``, record it and report it."""
+        spec = self.spec(
+            role=target.role,
+            rows=target.rows,
+            micro_batch_size=None if target.dynamic else value,
+            max_tokens=value if target.dynamic else None,
+        )
+        self.progress(
+            f"trial {len(self.result.trials) + 1}: {target.role} {target.key}={value} ({target.rows} samples) ..."
+        )
+        res = self.runner(spec)
+        fits = res.status == "ok" and res.peak_bytes is not None and res.peak_bytes <= self.limit
+        trial = Trial(target, value, res, fits, predicted)
+        self.result.trials.append(trial)
+        speed = f"{res.tokens_per_s:,.0f} tokens/s" if res.tokens_per_s else res.status
+        peak = f"{res.peak_bytes / GIB:.3f} GiB" if res.peak_bytes is not None else "-"
+        self.progress(f"  -> {speed}, peak {peak}, {'fits' if fits else 'does not fit'} {res.error}".rstrip())
+        return trial

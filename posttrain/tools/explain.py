@@ -86,6 +86,16 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         f"tokens ({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
     )
     rollout.add(weight_sync_line(cfg, plan))
+    _forward_branches(root, cfg, plan)
+    if plan.critic is not None:
+        _update_branch(root, plan.critic, "critic update", "critic")
+    _update_branch(root, plan.actor, "actor update", "actor")
+    _derived_facts(root.add("[bold]derived[/]"), cfg, plan)
+    return root
+
+
+def _forward_branches(root: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None:
+    """One branch per forward pass the run makes, in the order the step runs them."""
     forward_passes = (
         (
             plan.old_log_prob,
@@ -117,29 +127,16 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
             root.add(OLD_LOG_PROB_LINES[plan.old_log_prob_source])
         elif p is not None:
             _forward_branch(root, p, title, budget_key if p.use_dynamic_bsz else micro_key)
-    if plan.critic is not None:
-        _update_branch(root, plan.critic, "critic update", "critic")
-    _update_branch(root, plan.actor, "actor update", "actor")
-    facts = root.add("[bold]derived[/]")
+
+
+def _derived_facts(facts: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None:
+    """Optimizer steps, the prefix grouper's sharing and the policy lag: what follows from the sizes."""
     a = plan.actor
     facts.add(f"optimizer steps per rollout: {a.optimizer_steps_per_step}")
     if cfg.actor.use_prefix_grouper:
-        split = [
-            key
-            for key in ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu")
-            if getattr(cfg.actor, key) % plan.n
-        ]
-        note = (
-            (
-                f"; actor.{' and actor.'.join(split)} not a multiple of rollout.n, so some prompts are split "
-                "over micro-batches (exact, less saved)"
-            )
-            if split
-            else ""
+        facts.add(
+            f"prefix grouper: each prompt runs once for its samples in a micro-batch{_grouper_note(cfg, plan)}"
         )
-        if cfg.actor.use_dynamic_bsz:
-            note = "; token-budget micro-batches pack whole prompt groups"
-        facts.add(f"prefix grouper: each prompt runs once for its samples in a micro-batch{note}")
     if plan.rollout_staleness:
         k, steps = plan.rollout_staleness, a.optimizer_steps_per_step
         facts.add(
@@ -155,7 +152,23 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
             f"optimizer steps newer than the rollout policy; the last one lags {plan.max_policy_lag} steps "
             f"(PPO's ratio clip corrects for this; ppo_mini_batch_size = train_batch_size removes it)"
         )
-    return root
+
+
+def _grouper_note(cfg: PostTrainConfig, plan: BatchPlan) -> str:
+    """When the prefix grouper cannot share a prompt over all its samples, and why."""
+    if cfg.actor.use_dynamic_bsz:
+        return "; token-budget micro-batches pack whole prompt groups"
+    split = [
+        key
+        for key in ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu")
+        if getattr(cfg.actor, key) % plan.n
+    ]
+    if not split:
+        return ""
+    return (
+        f"; actor.{' and actor.'.join(split)} not a multiple of rollout.n, so some prompts are split "
+        "over micro-batches (exact, less saved)"
+    )
 
 
 def _count(n: int) -> str:

@@ -126,14 +126,7 @@ def _estimated_overlay(cfg, targets, estimate, limit: int) -> dict:
 
 
 def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str], yamls: list[str]) -> int:
-    if not 0 <= args.headroom < 1:
-        raise ConfigError(
-            f"--headroom ({args.headroom}) must be in [0, 1): the fraction of the cap kept free"
-        )
-    if args.max_trials < 0 or args.time_budget_s < 0:
-        raise ConfigError(
-            "--max-trials and --time-budget-s must be >= 0 (0 budget: estimates only, no trials)"
-        )
+    _check_tune_args(args)
     world = args.world_size if args.world_size is not None else args.nodes * args.gpus_per_node
     plan = build_plan(cfg, world)
     device = _device(args.device)
@@ -159,22 +152,11 @@ def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str
             "time budget 0: nothing measured; overlay = largest candidates the estimator fits under the limit"
         )
     else:
-        # Trials build the model from the config's switches (dtype, checkpointing, chunking, packing).
-        flat = {
-            k: v
-            for k, v in flatten(_as_dict(cfg)).items()
-            if k.startswith(("model.", "actor.", "critic.", "ref."))
-        }
-        trial_overrides = [
-            f"{k}={json.dumps(v) if isinstance(v, list) else v}"
-            for k, v in flat.items()
-            if k != "model.path" and not isinstance(v, list)
-        ]
         result = autotune(
             cfg,
             targets,
             mc,
-            trial_overrides,
+            _trial_overrides(cfg),
             memory_cap_bytes=cap,
             headroom=args.headroom,
             time_budget_s=args.time_budget_s,
@@ -186,6 +168,44 @@ def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str
         )
         print_results(result, limit)
         overlay = result.overlay()
+    _write_overlay(args, cfg, overlay, overrides, yamls, world)
+    return 0
+
+
+def _check_tune_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(
+            f"--headroom ({args.headroom}) must be in [0, 1): the fraction of the cap kept free"
+        )
+    if args.max_trials < 0 or args.time_budget_s < 0:
+        raise ConfigError(
+            "--max-trials and --time-budget-s must be >= 0 (0 budget: estimates only, no trials)"
+        )
+
+
+def _trial_overrides(cfg: PostTrainConfig) -> list[str]:
+    """Trials build the model from the config's switches (dtype, checkpointing, chunking, packing)."""
+    flat = {
+        k: v
+        for k, v in flatten(_as_dict(cfg)).items()
+        if k.startswith(("model.", "actor.", "critic.", "ref."))
+    }
+    return [
+        f"{k}={json.dumps(v) if isinstance(v, list) else v}"
+        for k, v in flat.items()
+        if k != "model.path" and not isinstance(v, list)
+    ]
+
+
+def _write_overlay(
+    args: argparse.Namespace,
+    cfg: PostTrainConfig,
+    overlay: dict,
+    overrides: list[str],
+    yamls: list[str],
+    world: int,
+) -> None:
+    """Write the overlay, check it makes a valid plan, and print the command that uses it."""
     # The run directory, not the current one: the overlay belongs with the run it was measured for.
     out = Path(args.output) if args.output else Path(cfg.trainer.run_dir) / "tuned.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +218,6 @@ def run_tune(args: argparse.Namespace, cfg: PostTrainConfig, overrides: list[str
     print(f"wrote {out}: " + (" ".join(f"{k}={v}" for k, v in flatten(overlay).items()) or "(nothing fit)"))
     # Quoted for a POSIX shell: overrides such as data.train_files=[a.jsonl] must survive the paste.
     print(f"use it: posttrain train {' '.join(shlex.quote(str(w)) for w in [*yamls, out, *rest])}")
-    return 0
 
 
 def _as_dict(cfg: PostTrainConfig) -> dict:

@@ -107,34 +107,18 @@ def save_checkpoint(
     state_json = _encode_trainer_state(trainer_state)
     root = checkpoint_root(run_dir)
     final = root / step_dirname(step)
-    tmp = None
-    if _is_main():
-        root.mkdir(parents=True, exist_ok=True)
-        _cleanup_stale(root)
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        tmp.mkdir()
-    tmp = _from_main(tmp)
+    tmp = _from_main(_make_tmp_dir(root, final.name) if _is_main() else None)
     try:
         _write_model_state(tmp, modules, optimizers)  # every rank writes its shards
         error = None
         if _is_main():
             try:
-                files = _write_torch_states(
-                    tmp, "scheduler", {k: s.state_dict() for k, s in schedulers.items()}
-                )
-                files.append(_write_rng_state(tmp))
-                files.append(_write_text(tmp / TRAINER_STATE_FILENAME, state_json))
-                files += sorted(p for p in (tmp / STATE_DIRNAME).rglob("*") if p.is_file())
                 keys = {
                     "modules": sorted(modules),
                     "optimizers": sorted(optimizers),
                     "schedulers": sorted(schedulers),
                 }
-                _write_manifest(tmp, step, keys, files)
-                _publish(tmp, final)
-                # Read back before anything relies on it: `latest` and pruning only follow a verified save.
-                verify_files(final, read_manifest(final))
-                _write_latest(root, final.name)
+                _finish_and_publish(tmp, final, step, keys, schedulers, state_json)
                 if keep_last is not None:
                     _prune(root, keep_last, step)
             except BaseException as exc:
@@ -149,6 +133,36 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _make_tmp_dir(root: Path, name: str) -> Path:
+    """Rank 0: the hidden directory a save writes into, after deleting what earlier saves left behind."""
+    root.mkdir(parents=True, exist_ok=True)
+    _cleanup_stale(root)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def _finish_and_publish(
+    tmp: Path,
+    final: Path,
+    step: int,
+    keys: dict[str, list[str]],
+    schedulers: Mapping[str, LRScheduler],
+    state_json: str,
+) -> None:
+    """Rank 0, after every rank wrote its shards: the small files and the manifest, then the publish, a read-back
+    check and ``latest``."""
+    files = _write_torch_states(tmp, "scheduler", {k: s.state_dict() for k, s in schedulers.items()})
+    files.append(_write_rng_state(tmp))
+    files.append(_write_text(tmp / TRAINER_STATE_FILENAME, state_json))
+    files += sorted(p for p in (tmp / STATE_DIRNAME).rglob("*") if p.is_file())
+    _write_manifest(tmp, step, keys, files)
+    _publish(tmp, final)
+    # Read back before anything relies on it: `latest` and pruning only follow a verified save.
+    verify_files(final, read_manifest(final))
+    _write_latest(final.parent, final.name)
 
 
 def _check_save_args(

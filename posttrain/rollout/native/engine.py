@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -292,23 +293,9 @@ class NativeEngine(RolloutEngine):
         """Prefill ``chunk`` (local prompts start..) once with the model's forward, repeat the cache n times and
         decode all rows in lockstep until every row finished or ``max_tokens``."""
         n, max_tokens = params.n, params.max_tokens
-        input_ids, attention_mask = left_pad(chunk, self.pad_token_id, self.device)
-        prompt_len = input_ids.shape[1]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)  # pads get 0; they are masked anyway
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
+        logits, cache, full_mask, next_position = self._padded_prefill(chunk, n, max_tokens)
+        prompt_len = full_mask.shape[1] - max_tokens
         rows = logits.shape[0]
-        full_mask = torch.ones(rows, prompt_len + max_tokens, dtype=attention_mask.dtype, device=self.device)
-        full_mask[:, :prompt_len] = attention_mask.repeat_interleave(n, dim=0)
-        next_position = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
         first_id = (prompt_offset + start) * n
         sample_ids = torch.arange(first_id, first_id + rows, device=self.device)
         tokens = torch.full((rows, max_tokens), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -343,14 +330,55 @@ class NativeEngine(RolloutEngine):
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             next_position = next_position + 1
         del cache
-        hit_eos = torch.isin(tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1), self._eos)
-        lengths_l, tokens_l, logprobs_l = lengths.tolist(), tokens.tolist(), logprobs.tolist()
-        return RolloutResult(
-            prompt_index=[start + i for i in range(len(chunk)) for _ in range(n)],
-            response_ids=[row[:k] for row, k in zip(tokens_l, lengths_l)],
-            response_logprobs=[row[:k] for row, k in zip(logprobs_l, lengths_l)],
-            finish_reasons=["eos" if e else "length" for e in hit_eos.tolist()],
+        prompt_index = [start + i for i in range(len(chunk)) for _ in range(n)]
+        return _lockstep_result(prompt_index, tokens, logprobs, lengths, self._eos)
+
+    def _padded_prefill(
+        self, chunk: list[list[int]], n: int, max_tokens: int
+    ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        """Prefill the left-padded prompts once and repeat the result for their ``n`` samples each.
+
+        Returns ``(logits, cache, full_mask, next_position)``: the last prompt position's logits ``[rows, V]`` and
+        the model's KV cache, one row per sample; the attention mask ``[rows, prompt_len + max_tokens]`` (the
+        decode columns already 1: every row decodes in lockstep until all finish); each row's next position id.
+        """
+        input_ids, attention_mask = left_pad(chunk, self.pad_token_id, self.device)
+        prompt_len = input_ids.shape[1]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)  # pads get 0; they are masked anyway
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
         )
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
+        rows = logits.shape[0]
+        full_mask = torch.ones(rows, prompt_len + max_tokens, dtype=attention_mask.dtype, device=self.device)
+        full_mask[:, :prompt_len] = attention_mask.repeat_interleave(n, dim=0)
+        next_position = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
+        return logits, cache, full_mask, next_position
+
+
+def _lockstep_result(
+    prompt_index: list[int],
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    lengths: torch.Tensor,
+    eos: torch.Tensor,
+) -> RolloutResult:
+    """The lockstep decode's ``[rows, max_tokens]`` buffers cut to each row's length; a row that ends on an EOS id
+    finished by ``eos``, any other by ``length``."""
+    hit_eos = torch.isin(tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1), eos)
+    lengths_l, tokens_l, logprobs_l = lengths.tolist(), tokens.tolist(), logprobs.tolist()
+    return RolloutResult(
+        prompt_index=prompt_index,
+        response_ids=[row[:k] for row, k in zip(tokens_l, lengths_l)],
+        response_logprobs=[row[:k] for row, k in zip(logprobs_l, lengths_l)],
+        finish_reasons=["eos" if e else "length" for e in hit_eos.tolist()],
+    )
 
 
 def _result(sched: Scheduler) -> RolloutResult:

@@ -104,7 +104,19 @@ def check_vllm_settings(
         require_vllm()
     if dtype not in VLLM_DTYPES:
         raise ConfigError(f"model.dtype={dtype!r} must be one of {sorted(VLLM_DTYPES)} for rollout.name=vllm")
-    k = knobs
+    _check_engine_sizes(knobs)
+    if knobs.enable_lora and not 1 <= knobs.max_lora_rank <= VLLM_LORA_RANKS[-1]:
+        raise ConfigError(
+            f"model.lora_rank={knobs.max_lora_rank}: vLLM serves LoRA adapters of rank 1 to "
+            f"{VLLM_LORA_RANKS[-1]}; use a rank in that range or push merged weights"
+        )
+    _check_parallel(knobs, device, world_size)
+    if device == "cpu":
+        _check_cpu(knobs, model_config)
+
+
+def _check_engine_sizes(k: VLLMKnobs) -> None:
+    """The engine's own sizes and formats: batch and length limits, memory share, load format, bucket size."""
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_model_parallel_size"):
         value = getattr(k, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -137,14 +149,6 @@ def check_vllm_settings(
             f"must be >= rollout.max_num_seqs={k.max_num_seqs} (one token per decoding sequence per step)",
             "raise it or lower rollout.max_num_seqs",
         )
-    if k.enable_lora and not 1 <= k.max_lora_rank <= VLLM_LORA_RANKS[-1]:
-        raise ConfigError(
-            f"model.lora_rank={k.max_lora_rank}: vLLM serves LoRA adapters of rank 1 to "
-            f"{VLLM_LORA_RANKS[-1]}; use a rank in that range or push merged weights"
-        )
-    _check_parallel(k, device, world_size)
-    if device == "cpu":
-        _check_cpu(k, model_config)
 
 
 def _check_parallel(k: VLLMKnobs, device: str, world_size: int | None) -> None:

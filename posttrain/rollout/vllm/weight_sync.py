@@ -110,22 +110,7 @@ def plan_buckets(
     bucket: NamedTensors = []
     size, layer = 0, None
     for name, tensor in named_tensors:
-        if known is not None and name not in known and not (tied and name == "lm_head.weight"):
-            example = sorted(known)[0] if known else "?"
-            hint = (
-                (
-                    " (LoRA adapter tensors go through lora_sync.sync_policy(..., merge=False), which saves the "
-                    "adapter for vLLM to load)"
-                )
-                if "lora_" in name
-                else ""
-            )
-            raise ValueError(
-                f"sync_weights got {name!r}, which is not a tensor of the engine's checkpoint; "
-                f"names must be Hugging Face state_dict keys such as {example!r}{hint}"
-            )
-        if name in seen:
-            raise ValueError(f"sync_weights got {name!r} twice in one call; give each tensor once")
+        _check_name(name, known, tied, seen)
         seen.add(name)
         key = group_key(name, tied)
         if index is None and key.endswith(tuple(_FUSED_MEMBERS)):
@@ -149,6 +134,26 @@ def plan_buckets(
         raise ValueError(_missing_message(pending, need))
     if bucket:
         yield bucket
+
+
+def _check_name(name: str, known: set[str] | None, tied: bool, seen: set[str]) -> None:
+    """ValueError for a name outside the checkpoint's (when ``known`` is given) or one already ``seen``."""
+    if known is not None and name not in known and not (tied and name == "lm_head.weight"):
+        example = sorted(known)[0] if known else "?"
+        hint = (
+            (
+                " (LoRA adapter tensors go through lora_sync.sync_policy(..., merge=False), which saves the "
+                "adapter for vLLM to load)"
+            )
+            if "lora_" in name
+            else ""
+        )
+        raise ValueError(
+            f"sync_weights got {name!r}, which is not a tensor of the engine's checkpoint; "
+            f"names must be Hugging Face state_dict keys such as {example!r}{hint}"
+        )
+    if name in seen:
+        raise ValueError(f"sync_weights got {name!r} twice in one call; give each tensor once")
 
 
 def _missing_message(pending: dict[str, dict[str, torch.Tensor]], need: dict[str, frozenset[str]]) -> str:
