@@ -62,3 +62,50 @@ def check_config(cfg: PostTrainConfig) -> None:
             "advantage would be zero and nothing would be learned. Sample with rollout.temperature > 0 "
             "(e.g. 1.0), or use rollout.n=1 with an estimator that needs no group (e.g. gae or remax)"
         )
+    _check_filter_groups(cfg)
+    _check_overlong_buffer(cfg)
+
+
+def _check_filter_groups(cfg: PostTrainConfig) -> None:
+    """algorithm.filter_groups (DAPO's dynamic sampling) needs a metric and groups whose samples can differ."""
+    f, r = cfg.algorithm.filter_groups, cfg.rollout
+    if not f.enable:
+        return
+    if f.metric is None:
+        raise ConfigError(
+            "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric, the per-sample value that "
+            "must differ within a group for the group to be kept; set it to acc (the reward), score (the same), "
+            "seq_reward (the reward with overlong shaping) or seq_final_reward"
+        )
+    if r.n < 2:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable=true drops prompt groups whose samples all score the same, but with "
+            f"rollout.n={r.n} every group has one sample and is always kept, so the filter does nothing; set "
+            "rollout.n >= 2 (e.g. 8) or algorithm.filter_groups.enable=false"
+        )
+    if r.temperature == 0:
+        raise ConfigError(
+            "algorithm.filter_groups.enable=true with rollout.temperature=0: greedy decoding gives every sample "
+            "of a prompt the same response, so every group would be dropped and no batch could be filled; "
+            "sample with rollout.temperature > 0 (e.g. 1.0)"
+        )
+    if f.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError(
+            "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true would need the "
+            "KL penalty (old and reference log-probs) of every generated sample before filtering, which posttrain "
+            "does not compute; filter on seq_reward (the reward before the KL penalty) or set "
+            "algorithm.use_kl_in_reward=false"
+        )
+
+
+def _check_overlong_buffer(cfg: PostTrainConfig) -> None:
+    """reward.overlong_buffer.len: a non-empty penalty zone inside the response budget."""
+    o, limit = cfg.reward.overlong_buffer, cfg.data.max_response_length
+    if not o.enable:
+        return
+    if not 1 <= o.len <= limit:
+        raise ConfigError(
+            f"reward.overlong_buffer.len={o.len} must be between 1 and data.max_response_length={limit}: it is "
+            "the number of tokens before the response limit over which the overlong penalty grows from 0 to "
+            f"reward.overlong_buffer.penalty_factor; e.g. reward.overlong_buffer.len={max(1, limit // 4)}"
+        )

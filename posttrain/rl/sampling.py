@@ -14,6 +14,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch
 from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
+from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rl.evaluate import CORRECT_THRESHOLD
@@ -39,14 +40,30 @@ def training_params(cfg: PostTrainConfig, seed: int) -> SamplingParams:
     )
 
 
+def overlong_shaping(cfg: PostTrainConfig) -> OverlongBuffer | None:
+    """DAPO's overlong reward shaping (`reward.overlong_buffer.*`), or None when it is off."""
+    o = cfg.reward.overlong_buffer
+    if not o.enable:
+        return None
+    return OverlongBuffer(cfg.data.max_response_length, o.len, o.penalty_factor)
+
+
 @dataclass(frozen=True)
 class Scorer:
     """Turns responses into rewards: the rule or user function (behind its runner's guards), plus the reward
-    model's score when one is enabled."""
+    model's score when one is enabled. The overlong penalty (``overlong``) is separate: it depends on lengths
+    only, so callers add :meth:`penalties` to the gathered scores."""
 
     runner: RewardRunner
     reward_model: RewardModelScorer | None
     tokenizer: object
+    overlong: OverlongBuffer | None = None
+
+    def penalties(self, result: RolloutResult) -> torch.Tensor:
+        """[S] the overlong penalty of each of ``result``'s samples (zeros when the shaping is off)."""
+        if self.overlong is None:
+            return torch.zeros(len(result))
+        return self.overlong.penalties(result.response_lengths)
 
     def score(
         self, prompts: TokenizedPrompts, rows: list[int], result: RolloutResult
@@ -125,10 +142,10 @@ def greedy_baselines(
     max_tokens: int,
     dist: DistContext,
 ) -> torch.Tensor:
-    """[P] the reward of one greedy response per prompt (ReMax's baseline)."""
+    """[P] the reward of one greedy response per prompt (ReMax's baseline), overlong penalty included."""
     params = SamplingParams(max_tokens=max_tokens, n=1, greedy=True)
-    _, scores, _ = sample_and_score(engine, scorer, prompts, prompt_rows, params, dist)
-    return scores
+    result, scores, _ = sample_and_score(engine, scorer, prompts, prompt_rows, params, dist)
+    return scores + scorer.penalties(result)
 
 
 def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
@@ -139,12 +156,17 @@ def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
     return out * batch.response_mask
 
 
-def rollout_metrics(result: RolloutResult, scores: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(
+    result: RolloutResult, scores: torch.Tensor, unshaped: torch.Tensor | None = None
+) -> dict[str, float]:
+    """The step's reward, accuracy, lengths and finish reasons. ``scores`` are the rewards trained on;
+    accuracy reads ``unshaped`` (before the overlong penalty) when given."""
     lengths = torch.tensor([len(r) for r in result.response_ids], dtype=torch.float32)
     eos = sum(f == "eos" for f in result.finish_reasons) / max(1, len(result.finish_reasons))
+    correct = (scores if unshaped is None else unshaped) >= CORRECT_THRESHOLD
     return {
         "reward/mean": float(scores.mean()),
-        "reward/accuracy": float((scores >= CORRECT_THRESHOLD).float().mean()),
+        "reward/accuracy": float(correct.float().mean()),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "finish/eos": eos,

@@ -22,19 +22,23 @@ from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.forward.options import PassOptions
 from posttrain.forward.passes import critic_values, policy_logprobs
 from posttrain.parallel.data_parallel import DataParallel
+from posttrain.rewards.overlong import overlong_metrics
 from posttrain.rl.build import Components
+from posttrain.rl.dynamic_sampling import draw_groups, generation_salt, group_filter
 from posttrain.rl.rollout_ahead import RolloutAhead
 from posttrain.rl.sampling import (
     Scorer,
     greedy_baselines,
     has_rollout_log_probs,
+    overlong_shaping,
     place_scores,
     rollout_log_probs,
     rollout_metrics,
-    sample_and_score,
     step_seed,
     training_params,
 )
+from posttrain.rl.truncation import mask_truncated
+from posttrain.rollout.base import SamplingParams
 from posttrain.train.losses import actor_loss_fn, critic_loss_fn
 from posttrain.train.update import forward_in_micro_batches, run_update
 from posttrain.utils.metrics import PhaseTimer
@@ -149,14 +153,17 @@ def rollout_phase(c: Components, step: int, timer: PhaseTimer) -> tuple[RolloutB
     """Sample this step's prompts, generate and score them, and lay the samples out as a batch. The engine's
     cache memory is held for this phase only."""
     cfg = c.cfg
-    prompt_rows = c.sampler.next_batch()
-    scorer = Scorer(c.reward_runner, c.reward_model, c.tokenizer)
+    scorer = Scorer(c.reward_runner, c.reward_model, c.tokenizer, overlong_shaping(cfg))
     with timer.phase("rollout"):
         c.engine.wake_up()
-        params = training_params(cfg, step_seed(cfg.trainer.seed, step))
-        result, scores, metrics = sample_and_score(
-            c.engine, scorer, c.train_prompts, prompt_rows, params, c.dist
+
+        def params(k: int) -> SamplingParams:  # generation batch k (several with algorithm.filter_groups)
+            return training_params(cfg, step_seed(cfg.trainer.seed, step, generation_salt(k)))
+
+        drawn, metrics = draw_groups(
+            c.engine, scorer, c.train_prompts, c.sampler, params, group_filter(cfg), c.dist
         )
+        prompt_rows, result = drawn.rows, drawn.result
         baselines = None
         if estimator_needs(cfg.algorithm.adv_estimator).greedy_baseline:
             baselines = greedy_baselines(
@@ -168,12 +175,16 @@ def rollout_phase(c: Components, step: int, timer: PhaseTimer) -> tuple[RolloutB
     batch = build_rollout_batch(
         prompt_ids, result.response_ids, result.prompt_index, c.tokenizer.pad_token_id
     )
-    batch.token_level_scores = place_scores(batch, scores)
+    batch.token_level_scores = place_scores(batch, drawn.rewards)
     if baselines is not None:
         batch.reward_baselines = baselines[batch.group_ids]
     if has_rollout_log_probs(result) or cfg.algorithm.rollout_correction.bypass_mode:
         batch.rollout_log_probs = rollout_log_probs(result, batch)
-    metrics.update(rollout_metrics(result, scores))
+    metrics.update(rollout_metrics(result, drawn.rewards, unshaped=drawn.scores))
+    if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
+        metrics.update(overlong_metrics(drawn.penalties))
+    if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts
+        metrics.update(mask_truncated(batch, result.finish_reasons))
     return batch, metrics
 
 

@@ -16,10 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.config.fields import section
-from posttrain.config.schema.algorithm import AlgorithmConfig, KLControlConfig, RolloutCorrectionConfig
+from posttrain.config.schema.algorithm import (
+    AlgorithmConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    RolloutCorrectionConfig,
+)
 from posttrain.config.schema.model import DataConfig, ModelConfig
 from posttrain.config.schema.names import ADV_ESTIMATORS, DTYPES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-from posttrain.config.schema.rewards import RewardConfig, RewardModelConfig
+from posttrain.config.schema.rewards import OverlongBufferConfig, RewardConfig, RewardModelConfig
 from posttrain.config.schema.roles import (
     ActorConfig,
     CriticConfig,
@@ -40,11 +45,13 @@ __all__ = [
     "DTYPES",
     "DataConfig",
     "FSDPConfig",
+    "FilterGroupsConfig",
     "KLControlConfig",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "ModelConfig",
     "OptimConfig",
+    "OverlongBufferConfig",
     "POLICY_LOSSES",
     "PostTrainConfig",
     "RefConfig",

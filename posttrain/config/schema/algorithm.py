@@ -71,6 +71,31 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's `filter_groups`): keep only prompt groups whose samples differ, and
+    generate more batches until data.train_batch_size such groups are found."""
+
+    enable: bool = knob(
+        False,
+        "Drop prompt groups whose `metric` is the same for every sample (they give no GRPO signal) and keep "
+        "generating batches of data.train_batch_size prompts until enough groups are left; needs rollout.n >= 2.",
+    )
+    metric: str | None = knob(
+        None,
+        "What must differ within a group: 'acc' or 'score' (the reward before overlong shaping), 'seq_reward' "
+        "(after it), 'seq_final_reward' (the reward trained on; the same as seq_reward here, since the in-reward "
+        "KL penalty is not supported with filtering). Required when enable is true.",
+        choices=(None, "acc", "score", "seq_reward", "seq_final_reward"),
+    )
+    max_num_gen_batches: int = knob(
+        0,
+        "Most generation batches one step may draw; the step fails with an error when they are used up before "
+        "enough groups are kept. 0 or negative: no limit.",
+        unit="batches",
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and the in-reward KL penalty."""
 
@@ -82,3 +107,10 @@ class AlgorithmConfig:
     kl_penalty: str = knob("k1", "KL estimator of the in-reward penalty.", choices=KL_ESTIMATORS)
     kl_ctrl: KLControlConfig = section(KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig)
+    mask_truncated_samples: bool = knob(
+        False,
+        "Leave responses cut off at data.max_response_length (finish reason 'length') out of the loss: their "
+        "response mask is zeroed; their reward still counts in their group's baseline (DAPO's overlong "
+        "filtering; posttrain's key, verl has none).",
+    )

@@ -40,6 +40,32 @@ class RewardModelConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl's `overlong_buffer`): a length penalty over the last `len` tokens
+    before data.max_response_length."""
+
+    enable: bool = knob(
+        False,
+        "Add a penalty to the reward of responses longer than data.max_response_length - len: it grows linearly "
+        "from 0 to -penalty_factor at data.max_response_length (training rewards only; validation is unshaped).",
+    )
+    len: int = knob(
+        0,
+        "Width of the penalty zone at the end of the response budget; at most data.max_response_length.",
+        unit="tokens",
+        min=0,
+    )
+    penalty_factor: float = knob(
+        0.0, "The penalty of a response that reaches data.max_response_length.", min=0.0
+    )
+    log: bool = knob(
+        False,
+        "Log the shaping each step: reward/overlong_penalty_mean and reward/overlong_fraction (the fraction of "
+        "responses penalised).",
+    )
+
+
+@dataclass
 class RewardConfig:
     """Rule-based or user reward functions, and the optional reward model."""
 
@@ -52,3 +78,4 @@ class RewardConfig:
     failure_reward: float = knob(0.0, "Reward given when the function raises or times out.")
     fail_fast: bool = knob(False, "Abort the run on the first reward-function failure.")
     model: RewardModelConfig = section(RewardModelConfig)
+    overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig)
