@@ -38,7 +38,7 @@ def _payload(name: str, args: tuple, kwargs: dict) -> int:
 
 
 # Modules whose functions only wrap a collective: the caller named is the code that called them.
-WRAPPERS = ("posttrain.parallel.runtime", "posttrain.parallel.data_parallel")
+WRAPPERS = ("posttrain.parallel.runtime", "posttrain.parallel.data_parallel", "posttrain.parallel.shares")
 
 
 def _posttrain_caller() -> str | None:
