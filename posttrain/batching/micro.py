@@ -92,7 +92,7 @@ def rank_micro_batches(
         mine = rank_rows(batch, split)[split.dp_rank]
     if not mine:
         return [], []
-    local = batch.select(mine)
+    local = batch if len(mine) == batch.num_rows else batch.select(mine)
     if max_tokens is not None and dp.keep_groups:
         micro = group_token_micro_batches(local, [list(range(len(mine)))], max_tokens)[0]
     else:
