@@ -79,7 +79,8 @@ def generate_share(
     params: SamplingParams,
     dist: DistContext,
 ) -> tuple[int, RolloutResult]:
-    """This rank's contiguous share of the prompts, generated; returns (offset of the share, result).
+    """This rank's contiguous part of the prompts (1/world of them), generated; returns (offset of the part,
+    result). The parts of the ranks that hold one data share make up the share (:func:`join_replicas`).
 
     Sample randomness depends on the global sample index (``prompt_offset``), so the samples are the same
     whatever the number of ranks.
