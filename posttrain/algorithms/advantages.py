@@ -9,9 +9,13 @@ Every estimator is called as::
         values=...,                # [B, T] critic values, or None
         reward_baselines=...,      # [B] ReMax greedy-rollout reward, or None
         gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
+        batch_sum=None,            # rank-local data: sums partial sums over the ranks' shares (masked.BatchSum)
     )
 
-and ignores the arguments it does not need. The registry below also holds OPO, GPG and GRPO pass@k, which live
+and ignores the arguments it does not need. With rank-local data each rank passes its share of the batch (whole
+prompt groups, so group statistics stay local) and ``batch_sum``: the estimators with batch-wide statistics
+(whitening in ``gae``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``; ``gpg``'s alpha) sum their
+partial sums over the ranks with it, so every rank gets the advantages of one process. The registry below also holds OPO, GPG and GRPO pass@k, which live
 in :mod:`posttrain.algorithms.outcome_estimators`. Both outputs are ``[B, T]`` in the rewards' dtype and computed
 without gradient. Formulas, epsilons and the unbiased standard deviations match verl's ``core_algos`` (the
 loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberate differences:
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats
-from posttrain.algorithms.masked import masked_whiten
+from posttrain.algorithms.masked import BatchSum, masked_whiten
 from posttrain.algorithms.outcome_estimators import (
     compute_gpg_advantages,
     compute_grpo_passk_advantages,
@@ -54,6 +58,7 @@ def compute_gae_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (PPO with a critic), as verl's ``gae``.
 
@@ -85,7 +90,7 @@ def compute_gae_advantages(
         next_value = m * values[:, t] + (1 - m) * next_value
         gaes[:, t] = running
     returns = (gaes + values) * mask
-    advantages = masked_whiten(gaes, mask) * mask
+    advantages = masked_whiten(gaes, mask, batch_sum=batch_sum) * mask
     return advantages, returns
 
 
@@ -101,6 +106,7 @@ def compute_grpo_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage, as verl's ``grpo``: ``(r_i - mean_g) / (std_g + epsilon)`` per group.
 
@@ -132,6 +138,7 @@ def compute_drgrpo_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: :func:`compute_grpo_advantages` with ``norm_adv_by_std_in_grpo`` forced to False.
 
@@ -159,6 +166,7 @@ def compute_rloo_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO, as verl's ``rloo``: ``r_i - mean(r_j, j != i)`` = ``n / (n - 1) * (r_i - mean_g)``.
 
@@ -200,6 +208,7 @@ def compute_reinforce_plus_plus_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++, as verl's ``reinforce_plus_plus``: discounted returns whitened over the whole batch.
 
@@ -208,7 +217,7 @@ def compute_reinforce_plus_plus_advantages(
     """
     mask = float_mask(token_level_rewards, response_mask)
     returns = _discounted_returns(token_level_rewards, mask, gamma)
-    advantages = masked_whiten(returns, mask) * mask
+    advantages = masked_whiten(returns, mask, batch_sum=batch_sum) * mask
     return advantages, returns
 
 
@@ -224,6 +233,7 @@ def compute_reinforce_plus_plus_baseline_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline, as verl's ``reinforce_plus_plus_baseline``.
 
@@ -238,7 +248,7 @@ def compute_reinforce_plus_plus_baseline_advantages(
     index = group_index(group_ids, scores.shape[0], scores.device)
     mean, _std, _count = group_stats(scores, index)
     centred = (scores - mean).unsqueeze(-1) * mask
-    advantages = masked_whiten(centred, mask) * mask
+    advantages = masked_whiten(centred, mask, batch_sum=batch_sum) * mask
     return advantages, advantages
 
 
@@ -254,6 +264,7 @@ def compute_remax_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax, as verl's ``remax``: undiscounted reward-to-go minus the greedy rollout's reward.
 

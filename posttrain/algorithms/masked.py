@@ -10,7 +10,13 @@ scales by ``rsqrt(var + 1e-8)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+BatchSum = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor of partial sums over the whole batch when the batch is spread over data-parallel ranks (each
+holding a share): the one thing a batch statistic needs from the other ranks. None: the batch is all here."""
 
 MEAN_EPS = 1e-8
 """Added to the mask count in :func:`masked_mean` (verl's value)."""
@@ -72,7 +78,9 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return var
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, batch_sum: BatchSum | None = None
+) -> torch.Tensor:
     """Normalise ``values`` to zero mean and unit variance using statistics over the mask.
 
     ``(values - mean) * rsqrt(var + 1e-8)`` with the unbiased masked variance. Like verl, the transform is
@@ -82,6 +90,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         values: ``[B, T]`` float tensor.
         mask: bool or float tensor broadcastable to ``values``.
         shift_mean: when False the original mean is added back after scaling.
+        batch_sum: when ``values`` is one rank's share of the batch, the statistics are the whole batch's
+            (two sums over ranks: the masked sum and count, then the squared deviations).
 
     Returns:
         ``[B, T]`` whitened values.
@@ -89,9 +99,29 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     Raises:
         ValueError: if the mask selects fewer than two elements.
     """
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask, unbiased=True)
+    if batch_sum is None:
+        mean = masked_mean(values, mask)
+        var = masked_var(values, mask, unbiased=True)
+    else:
+        mean, var = _batch_mean_var(values, mask, batch_sum)
     whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
     return whitened
+
+
+def _batch_mean_var(
+    values: torch.Tensor, mask: torch.Tensor, batch_sum: BatchSum
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`masked_mean` and unbiased :func:`masked_var` over a batch spread over ranks."""
+    count_local = mask.to(values.dtype).sum()
+    total, count = batch_sum(torch.stack([masked_sum(values, mask), count_local]))
+    mean = total / (count + MEAN_EPS)
+    var = batch_sum(masked_sum((values - mean) ** 2, mask).reshape(1))[0] / (count + MEAN_EPS)
+    n = float(count.item())
+    if n <= 1:
+        raise ValueError(
+            f"masked_var(unbiased=True) needs at least 2 masked elements, got mask.sum()={n:g}; "
+            "use a larger batch or unbiased=False"
+        )
+    return mean, var * (n / (n - 1))

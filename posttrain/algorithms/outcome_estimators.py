@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats, group_sum, num_groups
+from posttrain.algorithms.masked import BatchSum
 
 
 @torch.no_grad()
@@ -26,6 +27,7 @@ def compute_opo_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (On-Policy RL with Optimal reward baseline), as verl's ``opo``: a length-weighted group baseline.
 
@@ -63,11 +65,13 @@ def compute_gpg_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Group Policy Gradient), as verl's ``gpg``: the group-centred score, scaled up by ``alpha``.
 
     ``A_i = alpha * (r_i - mean_g)`` with ``alpha = B / max(M, 1)``, where ``B`` is the number of samples in the
-    batch and ``M`` the number of samples whose score is non-zero (counted over the whole batch, not per group).
+    batch and ``M`` the number of samples whose score is non-zero (counted over the whole batch, not per group;
+    over every rank's share with ``batch_sum``).
     The scaling compensates for samples that carry no signal. No std scaling (``norm_adv_by_std_in_grpo`` is
     ignored, as in verl); verl's ``f_norm`` divisor is fixed at 1 there and is left out here. A group of one
     sample has mean 0 (verl's convention), so its advantage is ``alpha * r_i``.
@@ -81,7 +85,10 @@ def compute_gpg_advantages(
     scores = token_level_rewards.sum(dim=-1)
     index = group_index(group_ids, scores.shape[0], scores.device)
     mean, _std, _count = group_stats(scores, index)
-    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores).item()), 1)
+    samples, nonzero = scores.shape[0], int(torch.count_nonzero(scores).item())
+    if batch_sum is not None:  # alpha counts over the whole batch
+        samples, nonzero = (int(v) for v in batch_sum(torch.tensor([samples, nonzero], dtype=torch.float64)))
+    alpha = samples / max(nonzero, 1)
     advantages = (alpha * (scores - mean)).unsqueeze(-1) * mask
     return advantages, advantages
 
@@ -98,6 +105,7 @@ def compute_grpo_passk_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO for pass@k, as verl's ``grpo_passk``: only the best sample of each group is credited.
 

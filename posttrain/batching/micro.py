@@ -1,9 +1,11 @@
-"""Index planning for a step's samples: mini-batches, each rank's share, micro-batches. No collectives.
+"""Index planning for a step's samples: mini-batches, each rank's rows, micro-batches. No collectives.
 
-- `iter_mini_batches`: a step's samples → ppo_epochs × mini-batches, prompt groups kept whole.
-- `rank_rows` / `rank_micro_batches`: a mini-batch (or a forward pass) → each data-parallel rank's rows and
-  its micro-batches, by sample count or by token budget (hard cap), the same count on every rank.
-- `micro_batch_rows`: one rank's rows → micro-batches.
+- `iter_mini_batches`: a step's samples (or one rank's share of them) → ppo_epochs × mini-batches, prompt groups
+  kept whole, membership drawn over the whole step's groups (the same whatever the number of ranks).
+- `rank_micro_batches`: a rank's batch → the rows it processes and its micro-batches, by sample count or by
+  token budget (hard cap). Counts may differ between ranks; `posttrain.train.update` evens them out.
+- `rank_rows`: a batch split over several ranks (whole prompt groups where possible); `micro_batch_rows`: one
+  rank's rows → micro-batches.
 
 Functions take a :class:`RankLayout` (which rank of how many); the collectives that use these plans live in
 `posttrain.train.update`.
@@ -33,15 +35,20 @@ class RankLayout:
         dp_rank, dp_size: this rank's data-parallel index and the number of DP ranks.
         keep_groups: give each rank whole prompt groups where the batch allows it (the prefix grouper computes
             a prompt once per micro-batch, so a group spread over ranks saves less).
+        share_ranks: DP ranks that hold the same share of the step's samples (rank-local data,
+            `posttrain.parallel.shares`): 1, unless this pass's SP groups are smaller than the share's replicas
+            (SP sizes differ between passes); they split the share between them.
     """
 
     dp_rank: int = 0
     dp_size: int = 1
     keep_groups: bool = False
+    share_ranks: int = 1
 
 
 def rank_rows(batch: RolloutBatch, dp: RankLayout) -> list[list[int]]:
-    """Rows of `batch` each DP rank processes: equal counts, token loads balanced (same on every rank).
+    """Rows of `batch` each of ``dp.dp_size`` ranks processes: equal counts where the rows divide evenly, token
+    loads balanced (the same on every rank).
 
     With ``dp.keep_groups`` whole prompt groups go to each rank when that keeps the counts equal (groups of one
     size, a group count divisible by the ranks); otherwise samples are balanced one by one.
@@ -52,7 +59,7 @@ def rank_rows(batch: RolloutBatch, dp: RankLayout) -> list[list[int]]:
         shares = whole_group_shares(batch, dp.dp_size)
         if shares is not None:
             return shares
-    return balance_batch(batch.seq_lens(), dp.dp_size, equal_size=True)
+    return balance_batch(batch.seq_lens(), dp.dp_size, equal_size=batch.num_rows % dp.dp_size == 0)
 
 
 def whole_group_shares(batch: RolloutBatch, ranks: int) -> list[list[int]] | None:
@@ -73,23 +80,24 @@ def whole_group_shares(batch: RolloutBatch, ranks: int) -> list[list[int]] | Non
 def rank_micro_batches(
     batch: RolloutBatch, dp: RankLayout, micro_batch_size: int | None, max_tokens: int | None
 ) -> tuple[list[int], list[list[int]]]:
-    """This rank's rows of `batch` and its micro-batches (indices into `batch`).
+    """This rank's rows of `batch` (its share of the step, or of a mini-batch) and its micro-batches (indices
+    into `batch`).
 
-    With a token budget every rank gets the same number of micro-batches (the largest minimal count), so
-    the collectives of a sharded model line up.
+    The rows are the whole batch, unless ``dp.share_ranks`` ranks hold it: they split it (:func:`rank_rows`).
+    Ranks may get different micro-batch counts; the update loop evens them out.
     """
-    shares = rank_rows(batch, dp)
-    mine = shares[dp.dp_rank]
+    mine = list(range(batch.num_rows))
+    if dp.share_ranks > 1 and mine:
+        split = RankLayout(dp.dp_rank % dp.share_ranks, dp.share_ranks, dp.keep_groups)
+        mine = rank_rows(batch, split)[split.dp_rank]
+    if not mine:
+        return [], []
+    local = batch if len(mine) == batch.num_rows else batch.select(mine)
     if max_tokens is not None and dp.keep_groups:
-        grouped = group_token_micro_batches(batch, shares, max_tokens)
-        return mine, [[mine[i] for i in micro] for micro in grouped[dp.dp_rank]]
-    if max_tokens is not None and dp.dp_size > 1:
-        lens = batch.seq_lens()
-        plans = plan_token_micro_batches_for_ranks([[lens[i] for i in s] for s in shares], max_tokens)
-        local = plans[dp.dp_rank]
+        micro = group_token_micro_batches(local, [list(range(len(mine)))], max_tokens)[0]
     else:
-        local = micro_batch_rows(batch.select(mine), micro_batch_size, max_tokens)
-    return mine, [[mine[i] for i in micro] for micro in local]
+        micro = micro_batch_rows(local, micro_batch_size, max_tokens)
+    return mine, [[mine[i] for i in m] for m in micro]
 
 
 def group_token_micro_batches(
@@ -155,18 +163,29 @@ def micro_batch_rows(
 
 
 def iter_mini_batches(
-    batch: RolloutBatch, mini_batch_prompts: int, epochs: int, shuffle: bool, generator: torch.Generator
+    batch: RolloutBatch,
+    mini_batch_prompts: int,
+    epochs: int,
+    shuffle: bool,
+    generator: torch.Generator,
+    step_groups: torch.Tensor | None = None,
 ) -> Iterator[tuple[int, RolloutBatch]]:
     """Yield (epoch, mini-batch) for `epochs` passes; each mini-batch holds whole prompt groups.
 
     Groups are shuffled between epochs when `shuffle` is on (samples of one prompt stay together, so
     group-relative advantages and seq-mean losses see complete groups, as in verl and SkyRL).
+
+    ``step_groups``: every group of the step (sorted) when `batch` is one rank's share of it; the shuffle draws
+    over them, so mini-batch k holds the same groups whatever the number of ranks, and this rank's mini-batch k
+    is its rows of those groups (possibly none). Default: the batch's own groups.
     """
-    groups = torch.unique(batch.group_ids, sorted=True)
-    rows_of = {int(g): (batch.group_ids == g).nonzero().flatten() for g in groups}
+    local = torch.unique(batch.group_ids, sorted=True)
+    groups = local if step_groups is None else step_groups
+    rows_of = {int(g): (batch.group_ids == g).nonzero().flatten() for g in local}
+    none = torch.zeros(0, dtype=torch.long)
     for epoch in range(epochs):
         order = groups[torch.randperm(len(groups), generator=generator)] if shuffle else groups
         for start in range(0, len(order), mini_batch_prompts):
             chosen = order[start : start + mini_batch_prompts]
-            rows = torch.cat([rows_of[int(g)] for g in chosen])
+            rows = torch.cat([rows_of.get(int(g), none) for g in chosen])
             yield epoch, batch.select(rows)

@@ -16,11 +16,14 @@ Rules checked here (each failure is a ValueError naming keys, values, the rule a
 6. group-based estimators (grpo, drgrpo, rloo, reinforce_plus_plus_baseline) need rollout.n >= 2.
 7. <role>.fsdp_config.fsdp_size is -1 (all ranks) or divides the world size (HSDP groups).
 8. rollout.max_num_batched_tokens >= rollout.max_num_seqs (every decoding sequence adds a token to a forward).
+9. data.train_batch_size >= the number of data shares (world size / the ranks holding one share, the least
+   common multiple of the SP sizes): each data-parallel rank keeps whole prompt groups (rank-local data).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from posttrain.algorithms.advantages import estimator_needs
@@ -80,6 +83,13 @@ class BatchPlan:
     reward_model: ForwardPlan | None
     old_log_prob_source: str = "recompute"  # see :func:`old_log_prob_source`
     rollout_staleness: int = 0  # steps the rollout runs ahead of training (async_training), 0: synchronous
+
+    @property
+    def share_replicas(self) -> int:
+        """Ranks that hold one share of a step's samples (rank-local data): the least common multiple of the SP
+        sizes of the passes that run, so that every SP group holds one share."""
+        sizes = [self.actor.sp_size] + [p.sp_size for p in (self.ref, self.critic) if p is not None]
+        return math.lcm(*sizes)
 
     @property
     def max_policy_lag(self) -> int:
@@ -336,7 +346,7 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
     tbs, n = cfg.data.train_batch_size, cfg.rollout.n
     chunk = min(cfg.rollout.chunk_size, tbs)
     actor = _update_plan(cfg, "actor", world_size)
-    return BatchPlan(
+    plan = BatchPlan(
         world_size=world_size,
         prompts_per_step=tbs,
         n=n,
@@ -353,3 +363,16 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         old_log_prob_source=old_log_prob_source(cfg, actor),
         rollout_staleness=cfg.async_training.max_staleness if cfg.async_training.enable else 0,
     )
+    _check_shares(plan)
+    return plan
+
+
+def _check_shares(plan: BatchPlan) -> None:
+    """Rule 9: every data-parallel share of a step holds at least one prompt group."""
+    shares = plan.world_size // plan.share_replicas
+    if plan.prompts_per_step < shares:
+        raise ConfigError(
+            f"data.train_batch_size ({plan.prompts_per_step}) must be at least the number of data-parallel ranks "
+            f"({shares} = world {plan.world_size} / {plan.share_replicas} ranks per share): each keeps whole "
+            f"prompt groups from the rollout to the update. Nearest valid: data.train_batch_size={shares}"
+        )

@@ -57,6 +57,9 @@ class RolloutBatch:
         None  # [B, R], truncated importance weights (rollout correction)
     )
     policy_versions: torch.Tensor | None = None  # [B] long, the update whose weights sampled each row (async)
+    # [G] long, sorted: every group of the step on all ranks, when this batch is one rank's share of it
+    # (rank-local data, posttrain.parallel.shares); None: the batch is the whole step. Not a per-row field.
+    step_groups: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

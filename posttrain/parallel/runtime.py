@@ -61,12 +61,13 @@ class DistContext:
         if self.distributed:
             dist.barrier()
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (pickled; for small things: results, metrics, lists)."""
+    def all_gather_object(self, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+        """Every rank's ``obj`` (of ``group``, default all ranks), in rank order (pickled; for small things:
+        results, metrics, lists)."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -82,10 +83,17 @@ class DistContext:
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks of a list of floats (float64 on this rank's device)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over ranks of a list of floats (float64 on this rank's device)."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=op)
         return t.tolist()
 
 

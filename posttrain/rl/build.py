@@ -39,6 +39,7 @@ from posttrain.parallel import ulysses
 from posttrain.parallel.data_parallel import DataParallel, data_parallel
 from posttrain.parallel.fsdp import offload_optimizer_state, shard_model
 from posttrain.parallel.runtime import DistContext, select_device
+from posttrain.parallel.shares import SINGLE_SHARE, DataShare, data_share
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -83,6 +84,7 @@ class Components:
     forward: PassOptions  # how each pass runs (packing, chunked head, offload): posttrain.models.prepare
     dist: DistContext = DistContext()
     parallel: dict[str, DataParallel] | None = None  # per pass: how its samples spread over ranks
+    share: DataShare = SINGLE_SHARE  # which share of each step's samples this rank holds (rank-local data)
 
     def dp(self, role: str) -> DataParallel:
         """The data-parallel view of a pass ("actor", "old_log_prob", "ref", "critic", "values")."""
@@ -283,18 +285,21 @@ def build_kl_controller(cfg: PostTrainConfig) -> KLController | None:
     return make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
 
 
-def build_parallel(cfg: PostTrainConfig, dist: DistContext) -> dict[str, DataParallel]:
-    """Each pass's data-parallel view; the prefix grouper wants whole prompt groups per rank."""
+def build_parallel(cfg: PostTrainConfig, plan: BatchPlan, dist: DistContext) -> dict[str, DataParallel]:
+    """The data-parallel view of each pass that runs; the prefix grouper wants whole prompt groups per rank.
+    Every view knows how many ranks hold one share of the data (``plan.share_replicas``)."""
     grouped, ref_grouped = cfg.actor.use_prefix_grouper, cfg.ref.use_prefix_grouper
-    actor_sp, ref_sp = cfg.actor.ulysses_sequence_parallel_size, cfg.ref.ulysses_sequence_parallel_size
-    critic_sp = cfg.critic.ulysses_sequence_parallel_size
-    return {
-        "actor": data_parallel(dist, actor_sp, grouped),
-        "old_log_prob": data_parallel(dist, actor_sp, grouped),
-        "ref": data_parallel(dist, ref_sp, ref_grouped),
-        "critic": data_parallel(dist, critic_sp),
-        "values": data_parallel(dist, critic_sp),
+    share = plan.share_replicas
+    views = {
+        "actor": data_parallel(dist, plan.actor.sp_size, grouped, share),
+        "old_log_prob": data_parallel(dist, plan.actor.sp_size, grouped, share),
     }
+    if plan.ref is not None:
+        views["ref"] = data_parallel(dist, plan.ref.sp_size, ref_grouped, share)
+    if plan.critic is not None:
+        views["critic"] = data_parallel(dist, plan.critic.sp_size, False, share)
+        views["values"] = data_parallel(dist, plan.critic.sp_size, False, share)
+    return views
 
 
 def build_components(
@@ -338,7 +343,8 @@ def build_components(
         kl_ctrl=build_kl_controller(cfg),
         forward=forward,
         dist=dist,
-        parallel=build_parallel(cfg, dist),
+        parallel=build_parallel(cfg, plan, dist),
+        share=data_share(dist, plan.share_replicas),  # a collective: every rank makes every share's group
     )
 
 

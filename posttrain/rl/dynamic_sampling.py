@@ -7,8 +7,10 @@ data.train_batch_size groups are left (or algorithm.filter_groups.max_num_gen_ba
 error); the first data.train_batch_size kept groups, in the order they were drawn, are the step's batch.
 
 Each generation batch takes the next prompts from the run's sampler (whose state the checkpoint holds) and its own
-seed (``generation_salt``), so a resumed run draws exactly what the uninterrupted run drew. Filtering reads the
-gathered samples, which every rank holds, so every rank keeps the same groups.
+seed (``generation_salt``), so a resumed run draws exactly what the uninterrupted run drew. With several data
+shares (rank-local data, `posttrain.parallel.shares`) each generation batch's scored samples are gathered (pickled;
+only with the filter on), every rank filters the whole batch alike, and the rollout phase then keeps its share of
+the kept groups. Without the filter nothing is gathered: each rank keeps the samples of its share.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
+from posttrain.parallel.shares import MAX, SINGLE_SHARE, DataShare, ShareMetrics
 from posttrain.rl.sampling import Scorer, sample_and_score
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
@@ -117,10 +120,26 @@ def score_batch(
     rows: list[int],
     params: SamplingParams,
     dist: DistContext,
-) -> tuple[ScoredGroups, dict[str, float]]:
-    """Generate and score the prompts ``rows`` (every rank's share, gathered); the overlong penalty apart."""
-    result, scores, metrics = sample_and_score(engine, scorer, prompts, rows, params, dist)
-    return ScoredGroups(list(rows), result, scores, scorer.penalties(result)), metrics
+    share: DataShare = SINGLE_SHARE,
+) -> tuple[ScoredGroups, ShareMetrics]:
+    """Generate and score this share's part of the prompts ``rows`` (``prompt_index``: the prompt's index in
+    ``rows``); the overlong penalty apart. The metrics are this rank's (reduce them with ``share.reduce``)."""
+    scored, metrics = sample_and_score(engine, scorer, prompts, rows, params, dist, share)
+    return ScoredGroups(list(rows), scored.result, scored.scores, scorer.penalties(scored.result)), metrics
+
+
+def gather_step(groups: ScoredGroups, dist: DistContext, share: DataShare) -> ScoredGroups:
+    """Every share's scored samples of one generation batch, joined in prompt order (shares hold contiguous
+    prompts, in share order): what filtering on the whole batch needs. One share: ``groups`` itself."""
+    if not share.distributed:
+        return groups
+    parts = dist.all_gather_object((groups.result, groups.scores, groups.penalties))[:: share.replicas]
+    result = RolloutResult()
+    for part, _, _ in parts:
+        result.extend(part)
+    scores = torch.cat([p[1] for p in parts])
+    penalties = torch.cat([p[2] for p in parts])
+    return ScoredGroups(groups.rows, result, scores, penalties)
 
 
 def varied_groups(groups: ScoredGroups, metric: str) -> list[int]:
@@ -141,19 +160,25 @@ def draw_groups(
     params_for: Callable[[int], SamplingParams],
     flt: GroupFilter | None,
     dist: DistContext,
-) -> tuple[ScoredGroups, dict[str, float]]:
-    """This step's scored groups: one generation batch (no filter), or as many as it takes to keep
-    ``flt.num_groups`` groups. ``params_for(k)`` is how generation batch k samples (its seed)."""
+    share: DataShare = SINGLE_SHARE,
+) -> tuple[ScoredGroups, ShareMetrics]:
+    """This step's scored groups: this share's part of one generation batch (no filter), or the whole step of
+    kept groups, on every rank, from as many batches as it takes to keep ``flt.num_groups`` groups.
+    ``params_for(k)`` is how generation batch k samples (its seed). The metrics are this rank's to reduce
+    (with the filter on they are already the step's, the same on every rank)."""
     if flt is None:
-        return score_batch(engine, scorer, prompts, sampler.next_batch(), params_for(0), dist)
+        return score_batch(engine, scorer, prompts, sampler.next_batch(), params_for(0), dist, share)
     kept: ScoredGroups | None = None
     per_batch: list[dict[str, float]] = []
     dropped = 0
     for k in itertools.count():
         if 0 < flt.max_num_gen_batches <= k:
             raise _too_few_groups(flt, kept.num_groups, dropped)
-        batch, metrics = score_batch(engine, scorer, prompts, sampler.next_batch(), params_for(k), dist)
-        per_batch.append(metrics)
+        local, metrics = score_batch(
+            engine, scorer, prompts, sampler.next_batch(), params_for(k), dist, share
+        )
+        batch = gather_step(local, dist, share)
+        per_batch.append(share.reduce(metrics))
         good = varied_groups(batch, flt.metric)
         dropped += batch.num_groups - len(good)
         if kept is None:
@@ -171,7 +196,9 @@ def draw_groups(
             "filter_groups/num_surplus": float(kept.num_groups - flt.num_groups),
         }
     )
-    return kept.select(list(range(flt.num_groups))), metrics
+    step = ShareMetrics()
+    step.add(metrics, MAX)  # the same value on every rank: the max over ranks is that value
+    return kept.select(list(range(flt.num_groups))), step
 
 
 def merge_batch_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""The rollout and reward phases of a step: generate this rank's share of the prompts, score it, join the shares.
+"""The rollout and reward phases of a step: generate this rank's part of the prompts, score it, and keep this
+rank's share of the step (rank-local data: whole prompt groups; `posttrain.parallel.shares`).
 
 Each function takes what it uses (the engine, the prompts, the scorer, the process group), not the whole run.
 """
@@ -11,9 +12,10 @@ import torch
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.data.batch import RolloutBatch
+from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
+from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, ShareMetrics
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardInput, RewardRunner
@@ -52,7 +54,7 @@ def overlong_shaping(cfg: PostTrainConfig) -> OverlongBuffer | None:
 class Scorer:
     """Turns responses into rewards: the rule or user function (behind its runner's guards), plus the reward
     model's score when one is enabled. The overlong penalty (``overlong``) is separate: it depends on lengths
-    only, so callers add :meth:`penalties` to the gathered scores."""
+    only, so callers add :meth:`penalties` to the scores."""
 
     runner: RewardRunner
     reward_model: RewardModelScorer | None
@@ -68,9 +70,13 @@ class Scorer:
     def score(
         self, prompts: TokenizedPrompts, rows: list[int], result: RolloutResult
     ) -> tuple[torch.Tensor, dict]:
-        """[S] rewards of ``result``'s samples; ``rows[p]`` is the record of the call's prompt p."""
+        """[S] rewards of ``result``'s samples; ``rows[p]`` is the record of the call's prompt p. The metrics have
+        the same names with no sample (their values are then weightless zeros): ranks reduce them together."""
         if len(result) == 0:
-            return torch.zeros(0), {}
+            _, metrics = self.runner.score([])
+            if self.reward_model is not None:
+                metrics["reward/model_score_mean"] = 0.0
+            return torch.zeros(0), metrics
         texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
         records = [prompts.records[rows[p]] for p in result.prompt_index]
         inputs = [RewardInput(r.prompt, t, r.ground_truth, r.extra) for r, t in zip(records, texts)]
@@ -90,7 +96,8 @@ def generate_share(
     params: SamplingParams,
     dist: DistContext,
 ) -> tuple[int, RolloutResult]:
-    """This rank's contiguous share of the prompts, generated; returns (offset of the share, result).
+    """This rank's contiguous part of the prompts (1/world of them), generated; returns (offset of the part,
+    result). The parts of the ranks that hold one data share make up the share (:func:`join_replicas`).
 
     Sample randomness depends on the global sample index (``prompt_offset``), so the samples are the same
     whatever the number of ranks.
@@ -103,21 +110,31 @@ def generate_share(
     return lo, engine.generate(ids, params, **extra)
 
 
-def gather_scored(
-    dist: DistContext, lo: int, result: RolloutResult, scores: torch.Tensor, metrics: dict[str, float]
-) -> tuple[RolloutResult, torch.Tensor, dict[str, float]]:
-    """Every rank's scored share joined in prompt order (prompt_index global); metrics weighted by samples."""
-    if not dist.distributed:
-        return result, scores, metrics
-    merged, all_scores, weighted, total = RolloutResult(), [], {}, 0
-    for r_lo, r_result, r_scores, r_metrics in dist.all_gather_object((lo, result, scores, metrics)):
-        r_result.prompt_index = [p + r_lo for p in r_result.prompt_index]
-        merged.extend(r_result)
-        all_scores.append(r_scores)
-        total += len(r_result)
-        for k, v in r_metrics.items():
-            weighted[k] = weighted.get(k, 0.0) + float(v) * len(r_result)
-    return merged, torch.cat(all_scores), {k: v / max(total, 1) for k, v in weighted.items()}
+@dataclass
+class Scored:
+    """Samples with their rewards: ``result`` (prompt-major; ``prompt_index``: the prompt's index in the step) and
+    ``scores`` [S]."""
+
+    result: RolloutResult
+    scores: torch.Tensor
+
+
+# How the scorer's metrics combine over ranks (each rank's own samples); every other one is a mean over samples.
+SCORER_REDUCTIONS = {"reward/num_failures": SUM, "reward/num_timeouts": SUM, "reward/time_s": MAX}
+
+
+def join_replicas(share: DataShare, lo: int, result: RolloutResult, scores: torch.Tensor) -> Scored:
+    """This rank's scored part (its first prompt at ``lo`` in the step) joined with the other parts of its
+    share: the ranks that hold one share (an SP group) generate a part each and join them (pickled, within the
+    share only). One rank per share: its part is the share."""
+    result.prompt_index = [p + lo for p in result.prompt_index]
+    if share.replicas == 1:
+        return Scored(result, scores)
+    merged, all_scores = RolloutResult(), []
+    for part, part_scores in share.gather_replicas((result, scores)):
+        merged.extend(part)
+        all_scores.append(part_scores)
+    return Scored(merged, torch.cat(all_scores))
 
 
 def sample_and_score(
@@ -127,11 +144,17 @@ def sample_and_score(
     prompt_rows: list[int],
     params: SamplingParams,
     dist: DistContext,
-) -> tuple[RolloutResult, torch.Tensor, dict[str, float]]:
-    """Generate and score this rank's share, then join every rank's (prompt-major, prompt_index global)."""
+    share: DataShare = SINGLE_SHARE,
+) -> tuple[Scored, ShareMetrics]:
+    """Generate and score this rank's part of the prompts, then keep its share of the step (prompt-major,
+    ``prompt_index``: the prompt's index in the step). Nothing crosses shares; the scorer's metrics are this
+    rank's (reduce them with ``share.reduce``)."""
     lo, local = generate_share(engine, prompts, prompt_rows, params, dist)
-    scores, metrics = scorer.score(prompts, prompt_rows[lo:], local)
-    return gather_scored(dist, lo, local, scores, metrics)
+    scores, scorer_metrics = scorer.score(prompts, prompt_rows[lo:], local)
+    metrics = ShareMetrics()
+    for name, value in scorer_metrics.items():
+        metrics.add({name: value}, SCORER_REDUCTIONS.get(name, MEAN), weight=len(local), own=True)
+    return join_replicas(share, lo, local, scores), metrics
 
 
 def greedy_baselines(
@@ -141,11 +164,39 @@ def greedy_baselines(
     prompt_rows: list[int],
     max_tokens: int,
     dist: DistContext,
+    share: DataShare = SINGLE_SHARE,
 ) -> torch.Tensor:
-    """[P] the reward of one greedy response per prompt (ReMax's baseline), overlong penalty included."""
+    """[P] the reward of one greedy response per prompt of the step (ReMax's baseline), overlong penalty
+    included; only this share's prompts are generated, other entries are 0."""
     params = SamplingParams(max_tokens=max_tokens, n=1, greedy=True)
-    result, scores, _ = sample_and_score(engine, scorer, prompts, prompt_rows, params, dist)
-    return scores + scorer.penalties(result)
+    scored, _ = sample_and_score(engine, scorer, prompts, prompt_rows, params, dist, share)
+    out = torch.zeros(len(prompt_rows), dtype=scored.scores.dtype)
+    rewards = scored.scores + scorer.penalties(scored.result)
+    out[torch.as_tensor(scored.result.prompt_index, dtype=torch.long)] = rewards
+    return out
+
+
+def scored_batch(
+    scored: Scored,
+    prompt_ids: list[list[int]],
+    pad_token_id: int,
+    baselines: torch.Tensor | None,
+    with_rollout_log_probs: bool,
+) -> RolloutBatch:
+    """The batch of ``scored`` samples (``prompt_ids``: the step's prompts, by index): rows in sample order,
+    group ids the prompts' indices in the step, scores on the last response token, ReMax baselines and the
+    engine's log-probs when asked for. ``scored`` is this rank's share, or a whole step gathered (to filter
+    groups, say), which `posttrain.parallel.shares.select_share` then cuts to the share."""
+    result = scored.result
+    batch = build_rollout_batch(
+        [prompt_ids[p] for p in result.prompt_index], result.response_ids, result.prompt_index, pad_token_id
+    )
+    batch.token_level_scores = place_scores(batch, scored.scores)
+    if baselines is not None:
+        batch.reward_baselines = baselines[batch.group_ids]
+    if with_rollout_log_probs:
+        batch.rollout_log_probs = rollout_log_probs(result, batch)
+    return batch
 
 
 def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
@@ -157,21 +208,22 @@ def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
 
 
 def rollout_metrics(
-    result: RolloutResult, scores: torch.Tensor, unshaped: torch.Tensor | None = None
-) -> dict[str, float]:
-    """The step's reward, accuracy, lengths and finish reasons. ``scores`` are the rewards trained on;
-    accuracy reads ``unshaped`` (before the overlong penalty) when given."""
+    result: RolloutResult, rewards: torch.Tensor, metrics: ShareMetrics, unshaped: torch.Tensor | None = None
+) -> None:
+    """Add the samples' reward, accuracy, length and finish metrics to ``metrics`` (means over samples).
+    ``rewards`` are the rewards trained on; accuracy reads ``unshaped`` (before the overlong penalty) if given."""
     lengths = torch.tensor([len(r) for r in result.response_ids], dtype=torch.float32)
     eos = sum(f == "eos" for f in result.finish_reasons) / max(1, len(result.finish_reasons))
-    correct = (scores if unshaped is None else unshaped) >= CORRECT_THRESHOLD
-    return {
-        "reward/mean": float(scores.mean()),
+    correct = (rewards if unshaped is None else unshaped) >= CORRECT_THRESHOLD
+    means = {
+        "reward/mean": float(rewards.mean()),
         "reward/accuracy": float(correct.float().mean()),
         "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
         "finish/eos": eos,
         "finish/length": 1.0 - eos,
     }
+    metrics.add(means, MEAN, weight=len(result))
+    metrics.add({"response_length/max": float(lengths.max())}, MAX)
 
 
 def has_rollout_log_probs(result: RolloutResult) -> bool:

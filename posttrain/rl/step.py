@@ -3,7 +3,9 @@
 prompts → rollout → rewards → (engine cache released) → old log-probs → ref log-probs → values →
 rollout-mismatch correction → advantages → critic update → actor update → rollout weights refreshed → metrics.
 
-`train_step` only orders the phases; each phase function takes what it uses.
+`train_step` only orders the phases; each phase function takes what it uses. With several data-parallel ranks
+every phase works on this rank's share of the step (`posttrain.parallel.shares`); what must be global (the KL
+controller's batch KL, whitening moments, counts, metrics) crosses ranks as sums and maxima of a few floats.
 """
 
 from __future__ import annotations
@@ -18,22 +20,23 @@ from posttrain.algorithms.kl import KLController, apply_kl_penalty
 from posttrain.algorithms.rollout_correction import compute_rollout_correction, rollout_correction_kwargs
 from posttrain.config.plan import BatchPlan, ForwardPlan
 from posttrain.config.schema import AlgorithmConfig, RolloutCorrectionConfig
-from posttrain.data.batch import RolloutBatch, build_rollout_batch
+from posttrain.data.batch import RolloutBatch
 from posttrain.forward.options import PassOptions
 from posttrain.forward.passes import critic_values, policy_logprobs
 from posttrain.parallel.data_parallel import DataParallel
+from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, SUM, DataShare, ShareMetrics, select_share
 from posttrain.rewards.overlong import overlong_metrics
 from posttrain.rl.build import Components
 from posttrain.rl.dynamic_sampling import draw_groups, generation_salt, group_filter
 from posttrain.rl.rollout_ahead import RolloutAhead
 from posttrain.rl.sampling import (
+    Scored,
     Scorer,
     greedy_baselines,
     has_rollout_log_probs,
     overlong_shaping,
-    place_scores,
-    rollout_log_probs,
     rollout_metrics,
+    scored_batch,
     step_seed,
     training_params,
 )
@@ -100,13 +103,19 @@ def fill_forward_passes(
             batch.values = passes.run("values", lambda mb: critic_values(critic, mb, opts.critic), batch)
 
 
-def correct_rollout_mismatch(batch: RolloutBatch, section: RolloutCorrectionConfig) -> dict[str, float]:
+def correct_rollout_mismatch(
+    batch: RolloutBatch, section: RolloutCorrectionConfig, share: DataShare = SINGLE_SHARE
+) -> dict[str, float]:
     """Compare the rollout engine's log-probs with the trainer's old log-probs: mismatch metrics every step,
     and (when configured) truncated importance weights for the policy loss and rejection of outlier tokens or
     sequences (verl's `rollout_is` / `rollout_rs`). Nothing to do in bypass mode (they are the same), nor when
-    the update computes the old log-probs itself (its loss reports the token-level mismatch metrics)."""
+    the update computes the old log-probs itself (its loss reports the token-level mismatch metrics).
+
+    Weights and masks are per token or per sequence: each rank computes its share's. The metrics are reduced
+    over the shares (:func:`correction_reductions`)."""
     if batch.rollout_log_probs is None or batch.old_log_probs is None or section.bypass_mode:
         return {}
+    tokens = float(batch.response_mask.sum())
     weights, mask, metrics = compute_rollout_correction(
         batch.old_log_probs,
         batch.rollout_log_probs,
@@ -115,13 +124,50 @@ def correct_rollout_mismatch(batch: RolloutBatch, section: RolloutCorrectionConf
     )
     batch.rollout_is_weights = weights
     batch.response_mask = mask
-    return metrics
+    if not share.distributed:
+        return metrics
+    local = ShareMetrics()
+    for name, value in metrics.items():
+        how, per_token = correction_reductions(name, section)
+        local.add({name: value}, how, weight=tokens if per_token else batch.num_rows)
+    return share.reduce(local)
+
+
+# Rollout-correction metrics that are means over response tokens besides the ``*_mean``, ``*_std`` and
+# ``*_eff_sample_size`` statistics of token weights (the others average rows, or are extremes).
+_TOKEN_MEANS = (
+    "kl",
+    "k3_kl",
+    "chi2_token",
+    "rollout_rs_masked_fraction",
+    "rollout_is_catastrophic_token_fraction",
+)
+
+
+def correction_reductions(name: str, section: RolloutCorrectionConfig) -> tuple[str, bool]:
+    """How a rollout-correction metric combines over shares: (max, min or mean; whether weighted by tokens,
+    not rows). Means, fractions and extremes combine exactly; ``*_std``, ``*_eff_sample_size`` and ``*_seq_std``
+    (nonlinear in the moments) are averaged with their moments' weights: close, not exact."""
+    short = name.removeprefix("rollout_corr/")
+    if short.endswith(("_max", "_max_deviation")):
+        return MAX, False
+    if short.endswith("_min"):
+        return MIN, False
+    if "_seq_" in short or short.startswith("seq_"):
+        return MEAN, False
+    if "ratio_fraction" in short:
+        level = section.rollout_is if short.startswith("rollout_is") else section.rollout_rs
+        return MEAN, level == "token"
+    return MEAN, short in _TOKEN_MEANS or short.endswith(("_mean", "_std", "_eff_sample_size"))
 
 
 def compute_advantages(
-    batch: RolloutBatch, alg: AlgorithmConfig, kl_ctrl: KLController | None
+    batch: RolloutBatch, alg: AlgorithmConfig, kl_ctrl: KLController | None, share: DataShare = SINGLE_SHARE
 ) -> dict[str, float]:
-    """Token rewards (minus the in-reward KL penalty when on), then the configured estimator's advantages."""
+    """Token rewards (minus the in-reward KL penalty when on), then the configured estimator's advantages.
+
+    On a share of the step: the controller sees the whole step's KL (one sum over ranks), and estimators with
+    batch-wide statistics get ``batch_sum`` (groups are whole on every rank, so group statistics are local)."""
     metrics: dict[str, float] = {}
     if kl_ctrl is not None:
         batch.token_level_rewards, kl_metrics = apply_kl_penalty(
@@ -132,7 +178,11 @@ def compute_advantages(
             kl_ctrl,
             alg.kl_penalty,
         )
-        kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=batch.num_rows)
+        kl, rows = kl_metrics["actor/reward_kl_penalty"], batch.num_rows
+        if share.distributed:  # the mean over every rank's sequences
+            kl_sum, rows = share.total([kl * rows, rows])
+            kl_metrics["actor/reward_kl_penalty"] = kl = kl_sum / rows
+        kl_ctrl.update(kl, n_steps=int(rows))
         metrics.update(kl_metrics)
     else:
         batch.token_level_rewards = batch.token_level_scores
@@ -145,46 +195,62 @@ def compute_advantages(
         gamma=alg.gamma,
         lam=alg.lam,
         norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        batch_sum=share.batch_sum if share.distributed else None,
     )
     return metrics
 
 
 def rollout_phase(c: Components, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
-    """Sample this step's prompts, generate and score them, and lay the samples out as a batch. The engine's
-    cache memory is held for this phase only."""
+    """Sample this step's prompts, generate and score this rank's share of them, and lay its samples out as a
+    batch (with several ranks: the share, carrying the step's groups). With DAPO's group filter the whole step
+    is drawn and filtered on every rank, then cut to the share. The engine's cache memory is held for this
+    phase only."""
     cfg = c.cfg
     scorer = Scorer(c.reward_runner, c.reward_model, c.tokenizer, overlong_shaping(cfg))
+    flt = group_filter(cfg)
     with timer.phase("rollout"):
         c.engine.wake_up()
 
         def params(k: int) -> SamplingParams:  # generation batch k (several with algorithm.filter_groups)
             return training_params(cfg, step_seed(cfg.trainer.seed, step, generation_salt(k)))
 
-        drawn, metrics = draw_groups(
-            c.engine, scorer, c.train_prompts, c.sampler, params, group_filter(cfg), c.dist
-        )
+        drawn, local = draw_groups(c.engine, scorer, c.train_prompts, c.sampler, params, flt, c.dist, c.share)
         prompt_rows, result = drawn.rows, drawn.result
         baselines = None
         if estimator_needs(cfg.algorithm.adv_estimator).greedy_baseline:
             baselines = greedy_baselines(
-                c.engine, scorer, c.train_prompts, prompt_rows, cfg.data.max_response_length, c.dist
+                c.engine, scorer, c.train_prompts, prompt_rows, cfg.data.max_response_length, c.dist, c.share
             )
-        metrics.update(c.engine.generation_metrics())
+        engine_metrics = c.engine.generation_metrics()
         c.engine.release_memory()  # the forward and update phases need the memory more
-    prompt_ids = [c.train_prompts.prompt_ids[prompt_rows[p]] for p in result.prompt_index]
-    batch = build_rollout_batch(
-        prompt_ids, result.response_ids, result.prompt_index, c.tokenizer.pad_token_id
+    step_prompts = [c.train_prompts.prompt_ids[row] for row in prompt_rows]
+    engine_log_probs = has_rollout_log_probs(result) or cfg.algorithm.rollout_correction.bypass_mode
+    batch = scored_batch(
+        Scored(result, drawn.rewards), step_prompts, c.tokenizer.pad_token_id, baselines, engine_log_probs
     )
-    batch.token_level_scores = place_scores(batch, drawn.rewards)
-    if baselines is not None:
-        batch.reward_baselines = baselines[batch.group_ids]
-    if has_rollout_log_probs(result) or cfg.algorithm.rollout_correction.bypass_mode:
-        batch.rollout_log_probs = rollout_log_probs(result, batch)
-    metrics.update(rollout_metrics(result, drawn.rewards, unshaped=drawn.scores))
+    # Without the filter `drawn` is this share's samples; with it, the whole step's on every rank: the same
+    # step-wide values everywhere (kept as maxima over ranks), cut to the share at the end.
+    whole = flt is not None and c.share.distributed
+    how = {"mean": MAX, "sum": MAX} if whole else {"mean": MEAN, "sum": SUM}
+    weight = len(result)
+    unshaped = drawn.scores if cfg.reward.overlong_buffer.enable else None
+    if whole:
+        step_metrics = ShareMetrics()
+        rollout_metrics(result, drawn.rewards, step_metrics, unshaped=unshaped)
+        local.add(dict(step_metrics.values), MAX)
+    else:
+        rollout_metrics(result, drawn.rewards, local, unshaped=unshaped)
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
-        metrics.update(overlong_metrics(drawn.penalties))
+        local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
     if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts
-        metrics.update(mask_truncated(batch, result.finish_reasons))
+        share = SINGLE_SHARE if whole else c.share
+        local.add(mask_truncated(batch, result.finish_reasons, share), how["sum"])
+    if whole:
+        batch = select_share(batch, c.share)
+    elif c.share.distributed:
+        batch.step_groups = torch.arange(len(prompt_rows))
+    metrics = c.share.reduce(local)
+    metrics.update(engine_metrics)  # this rank's engine
     return batch, metrics
 
 
@@ -236,9 +302,9 @@ def train_step(
     passes = ForwardPasses(c.plan, c.forward, c.parallel, c.device)
     fill_forward_passes(batch, c.actor.module, c.ref, critic, passes, temperature, timer)
     with timer.phase("advantage"):
-        metrics.update(compute_advantages(batch, cfg.algorithm, c.kl_ctrl))
+        metrics.update(compute_advantages(batch, cfg.algorithm, c.kl_ctrl, c.share))
         # After the advantages: rejected tokens leave the loss, not the group statistics.
-        metrics.update(correct_rollout_mismatch(batch, cfg.algorithm.rollout_correction))
+        metrics.update(correct_rollout_mismatch(batch, cfg.algorithm.rollout_correction, c.share))
     metrics.update(update_phase(c, batch, step, temperature, timer))
     # On one rank the native engine shares the actor's module, so this refresh is free; a sharded actor is
     # gathered (a collective: every rank calls it) into the engine's own copy.
@@ -247,7 +313,7 @@ def train_step(
             metrics.update(c.rollout_weights.push(c.actor.module))
         else:
             metrics.update(ahead.push(step, c.actor.module))
-    tokens = float(batch.attention_mask.sum())
+    tokens = c.share.total([float(batch.attention_mask.sum())])[0]
     metrics.update(timer.pop())
     step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))
     metrics["timing/step"] = step_time

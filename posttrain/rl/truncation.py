@@ -11,18 +11,22 @@ import torch
 
 from posttrain.config.errors import ConfigError
 from posttrain.data.batch import RolloutBatch
+from posttrain.parallel.shares import SINGLE_SHARE, DataShare
 
 
-def mask_truncated(batch: RolloutBatch, finish_reasons: list[str]) -> dict[str, float]:
+def mask_truncated(
+    batch: RolloutBatch, finish_reasons: list[str], share: DataShare = SINGLE_SHARE
+) -> dict[str, float]:
     """Zero the response mask of the rows whose response hit the length limit (``finish_reasons`` in row
-    order); returns how many rows that was. ConfigError when every row was cut off: nothing would be left to
-    learn from."""
+    order); returns how many rows that was (this share's). ConfigError when every row of the step (every
+    share's, ``share``) was cut off: nothing would be left to learn from."""
     if len(finish_reasons) != batch.num_rows:
         raise ValueError(f"{len(finish_reasons)} finish reasons for a batch of {batch.num_rows} rows")
     truncated = torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)
-    if bool(truncated.all()):
+    cut, rows = share.total([float(truncated.sum()), float(batch.num_rows)])
+    if cut == rows:
         raise ConfigError(
-            f"algorithm.mask_truncated_samples=true, and all {batch.num_rows} responses of this step were cut off "
+            f"algorithm.mask_truncated_samples=true, and all {int(rows)} responses of this step were cut off "
             f"at data.max_response_length={batch.response_width} tokens, so none would be left in the loss; raise "
             "data.max_response_length, or set algorithm.mask_truncated_samples=false (with "
             "reward.overlong_buffer.enable=true to discourage long responses softly instead)"

@@ -1,13 +1,18 @@
 """The loops that run the batch plan: gradient accumulation over micro-batches, forward-only passes, and a
 role's whole update (ppo_epochs × mini-batches × micro-batches).
 
-With several data-parallel ranks (:class:`DataParallel`), each mini-batch (or forward pass) is split over the
-ranks by `posttrain.batching.micro`, each rank runs its share in the same number of micro-batches (collectives
-line up), and losses use the whole mini-batch's counts, so results do not depend on the number of ranks.
+With several data-parallel ranks (:class:`DataParallel`) each rank holds its share of the step (whole prompt
+groups, `posttrain.parallel.shares`) and computes on its own rows only: nothing about the samples is gathered.
+Mini-batch k holds the same groups whatever the number of ranks; each rank trains its rows of it. Losses use
+the whole mini-batch's counts (summed over ranks), so results do not depend on the number of ranks. Ranks may
+hold different numbers of micro-batches; every rank makes the largest count of forward (and backward) calls,
+the extra ones on one of its rows with their result dropped (a loss times 0), so a sharded model's collectives
+line up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +50,7 @@ def accumulate_and_step(
     normalizer: LossNormalizer,
     grad_clip: float,
     dp: DataParallel = SINGLE_RANK,
+    filler: Filler | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then clip and take one optimizer step.
 
@@ -52,7 +58,7 @@ def accumulate_and_step(
     `normalizer`), so gradients are summed as they are: never divided by the number of micro-batches.
     Metrics are token-weighted means over micro-batches, except :class:`LossShare` metrics and `loss` (the
     mini-batch loss), which are sums of the micro-batch shares. With several ranks, `micro_rows` are this
-    rank's and the metrics are reduced over all ranks.
+    rank's, ``filler`` adds the calls that even out the ranks' counts, and the metrics are reduced over all ranks.
     """
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -65,14 +71,37 @@ def accumulate_and_step(
         loss.backward()
         tokens = float(micro.response_mask.sum())
         total_tokens += tokens
-        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-        for name, value in metrics.items():
-            if isinstance(value, LossShare):
-                shares.add(name)
-                sums[name] = sums.get(name, 0.0) + float(value.value)
-            else:
-                sums[name] = sums.get(name, 0.0) + float(value) * tokens
+        _add_metrics(sums, shares, loss, metrics, tokens)
+    calls = len(micro_rows)
+    if filler is not None:
+        calls += filler.run_backward(loss_fn, normalizer, sums, shares, device)
     out = _reduce_metrics(sums, shares, total_tokens, normalizer, dp)
+    _clip_and_step(module, optimizer, scheduler, grad_clip, out)
+    out["micro_batches"] = float(calls)
+    return out
+
+
+def _add_metrics(
+    sums: dict[str, float], shares: set[str], loss: torch.Tensor, metrics: dict, tokens: float | None
+) -> None:
+    """Add one micro-batch's loss and metrics to the sums (``tokens`` None: a filler call, names only)."""
+    counted = tokens is not None
+    sums["loss"] = sums.get("loss", 0.0) + (float(loss.detach()) if counted else 0.0)
+    for name, value in metrics.items():
+        if isinstance(value, LossShare):
+            shares.add(name)
+            sums[name] = sums.get(name, 0.0) + (float(value.value) if counted else 0.0)
+        else:
+            sums[name] = sums.get(name, 0.0) + (float(value) * tokens if counted else 0.0)
+
+
+def _clip_and_step(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    grad_clip: float,
+    out: dict[str, float],
+) -> None:
     params = [p for p in module.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # sharded parameters: the norm is a DTensor (already global)
@@ -86,8 +115,41 @@ def accumulate_and_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    out["micro_batches"] = float(len(micro_rows))
-    return out
+
+
+@dataclass(frozen=True)
+class Filler:
+    """Calls that even out the ranks' micro-batch counts: ``calls`` forwards (and backwards) of ``row`` (one of
+    this rank's samples) whose results are dropped."""
+
+    row: RolloutBatch
+    calls: int
+
+    def run_backward(
+        self, loss_fn: LossFn, normalizer: LossNormalizer, sums: dict, shares: set[str], device
+    ) -> int:
+        """An update's extra calls: each loss times 0 (no gradient); metric names recorded, values not."""
+        micro = self.row.trimmed().to(device)
+        for _ in range(self.calls):
+            loss, metrics = loss_fn(micro, normalizer)
+            (loss * 0.0).backward()
+            _add_metrics(sums, shares, loss, metrics, None)
+        return self.calls
+
+    def run_forward(self, fn: Callable[[RolloutBatch], torch.Tensor], device: torch.device) -> None:
+        """A forward-only pass's extra calls (results dropped)."""
+        micro = self.row.trimmed().to(device)
+        for _ in range(self.calls):
+            fn(micro)
+
+
+def filler(batch: RolloutBatch, calls: int, dp: DataParallel) -> Filler | None:
+    """The :class:`Filler` that brings this rank's ``calls`` to the most any rank makes (one collective; None,
+    and no collective, on a single rank)."""
+    if dp.grad_ranks == 1:
+        return None
+    most = int(dp.all_reduce_max([float(calls)])[0])
+    return Filler(batch.select([0]), most - calls)
 
 
 def _reduce_metrics(
@@ -95,10 +157,10 @@ def _reduce_metrics(
 ) -> dict[str, float]:
     """Per-rank metric sums → mini-batch metrics. Loss shares carry the gradient-averaging scale
     (normalizer.dp_size), removed here; SP replicas computed the same shares, counted once."""
-    if dp.dp_size * dp.replicas == 1:
+    if dp.grad_ranks == 1:
         return {k: (v if k in shares else v / max(tokens, 1.0)) for k, v in sums.items()}
-    names = sorted(dp.all_gather(sorted(sums))[0])  # rank 0's names: every rank computes the same metrics
-    reduced = dp.all_reduce_sum([sums.get(k, 0.0) for k in names] + [tokens])
+    names = sorted(sums)  # every rank computes the same metrics (a rank without rows: its filler's names)
+    reduced = dp.all_reduce_sum([sums[k] for k in names] + [tokens])
     total_tokens = max(reduced[-1], 1.0)
     out = {}
     for k, v in zip(names, reduced[:-1]):
@@ -117,20 +179,20 @@ def forward_in_micro_batches(
 ) -> torch.Tensor:
     """Apply `fn` (micro-batch → [b, R] tensor) over the batch; rows come back in the original order.
 
-    With several DP ranks each computes its share and every rank receives the whole result.
+    With several ranks `batch` is this rank's share and only its rows are computed (every rank holding the
+    share computes all of them: nothing is gathered); the ranks make the same number of calls.
     """
     width = batch.response_width
-    mine, micro_rows = rank_micro_batches(batch, dp, micro_batch_size, max_tokens)
+    whole = dataclasses.replace(dp, share_ranks=1)
+    _, micro_rows = rank_micro_batches(batch, whole, micro_batch_size, max_tokens)
     out = torch.zeros((batch.num_rows, width), dtype=torch.float32)
     for rows in micro_rows:
         micro = batch.select(rows).trimmed().to(device)
         part = fn(micro).float().cpu()
         out[torch.as_tensor(rows), : part.shape[1]] = part
-    if dp.dp_size > 1:
-        # Every SP replica holds the same rows; take one copy per DP rank.
-        gathered = dp.all_gather((mine, out[torch.as_tensor(mine)]))
-        for rows, values in gathered[:: dp.replicas]:
-            out[torch.as_tensor(rows)] = values
+    extra = filler(batch, len(micro_rows), dp)
+    if extra is not None:
+        extra.run_forward(fn, device)
     return out
 
 
@@ -148,15 +210,18 @@ def run_update(
 ) -> dict[str, float]:
     """ppo_epochs × mini-batches × micro-batches for one role; returns metrics averaged over steps.
 
-    Every rank sees the same mini-batches (same generator); each runs its share of every mini-batch.
+    `batch`: this rank's share of the step (the whole step on one rank). Every rank draws the same mini-batches
+    (the same generator, over ``batch.step_groups``); each trains its rows of every mini-batch.
     """
+    if batch.step_groups is None and dp.dp_size > dp.share_ranks:
+        raise ValueError("with several data shares, run_update takes this rank's share (parallel.shares)")
     trainable.module.train()
     per_step: list[dict[str, float]] = []
     budget = plan.max_token_len_per_rank if plan.use_dynamic_bsz else None
     for _epoch, mini in iter_mini_batches(
-        batch, plan.mini_batch_prompts, plan.ppo_epochs, shuffle, generator
+        batch, plan.mini_batch_prompts, plan.ppo_epochs, shuffle, generator, batch.step_groups
     ):
-        normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant, dp_size=dp.grad_ranks)
+        normalizer = mini_batch_normalizer(mini, norm_constant, dp)
         _, rows = rank_micro_batches(mini, dp, plan.micro_batch_size_per_rank, budget)
         per_step.append(
             accumulate_and_step(
@@ -169,6 +234,7 @@ def run_update(
                 normalizer,
                 trainable.grad_clip,
                 dp,
+                filler(batch, len(rows), dp),
             )
         )
     keys = {k for m in per_step for k in m}
@@ -180,3 +246,13 @@ def run_update(
     out[f"{prefix}/lr"] = trainable.lr
     out[f"{prefix}/optimizer_steps"] = float(len(per_step))
     return out
+
+
+def mini_batch_normalizer(mini: RolloutBatch, norm_constant: float, dp: DataParallel) -> LossNormalizer:
+    """The loss denominators of a mini-batch: its valid tokens and sequences on every rank (one sum over ranks;
+    the ranks holding one share count it once), with the gradient-averaging scale ``dp.grad_ranks``."""
+    local = LossNormalizer.from_mask(mini.response_mask, norm_constant, dp_size=dp.grad_ranks)
+    if dp.grad_ranks == 1:
+        return local
+    tokens, sequences = dp.share_sum([local.num_tokens, local.num_sequences])
+    return dataclasses.replace(local, num_tokens=tokens, num_sequences=sequences)

@@ -117,6 +117,20 @@ def test_fsdp_size_must_divide_the_world_size():
         )
 
 
+def test_every_data_share_holds_a_prompt_group():
+    """Rule 9: each data-parallel rank keeps whole prompt groups, so a step has at least one prompt per share;
+    ranks of one SP group hold one share (the least common multiple of the SP sizes of the passes that run)."""
+    with pytest.raises(ValueError, match=r"data.train_batch_size \(1\) must be at least .* \(2 = world 2"):
+        build_plan(cfg_of(1, 4, 1, 1), world_size=2)
+    plan = build_plan(cfg_of(1, 4, 1, 2, actor__ulysses_sequence_parallel_size=2), world_size=2)
+    assert plan.share_replicas == 2
+    sp = {"actor__ulysses_sequence_parallel_size": 2, "critic__ulysses_sequence_parallel_size": 4}
+    assert build_plan(cfg_of(8, 4, 4, 1, **sp), world_size=8).share_replicas == 2  # no critic: not counted
+    critic = {"critic__ppo_mini_batch_size": 4, "critic__ppo_micro_batch_size_per_gpu": 1}
+    gae = cfg_of(8, 4, 4, 1, algorithm__adv_estimator="gae", **critic, **sp)
+    assert build_plan(gae, world_size=8).share_replicas == 4
+
+
 def test_rollout_token_budget_must_hold_one_token_per_slot():
     with pytest.raises(
         ValueError, match=r"rollout.max_num_batched_tokens \(128\) must be >= rollout.max_num_seqs \(256\)"

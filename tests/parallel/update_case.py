@@ -1,8 +1,9 @@
 """One role update on a fixed, seeded batch, run the same way on one process or on every rank of a job.
 
 The batch (prompts, responses of ragged lengths, old log-probs, advantages, returns, values) is a pure
-function of the seed, so every rank and the single-process reference build the same one; the trainer's
-own code then splits it over the ranks. Saved: the updated full state dict and the metrics (rank 0).
+function of the seed, so every rank and the single-process reference build the same one; each rank then keeps
+its share (whole prompt groups, as after a rollout) and the trainer's own code trains it. Saved: the updated
+full state dict and the metrics (rank 0).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from posttrain.models.hf import load_causal_lm
 from posttrain.parallel.data_parallel import data_parallel
 from posttrain.parallel.fsdp import full_state_dict, shard_model
 from posttrain.parallel.runtime import init_distributed, shutdown_distributed
+from posttrain.parallel.shares import data_share, select_share
 from posttrain.train.losses import actor_loss_fn, critic_loss_fn
 from posttrain.train.trainable import Trainable
 from posttrain.train.update import run_update
@@ -69,8 +71,9 @@ def run_update_case(out: Path, options: dict[str, str]) -> None:
             loss_fn = actor_loss_fn(module, cfg.actor, 1.0, opts.actor)
         else:
             loss_fn = critic_loss_fn(module, cfg.critic, opts.critic)
-        batch = fixed_batch(7, cfg.data.train_batch_size, cfg.rollout.n, module.config.vocab_size)
         sp = getattr(cfg, role).ulysses_sequence_parallel_size
+        batch = fixed_batch(7, cfg.data.train_batch_size, cfg.rollout.n, module.config.vocab_size)
+        batch = select_share(batch, data_share(ctx, sp))
         metrics = run_update(
             trainable,
             batch,

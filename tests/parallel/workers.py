@@ -35,7 +35,21 @@ def train(out: Path, options: dict[str, str]) -> None:
         torch.save(metrics, out / "metrics.pt")
 
 
-SCENARIOS = {"update": update, "train": train}
+def collective_bytes(out: Path, options: dict[str, str]) -> None:
+    """`train` with every torch.distributed call the trainer makes from Python counted (bytes this rank sends:
+    pickled objects, tensors); FSDP2's own parameter and gradient collectives are not these calls. Each rank
+    writes ``bytes_<rank>.json``: {caller: bytes}."""
+    import json
+    import os
+
+    from tests.parallel.collective_bytes import count_collective_bytes
+
+    with count_collective_bytes() as counts:
+        train(out, options)
+    (out / f"bytes_{os.environ['RANK']}.json").write_text(json.dumps(counts))
+
+
+SCENARIOS = {"update": update, "train": train, "collective_bytes": collective_bytes}
 
 if __name__ == "__main__":
     _setup_threads()

@@ -19,8 +19,8 @@ def capture_advantages(monkeypatch):
     seen = []
     original = rl_step.compute_advantages
 
-    def wrapper(batch, alg, kl_ctrl):
-        metrics = original(batch, alg, kl_ctrl)
+    def wrapper(batch, *args, **kwargs):
+        metrics = original(batch, *args, **kwargs)
         seen.append(
             {
                 "adv": batch.advantages.detach().clone(),
