@@ -79,7 +79,8 @@ def draw(flt, overlong=None, sampler=None, engine=None):
     engine = engine or ScriptedEngine()
     sampler = sampler or PromptSampler(16, 4, seed=0)
     scorer = Scorer(LengthRunner(), None, SpaceTokenizer(), overlong)
-    return draw_groups(engine, scorer, prompts(), sampler, params_for, flt, DistContext())
+    drawn, metrics = draw_groups(engine, scorer, prompts(), sampler, params_for, flt, DistContext())
+    return drawn, metrics.values  # one rank: the metrics as they are
 
 
 def groups_of(values: list[list[float]], lengths: list[list[int]] | None = None) -> ScoredGroups:
