@@ -86,6 +86,9 @@ def test_vllm_follows_a_lora_policy(vllm_model_dir, tmp_path, merge):
         "model.lora_rank=8",
         "model.lora_alpha=32",
         f"model.lora_merge={str(merge).lower()}",
+        # Keeps the old-log-prob pass (one optimizer step per rollout would skip it): the maximum below is
+        # a whole-batch statistic, reported by the correction step. The weights stay 1 when the engine follows.
+        "algorithm.rollout_correction.rollout_is=token",
     )
     assert len(rows) == 3
     for row in rows:
