@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan
 from posttrain.rl.build import check_run
 from posttrain.rl.loop import run_training
@@ -128,3 +129,22 @@ def test_each_row_records_the_version_that_sampled_it():
     assert [s for s, _ in seen] == [1, 2, 3, 4, 5, 6]
     assert [len(versions) for _, versions in seen] == [0, 0, 0, 1, 2, 3]
     assert worker and threading.current_thread().name not in worker
+
+
+def test_async_training_with_an_unmerged_vllm_adapter_is_refused():
+    from posttrain.rl.checks import check_async_training
+
+    cfg = build_config(
+        overrides=[
+            "async_training.enable=true",
+            "rollout.name=vllm",
+            "model.lora_rank=8",
+            "model.lora_merge=false",
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match=r"model.lora_merge=false sends vLLM the adapter alone; set model.lora_merge"
+    ):
+        check_async_training(cfg, 1)
+    cfg.model.lora_merge = True
+    check_async_training(cfg, 1)  # merged snapshots are whole tensors: accepted
