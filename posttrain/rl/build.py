@@ -71,10 +71,11 @@ class Components:
     actor: Trainable
     ref: nn.Module | None
     critic: Trainable | None
-    engine: RolloutEngine
-    rollout_weights: (
-        RolloutWeights  # pushes the actor's weights into the engine (a no-op when it shares them)
-    )
+    engine: (
+        RolloutEngine | None
+    )  # None: a rollout worker process holds it (async_training.rollout_worker=ray)
+    # Pushes the actor's weights into the engine (a no-op when it shares them); None without a local engine.
+    rollout_weights: RolloutWeights | None
     train_prompts: TokenizedPrompts
     val_prompts: TokenizedPrompts | None
     sampler: PromptSampler
@@ -127,6 +128,11 @@ def check_run(cfg: PostTrainConfig, world_size: int, device: torch.device) -> tu
     return plan, splits
 
 
+def local_engine(cfg: PostTrainConfig) -> bool:
+    """Whether this process holds the rollout engine (not when Ray placed a rollout worker elsewhere)."""
+    return not (cfg.async_training.enable and cfg.async_training.rollout_worker == "ray")
+
+
 @dataclass
 class Policy:
     """The actor (trained), the reference policy (frozen; None without a KL term) and the module the rollout
@@ -150,7 +156,7 @@ def build_policy(
     attn = attn_implementation(cfg.model.use_remove_padding, device, grouped)
     policy = load_causal_lm(model_path, master_dtype, device, attn)
     rollout_model = None
-    if (dist.distributed or cfg.async_training.enable) and cfg.rollout.name == "native":
+    if (dist.distributed or cfg.async_training.enable) and cfg.rollout.name == "native" and local_engine(cfg):
         # Each rank's rollout engine holds a plain, unsharded copy, refreshed from the sharded actor after every
         # update (with LoRA: the merged weights); so does an engine sampling ahead of training while it trains.
         # On one synchronous rank the engine shares the actor's module instead.
@@ -320,9 +326,11 @@ def build_components(
     policy = build_policy(cfg, plan, dist, model_path, quiet)
     critic = build_critic(cfg, plan, dist, model_path)
     train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
-    engine = build_engine(cfg, policy.rollout_model, tokenizer, dist.device, model_path)
-    weights = RolloutWeights(cfg, engine)
-    weights.push(policy.actor.module)  # e.g. a saved LoRA adapter is already on the actor (no-op when shared)
+    engine = weights = None  # a rollout worker of its own builds the engine where Ray placed it
+    if local_engine(cfg):
+        engine = build_engine(cfg, policy.rollout_model, tokenizer, dist.device, model_path)
+        weights = RolloutWeights(cfg, engine)
+        weights.push(policy.actor.module)  # e.g. a saved LoRA adapter is on the actor (no-op when shared)
     forward = with_sequence_parallel(pass_options(cfg, dist.device), cfg, policy.actor.module.config)
     return Components(
         cfg=cfg,

@@ -81,16 +81,27 @@ def check_rollout_backend(cfg: PostTrainConfig, device: torch.device, world_size
 
 
 def check_async_training(cfg: PostTrainConfig, world_size: int) -> None:
-    """`async_training.enable`: the background rollout thread owns the engine and the prompt sampler, which is
-    only safe where no collective runs from two threads (one process) and where a weight push is a copy of
-    whole tensors (not vLLM's separate LoRA adapter)."""
-    if not cfg.async_training.enable:
+    """`async_training.*`: rollouts ahead of training need one trainer process (a rollout thread beside
+    several ranks would issue collectives concurrently with the trainer's; a Ray worker feeding several
+    ranks is not built), a weight push that is a copy of whole tensors (not vLLM's separate LoRA adapter),
+    and Ray where it places the worker."""
+    a = cfg.async_training
+    if not a.enable:
+        if a.rollout_worker != "thread":
+            raise ConfigError(
+                f"async_training.rollout_worker={a.rollout_worker} says where rollouts ahead of training run, "
+                "but async_training.enable=false (rollout and training alternate on this process); set "
+                "async_training.enable=true"
+            )
         return
+    if a.rollout_worker == "ray":
+        require_ray()
     if world_size > 1:
         raise ConfigError(
-            f"async_training.enable=true runs on one process for now, but the world size is {world_size}: the "
-            "background rollout would issue collectives concurrently with the trainer's. Set "
-            "async_training.enable=false for multi-rank runs, or train on one process"
+            f"async_training.enable=true trains on one process for now, but the world size is {world_size} (a "
+            "rollout thread would issue collectives concurrently with the trainer's; a Ray rollout worker "
+            "feeding several ranks is not built). Set async_training.enable=false for multi-rank runs, or "
+            "train on one process"
         )
     lora = cfg.model.lora_rank > 0 or bool(cfg.model.lora_adapter_path)
     if cfg.rollout.name == "vllm" and lora and not cfg.model.lora_merge:
@@ -98,3 +109,15 @@ def check_async_training(cfg: PostTrainConfig, world_size: int) -> None:
             "async_training.enable=true pushes weight snapshots taken after each update, but model.lora_merge="
             "false sends vLLM the adapter alone; set model.lora_merge=true (merged weights are pushed)"
         )
+
+
+def require_ray():
+    """Ray (an optional extra), or a ConfigError that says how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            "async_training.rollout_worker=ray places the rollout worker with Ray, which is not installed "
+            f"({exc}); pip install 'posttrain[ray]', or set async_training.rollout_worker=thread"
+        ) from None
+    return ray

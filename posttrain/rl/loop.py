@@ -29,12 +29,13 @@ from posttrain.parallel.runtime import (
     shutdown_distributed,
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
-from posttrain.rl.evaluate import validate
 from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
 from posttrain.rl.rollout_ahead import RolloutAhead
+from posttrain.rl.rollout_hosts import ThreadHost, start_ray_host
+from posttrain.rl.rollout_side import rollout_side_of
+from posttrain.rl.rollout_worker import RolloutWorker, validate_side
 from posttrain.rl.samples import log_validation_samples
-from posttrain.rl.sampling import step_seed
-from posttrain.rl.step import rollout_phase, train_step
+from posttrain.rl.step import train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -105,26 +106,23 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     c.sampler.load_state_dict(state["sampler"])
     if c.kl_ctrl is not None and "kl_coef" in state:
         c.kl_ctrl.value = state["kl_coef"]
-    c.rollout_weights.push(c.actor.module)  # the engine's own copy must see the restored weights
+    if c.rollout_weights is not None:  # a rollout worker of its own gets them when it starts
+        c.rollout_weights.push(c.actor.module)  # the engine's own copy must see the restored weights
     if c.dist.is_main:
         print(f"Resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
 
-def run_validation(c: Components, step: int, quiet: bool = True) -> dict[str, float]:
-    """Generate for the validation prompts and score them (the engine holds its cache memory only meanwhile);
-    rank 0 logs what the model answered (samples.jsonl, a few on the console)."""
+def run_validation(c: Components, step: int, quiet: bool = True, ahead: RolloutAhead | None = None) -> dict:
+    """Generate for the validation prompts and score them (the engine holds its cache memory only meanwhile),
+    here or, with rollouts ahead, on the rollout worker after what is queued; rank 0 logs what the model
+    answered (samples.jsonl, a few on the console)."""
     if c.val_prompts is None:
         return {}
-    rows: list[dict] = []
-    c.engine.wake_up()
-    try:
-        seed = step_seed(c.cfg.trainer.seed, step, 2)
-        metrics = validate(
-            c.engine, c.tokenizer, c.val_prompts, c.reward_runner, c.cfg, seed=seed, dist=c.dist, samples=rows
-        )
-    finally:
-        c.engine.release_memory()
+    if ahead is not None:
+        metrics, rows = ahead.validate(step)
+    else:
+        metrics, rows = validate_side(rollout_side_of(c), step)
     if c.dist.is_main:
         log_validation_samples(Path(c.cfg.trainer.run_dir), step, rows, console=not quiet)
     return metrics
@@ -154,7 +152,8 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
         result, engine = _train(cfg, ctx, quiet=quiet or not ctx.is_main)
         # Leave together: gloo aborts a process whose group is torn down while a peer still talks to it.
         ctx.barrier()
-        engine.close()  # after the last collective: an in-process vLLM engine tears the process group down
+        if engine is not None:  # after the last collective: an in-process vLLM engine tears the group down
+            engine.close()
         return result
     except Exception as exc:
         abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
@@ -165,7 +164,9 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
             lock.release()
 
 
-def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> tuple[dict[str, float], RolloutEngine]:
+def _train(
+    cfg: PostTrainConfig, ctx: DistContext, quiet: bool
+) -> tuple[dict[str, float], RolloutEngine | None]:
     """Build, resume, train, export; returns the last metrics and the rollout engine (closed by the caller)."""
     c = build_components(cfg, quiet=quiet, dist=ctx)
     run_dir = Path(cfg.trainer.run_dir)
@@ -211,7 +212,7 @@ def _train(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> tuple[dict[st
             f"Validation accuracy {before}{last['val/accuracy']:.1%} after {t.total_steps} steps "
             f"({time.monotonic() - began:.0f} s of training)"
         )
-    return last, c.engine
+    return last, c.engine  # None when a rollout worker of its own held the engine
 
 
 def _run_steps(
@@ -223,19 +224,18 @@ def _run_steps(
     last: dict[str, float] = {}
     first_val: dict[str, float] = {}
     skipped = SkippedStepGuard(t.max_skipped_steps)
-    if start == 0 and t.test_freq > 0:
-        last = first_val = run_validation(c, 0, quiet)
-        if logger is not None:
-            logger.log(last, step=0)
-        display.message(f"initial validation: {_fmt(last)}")
     ahead = rollout_ahead(c, start)
     try:
+        if start == 0 and t.test_freq > 0:
+            last = first_val = run_validation(c, 0, quiet, ahead)
+            if logger is not None:
+                logger.log(last, step=0)
+            display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
             metrics = train_step(c, step, timer, ahead)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
-                if ahead is not None:
-                    ahead.drain()  # the engine is idle and holds this step's weights
-                metrics.update(run_validation(c, step, quiet))
+                # With rollouts ahead: after this step's weights reach the worker, before later rollouts.
+                metrics.update(run_validation(c, step, quiet, ahead))
             if logger is not None:
                 logger.log(metrics, step=step)
             skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
@@ -254,18 +254,20 @@ def _run_steps(
 
 
 def rollout_ahead(c: Components, start: int) -> RolloutAhead | None:
-    """The background rollout queue of `async_training` (None when rollout and training alternate)."""
+    """The rollouts-ahead queue of `async_training` on its worker: a thread sharing this process's engine, or
+    a Ray-placed process that builds its own and starts from this process's weights and prompt order (None
+    when rollout and training alternate)."""
     a = c.cfg.async_training
     if not a.enable:
         return None
-    return RolloutAhead(
-        generate=functools.partial(rollout_phase, c),
-        load=c.engine.sync_weights,
-        sampler=c.sampler,
-        max_staleness=a.max_staleness,
-        start_step=start,
-        total_steps=c.cfg.trainer.total_steps,
-    )
+    if a.rollout_worker == "ray":
+        host = start_ray_host(c.cfg, c.model_path, start, c.sampler.state_dict())
+    else:
+        host = ThreadHost(RolloutWorker(rollout_side_of(c), start))
+    ahead = RolloutAhead(host, a.max_staleness, start_step=start, total_steps=c.cfg.trainer.total_steps)
+    if host.remote:  # it loaded the weights from disk: the actor's (resumed, LoRA merged) come first
+        ahead.push(start, c.actor.module)
+    return ahead
 
 
 def _fmt(metrics: dict[str, float]) -> str:

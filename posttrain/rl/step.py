@@ -29,6 +29,7 @@ from posttrain.rewards.overlong import overlong_metrics
 from posttrain.rl.build import Components
 from posttrain.rl.dynamic_sampling import draw_groups, generation_salt, group_filter
 from posttrain.rl.rollout_ahead import RolloutAhead
+from posttrain.rl.rollout_side import RolloutSide, rollout_side_of
 from posttrain.rl.sampling import (
     Scored,
     Scorer,
@@ -200,7 +201,7 @@ def compute_advantages(
     return metrics
 
 
-def rollout_phase(c: Components, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+def rollout_phase(c: RolloutSide, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample this step's prompts, generate and score this rank's share of them, and lay its samples out as a
     batch (with several ranks: the share, carrying the step's groups). With DAPO's group filter the whole step
     is drawn and filtered on every rank, then cut to the share. The engine's cache memory is held for this
@@ -293,7 +294,7 @@ def train_step(
     samples were generated in the background and the new weights are queued for the engine."""
     cfg = c.cfg
     if ahead is None:
-        batch, metrics = rollout_phase(c, step, timer)
+        batch, metrics = rollout_phase(rollout_side_of(c), step, timer)
     else:
         with timer.phase("rollout_wait"):
             batch, metrics = ahead.take(step)

@@ -93,42 +93,76 @@ def test_async_training_on_several_ranks_is_refused_before_loading(tiny_model_di
     cfg = small_config(tiny_model_dir, tmp_path / "run", "async_training.enable=true")
     assert build_plan(cfg, 2).max_policy_lag >= 0
     with pytest.raises(
-        ConfigError, match=r"async_training.enable=true runs on one process .* world size is 2"
+        ConfigError, match=r"async_training.enable=true trains on one process .* world size is 2"
     ):
         check_run(cfg, 2, torch.device("cpu"))
 
 
 def test_each_row_records_the_version_that_sampled_it():
-    """The queue alone, with a stand-in generator: rollout s is generated after the load of version s-1-k."""
+    """The queue alone, with a stand-in worker on the thread host: rollout s is generated after the load of
+    version s-1-k, on the worker's thread."""
     import threading
 
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.data.sampler import PromptSampler
     from posttrain.rl.rollout_ahead import RolloutAhead
+    from posttrain.rl.rollout_hosts import ThreadHost
+    from posttrain.rl.rollout_side import GeneratedStep
 
-    loaded, seen, worker = [], [], set()
+    loaded, seen, threads = [], [], set()
 
-    def generate(step, timer):
-        worker.add(threading.current_thread().name)
-        seen.append((step, list(loaded)))
-        return build_rollout_batch([[1, 2]] * 3, [[3]] * 3, [0, 0, 0], pad_token_id=0), {}
+    class Worker:
+        version = 0
 
-    def load(snapshot):
-        loaded.append(len(loaded) + 1)
+        def generate(self, step):
+            threads.add(threading.current_thread().name)
+            seen.append((step, list(loaded)))
+            batch = build_rollout_batch([[1, 2]] * 3, [[3]] * 3, [0, 0, 0], pad_token_id=0)
+            batch.policy_versions = torch.full((3,), self.version)
+            return GeneratedStep(batch, {}, {})
+
+        def load(self, version, weights):
+            loaded.append(version)
+            self.version = version
+
+        def ready(self):
+            return 0
 
     k, policy = 2, torch.nn.Linear(2, 2)
-    ahead = RolloutAhead(generate, load, PromptSampler(8, 2, seed=0), k, start_step=0, total_steps=6)
+    ahead = RolloutAhead(ThreadHost(Worker()), k, start_step=0, total_steps=6)
     try:
         for step in range(1, 7):
             batch, metrics = ahead.take(step)
             assert batch.policy_versions.tolist() == [max(0, step - 1 - k)] * 3
             assert metrics["async/policy_lag_max"] == min(step - 1, k)
             ahead.push(step, policy)
+        ahead.drain()
     finally:
         ahead.close()
     assert [s for s, _ in seen] == [1, 2, 3, 4, 5, 6]
     assert [len(versions) for _, versions in seen] == [0, 0, 0, 1, 2, 3]
-    assert worker and threading.current_thread().name not in worker
+    assert loaded == [1, 2, 3, 4, 5, 6]
+    assert threads and threading.current_thread().name not in threads
+
+
+def test_a_failed_weight_load_is_raised_not_lost():
+    """Nobody waits on a weight load; its error surfaces at the next take or drain."""
+    from posttrain.rl.rollout_ahead import RolloutAhead
+    from posttrain.rl.rollout_hosts import ThreadHost
+
+    class Worker:
+        def load(self, version, weights):
+            raise RuntimeError(f"cannot load version {version}")
+
+        def ready(self):
+            return 0
+
+    ahead = RolloutAhead(ThreadHost(Worker()), 1, start_step=0, total_steps=2)
+    try:
+        ahead.push(1, torch.nn.Linear(2, 2))
+        with pytest.raises(RuntimeError, match="cannot load version 1"):
+            ahead.drain()
+    finally:
+        ahead.close()
 
 
 def test_async_training_with_an_unmerged_vllm_adapter_is_refused():

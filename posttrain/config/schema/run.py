@@ -57,9 +57,9 @@ class AsyncTrainingConfig:
 
     enable: bool = knob(
         False,
-        "Generate each step's samples on a background thread while earlier steps train, with a policy at most "
-        "max_staleness updates old (the engine keeps its own copy of the weights). Off: rollout and training "
-        "alternate (fully synchronous).",
+        "Generate each step's samples while earlier steps train (on a background thread, or a process of its "
+        "own: rollout_worker), with a policy at most max_staleness updates old (the engine keeps its own copy "
+        "of the weights). Off: rollout and training alternate (fully synchronous).",
     )
     max_staleness: int = knob(
         1,
@@ -67,6 +67,30 @@ class AsyncTrainingConfig:
         "many steps ahead. 1 is verl's one-step-off-policy schedule; 0 runs the synchronous schedule through "
         "the same machinery. Correct the lag with algorithm.rollout_correction.",
         unit="steps",
+        min=0,
+    )
+    rollout_worker: str = knob(
+        "thread",
+        "Where the rollouts ahead run: 'thread' (a background thread of the trainer's process, on its devices) "
+        "or 'ray' (a process of its own that Ray places on rollout_num_cpus / rollout_num_gpus, on this node or "
+        "another; pip install 'posttrain[ray]'). Weights travel to it after every update.",
+        choices=("thread", "ray"),
+    )
+    ray_address: str = knob(
+        "",
+        "With rollout_worker=ray: the Ray cluster to join ('auto', or 'ray://host:port'); empty starts a Ray "
+        "instance on this machine (or uses the one this process already joined).",
+    )
+    rollout_num_cpus: int = knob(
+        1,
+        "With rollout_worker=ray: CPUs Ray reserves for the rollout worker (its torch threads).",
+        unit="CPUs",
+        min=1,
+    )
+    rollout_num_gpus: int = knob(
+        0,
+        "With rollout_worker=ray: GPUs Ray reserves for the rollout worker (0: it generates on CPU).",
+        unit="GPUs",
         min=0,
     )
 

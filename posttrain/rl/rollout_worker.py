@@ -1,0 +1,101 @@
+"""The rollout worker: the one owner of a rollout engine while rollouts run ahead of training.
+
+Its calls run one at a time, in the order the trainer made them, on a background thread of the trainer's
+process or in a process of its own (``posttrain.rl.rollout_hosts``); it neither knows nor cares which. It
+generates a step's samples, loads a weight snapshot, validates, and reports the prompt sampler's state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from posttrain.config.schema import PostTrainConfig
+from posttrain.rl.evaluate import validate
+from posttrain.rl.rollout_side import GeneratedStep, RolloutSide, build_rollout_side
+from posttrain.rl.sampling import step_seed
+from posttrain.rl.step import rollout_phase
+from posttrain.utils.metrics import PhaseTimer
+from posttrain.utils.seed import seed_everything
+
+
+def validate_side(side: RolloutSide, step: int) -> tuple[dict[str, float], list[dict]]:
+    """Generate for the validation prompts and score them (the engine holds its cache memory meanwhile);
+    returns the metrics and one row per sample (prompt, response, ground truth, reward)."""
+    if side.val_prompts is None:
+        return {}, []
+    rows: list[dict] = []
+    side.engine.wake_up()
+    try:
+        seed = step_seed(side.cfg.trainer.seed, step, 2)
+        metrics = validate(
+            side.engine,
+            side.tokenizer,
+            side.val_prompts,
+            side.reward_runner,
+            side.cfg,
+            seed=seed,
+            dist=side.dist,
+            samples=rows,
+        )
+    finally:
+        side.engine.release_memory()
+    return metrics, rows
+
+
+class RolloutWorker:
+    """Generates with the weights of update ``version`` until it loads a newer snapshot."""
+
+    def __init__(self, side: RolloutSide, version: int):
+        self.side = side
+        self.version = version
+
+    def ready(self) -> int:
+        """The process id this worker runs in (a round trip that says it was built)."""
+        return os.getpid()
+
+    def generate(self, step: int) -> GeneratedStep:
+        before = self.side.sampler.state_dict()
+        timer = PhaseTimer(prefix="async/")  # background seconds: not part of the trainer's step time
+        batch, metrics = rollout_phase(self.side, step, timer)
+        batch.policy_versions = torch.full((batch.num_rows,), self.version, dtype=torch.long)
+        metrics.update(timer.pop())
+        metrics["async/policy_version"] = float(self.version)
+        return GeneratedStep(batch, metrics, before)
+
+    def load(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Put the snapshot taken after update ``version`` into the engine."""
+        self.side.engine.sync_weights(weights)
+        self.version = version
+
+    def validate(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        return validate_side(self.side, step)
+
+    def sampler_state(self) -> dict:
+        return self.side.sampler.state_dict()
+
+    def close(self) -> None:
+        self.side.close()
+
+
+class ProcessRolloutWorker(RolloutWorker):
+    """A worker in a process of its own: it builds its rollout parts from the config and the model directory,
+    starts from the trainer's prompt sampler state, and waits for the trainer's weights (``version``)."""
+
+    def __init__(
+        self,
+        cfg: PostTrainConfig,
+        model_path: str,
+        version: int,
+        sampler_state: dict,
+        threads: int,
+        gpus: int,
+    ):
+        torch.set_num_threads(threads)
+        seed_everything(cfg.trainer.seed)
+        device = torch.device("cuda", 0) if gpus > 0 else torch.device("cpu")  # the devices Ray assigned it
+        side = build_rollout_side(cfg, Path(model_path), device)
+        side.sampler.load_state_dict(sampler_state)
+        super().__init__(side, version)
