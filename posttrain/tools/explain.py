@@ -46,6 +46,16 @@ def _forward_branch(tree: Tree, p: ForwardPlan, title: str, key: str) -> None:
 def weight_sync_line(cfg: PostTrainConfig, plan: BatchPlan) -> str:
     """How the rollout engine sees the actor's updates (the sync plan)."""
     r, lora = cfg.rollout, cfg.model.lora_rank > 0 or bool(cfg.model.lora_adapter_path)
+    a = cfg.async_training
+    if a.enable:
+        where = (
+            "the Ray-placed worker process" if a.rollout_worker == "ray" else "the rollout thread's engine"
+        )
+        merged = " (LoRA merged)" if lora else ""
+        return (
+            f"weight sync: after every update a snapshot of the weights{merged} is queued for {where}, which "
+            "loads it after the rollouts queued before it"
+        )
     if r.name == "native" and plan.world_size == 1:
         return "weight sync: none (the engine decodes with the actor's own module)"
     if r.name == "native":
@@ -144,6 +154,21 @@ def _derived_facts(facts: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None:
             f"policy after step s-{k + 1}, {k} step(s) = {k * steps} optimizer step(s) older than the policy it "
             f"starts from; the lag is recorded per sample and corrected by algorithm.rollout_correction"
         )
+    if plan.rollout_staleness is not None and cfg.async_training.enable:
+        a = cfg.async_training
+        if a.rollout_worker == "ray":
+            devices = f"{a.rollout_num_cpus} CPU(s)" + (
+                f" and {a.rollout_num_gpus} GPU(s)" if a.rollout_num_gpus else ""
+            )
+            facts.add(
+                f"rollout worker: a process of its own that Ray places on {devices} (async_training.rollout_worker"
+                "=ray); the trainer's devices hold no engine, and the weights travel to it after every update"
+            )
+        else:
+            facts.add(
+                "rollout worker: a background thread of the trainer's process, sharing its devices (async_training"
+                ".rollout_worker=thread; =ray gives it a process and devices of its own)"
+            )
     if plan.max_policy_lag == 0:
         facts.add("fully on-policy: the single mini-batch is updated by the policy that generated it")
     elif not plan.rollout_staleness:

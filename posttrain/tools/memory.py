@@ -294,7 +294,8 @@ def _resident(
             where = ["of the LoRA adapters"] if t.lora_rank > 0 else []
             where += ["in CPU memory between steps"] if moved else []
             out.append(Component(f"{name} optimizer", 0 if moved else optimizer, "; ".join(where)))
-    if (cluster.world_size > 1 or cfg.async_training.enable) and w.rollout_engine == "native":
+    remote = remote_rollout(cfg)
+    if (cluster.world_size > 1 or cfg.async_training.enable) and w.rollout_engine == "native" and not remote:
         # Each rank's engine decodes with a plain copy of the policy, refreshed after every update (one rank:
         # only when it samples ahead of training, which must not see the weights change under it).
         b = DTYPE_BYTES[cfg.model.dtype]
@@ -377,6 +378,11 @@ def _forward_phase(
     return PhaseEstimate(p.role, tuple(comps), {"micro_batch_tokens": tokens})
 
 
+def remote_rollout(cfg: PostTrainConfig) -> bool:
+    """The rollout runs in a worker process on devices of its own (async_training.rollout_worker=ray)."""
+    return cfg.async_training.enable and cfg.async_training.rollout_worker == "ray"
+
+
 def _rollout_phase(
     cfg: PostTrainConfig,
     plan: BatchPlan,
@@ -420,8 +426,17 @@ def estimate_memory(
     cluster = cluster or Cluster()
     w = what_if or WhatIf()
     resident = _resident(cfg, plan, shape, cluster, w)
-    phases = [_rollout_phase(cfg, plan, shape, cluster, w, resident)]
-    if plan.rollout_staleness or cfg.async_training.enable:
+    if remote_rollout(cfg):
+        # The rollout worker has devices of its own: its phase is counted there, none of it on the trainer's.
+        copy = Component(
+            "rollout weights",
+            shape.num_params() * DTYPE_BYTES[cfg.model.dtype],
+            "the worker's own copy, on its device",
+        )
+        phases = [_rollout_phase(cfg, plan, shape, cluster, w, [] if w.rollout_engine == "vllm" else [copy])]
+    else:
+        phases = [_rollout_phase(cfg, plan, shape, cluster, w, resident)]
+    if (plan.rollout_staleness or cfg.async_training.enable) and not remote_rollout(cfg):
         # The background rollout generates while every other phase runs: its memory is there too.
         resident = [
             *resident,

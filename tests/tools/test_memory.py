@@ -395,3 +395,22 @@ def test_advice_offloads_parameters_then_shrinks_the_rollout_cache():
     )
     over = estimate_memory(bigger, build_plan(bigger, 8), shape, Cluster(1, 8, 30)).phase("rollout").total
     assert over > 30 * GIB  # the largest that fits
+
+
+def test_a_ray_placed_rollout_worker_costs_the_trainer_nothing():
+    """Rollouts ahead on a thread keep the engine's memory resident through every phase; a Ray-placed worker
+    takes it to devices of its own: the trainer's phases are what they are without rollouts ahead."""
+    shape = ModelShape.from_path(QWEN_7B)
+
+    def estimate(*extra):
+        cfg = build_config(overrides=[*GRPO_7B, *extra])
+        return estimate_memory(cfg, build_plan(cfg, 1), shape, Cluster(1, 1, 80))
+
+    sync, thread = estimate(), estimate("async_training.enable=true")
+    ray = estimate("async_training.enable=true", "async_training.rollout_worker=ray")
+    assert thread.phase("actor_update").total > sync.phase("actor_update").total
+    assert any("(rollout ahead)" in c.name for c in thread.phase("actor_update").components)
+    assert ray.phase("actor_update").total == sync.phase("actor_update").total
+    worker = ray.phase("rollout")
+    assert worker.part("rollout weights") == shape.num_params() * 2  # its own bf16 copy
+    assert worker.part("actor optimizer") == 0  # nothing of the trainer's on the worker's device
