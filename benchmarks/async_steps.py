@@ -13,6 +13,9 @@ first ``--warmup`` steps are not timed (with rollouts ahead, step 1 waits for it
 - ``sync, 2 threads``: the same with two torch threads (the machine's two cores for every phase);
 - ``ahead k, 1+1 threads``: ``async_training.enable=true, max_staleness=k``: the rollout thread and the
   trainer each run torch on one thread, so the two cores work on different phases at once.
+- ``ahead 1, Ray worker, 1+1 processes``: the same schedule with the rollout worker in a process of its own
+  that Ray places on one CPU (``async_training.rollout_worker=ray``; needs ``posttrain[ray]``); the worker's
+  start (Ray, its engine) is before the timed steps. Weights travel through Ray's object store every step.
 
 Rounds alternate the variants so that load from other jobs hits them alike; the table gives medians over all
 timed steps. The phase table gives the synchronous run's mean phase times, from which the last table models
@@ -61,6 +64,10 @@ VARIANTS = {
     "sync, 2 threads": (2, []),
     "ahead 1, 1+1 threads": (1, ["async_training.enable=true", "async_training.max_staleness=1"]),
     "ahead 2, 1+1 threads": (1, ["async_training.enable=true", "async_training.max_staleness=2"]),
+    "ahead 1, Ray worker, 1+1 processes": (
+        1,
+        ["async_training.enable=true", "async_training.max_staleness=1", "async_training.rollout_worker=ray"],
+    ),
 }
 
 

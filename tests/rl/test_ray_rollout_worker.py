@@ -118,3 +118,21 @@ def test_ray_settings_are_checked_before_anything_loads(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     with pytest.raises(ConfigError, match=r"Ray, which is not installed .* pip install 'posttrain\[ray\]'"):
         check_run(cfg, 1, torch.device("cpu"))
+
+
+def test_explain_says_where_the_rollout_worker_runs():
+    from rich.console import Console
+
+    from posttrain.config.plan import build_plan
+    from posttrain.tools.explain import plan_tree
+
+    def text(*extra):
+        cfg = build_config(overrides=["async_training.enable=true", *extra])
+        console = Console(width=200, record=True)
+        console.print(plan_tree(cfg, build_plan(cfg, 1)))
+        return console.export_text()
+
+    ray = text(*RAY[1:], "async_training.rollout_num_gpus=1")
+    assert "a process of its own that Ray places on 1 CPU(s) and 1 GPU(s)" in ray
+    assert "queued for the Ray-placed worker process" in ray
+    assert "a background thread of the trainer's process" in text()
