@@ -31,6 +31,7 @@ import random
 import shutil
 from pathlib import Path
 
+import torch
 import yaml
 
 from posttrain.config.errors import ConfigError, MissingPathError
@@ -154,6 +155,8 @@ def warm_start_key(cfg: PostTrainConfig) -> dict:
         "sft": WARM_START,
         "dtype": cfg.model.dtype,
         "error_rate": DEMONSTRATION_ERROR_RATE,
+        # Float rounding follows torch's thread count: a warm start built on one thread is another model.
+        "torch_threads": torch.get_num_threads(),
     }
 
 

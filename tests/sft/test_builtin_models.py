@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
@@ -42,6 +43,12 @@ def test_warm_start_cache_key_ignores_what_does_not_shape_the_model(monkeypatch,
     other_seed = builtin_model_dir(build_config(overrides=["trainer.seed=2"]), quiet=True)
     assert first == again and other_seed != first
     assert len(builds) == 2  # the first config and the other seed; the batch-size change reused the cache
+    threads = torch.get_num_threads()
+    try:  # float rounding follows the thread count: another thread count is another warm start
+        torch.set_num_threads(threads + 1)
+        assert builtin_model_dir(build_config(overrides=[]), quiet=True) != first
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_stale_build_folders_of_dead_processes_are_removed(tmp_path):
