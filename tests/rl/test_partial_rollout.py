@@ -233,6 +233,8 @@ def test_what_partial_rollouts_do_not_support_is_refused(overrides, message):
         check_async_training(build_config(overrides=overrides), 1)
 
 
-def test_partial_rollouts_are_accepted_with_greedy_baselines():
-    cfg = build_config(overrides=[*PARTIAL, "algorithm.adv_estimator=remax"])
-    check_async_training(cfg, 1)
+def test_partial_rollouts_run_with_greedy_baselines(tiny_model_dir, tmp_path):
+    """ReMax's greedy baselines are generated whole by the start, beside the partial responses."""
+    extra = (*PARTIAL, "async_training.partial_rollout_tokens=2", "algorithm.adv_estimator=remax")
+    metrics = _run(tiny_model_dir, tmp_path / "remax", *extra)
+    assert all(m["async/partial_samples"] > 0 and m["response_length/max"] <= 6 for m in metrics)
