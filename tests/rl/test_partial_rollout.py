@@ -238,3 +238,15 @@ def test_partial_rollouts_run_with_greedy_baselines(tiny_model_dir, tmp_path):
     extra = (*PARTIAL, "async_training.partial_rollout_tokens=2", "algorithm.adv_estimator=remax")
     metrics = _run(tiny_model_dir, tmp_path / "remax", *extra)
     assert all(m["async/partial_samples"] > 0 and m["response_length/max"] <= 6 for m in metrics)
+
+
+def test_a_ray_worker_runs_the_partial_rollouts_of_the_rollout_thread(tiny_model_dir, tmp_path):
+    """The worker's started responses stay in its process between start and finish: a Ray-placed worker
+    produces the thread's run."""
+    pytest.importorskip("ray")
+    extra = (*PARTIAL, "async_training.partial_rollout_tokens=3")
+    thread = _run(tiny_model_dir, tmp_path / "thread", *extra)
+    ray = _run(tiny_model_dir, tmp_path / "ray", *extra, "async_training.rollout_worker=ray")
+    for t, r in zip(thread, ray, strict=True):
+        for key in (*COMPARED, "async/policy_version", "async/partial_samples", "async/tokens_from_newest"):
+            assert r[key] == t[key], (t["step"], key)
