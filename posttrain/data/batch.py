@@ -29,6 +29,7 @@ _PER_ROW_FIELDS = (
     "rollout_log_probs",
     "rollout_is_weights",
     "policy_versions",
+    "token_versions",
 )
 
 
@@ -56,7 +57,9 @@ class RolloutBatch:
     rollout_is_weights: torch.Tensor | None = (
         None  # [B, R], truncated importance weights (rollout correction)
     )
-    policy_versions: torch.Tensor | None = None  # [B] long, the update whose weights sampled each row (async)
+    policy_versions: torch.Tensor | None = None  # [B] long, the update whose weights started each row (async)
+    # [B, R] long, the update whose weights sampled each response token, -1 past it (partial rollouts only)
+    token_versions: torch.Tensor | None = None
     # [G] long, sorted: every group of the step on all ranks, when this batch is one rank's share of it
     # (rank-local data, posttrain.parallel.shares); None: the batch is the whole step. Not a per-row field.
     step_groups: torch.Tensor | None = None

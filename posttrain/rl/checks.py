@@ -86,6 +86,7 @@ def check_async_training(cfg: PostTrainConfig, world_size: int) -> None:
     ranks is not built), a weight push that is a copy of whole tensors (not vLLM's separate LoRA adapter),
     and Ray where it places the worker."""
     a = cfg.async_training
+    check_partial_rollout(cfg)
     if not a.enable:
         if a.rollout_worker != "thread":
             raise ConfigError(
@@ -108,6 +109,33 @@ def check_async_training(cfg: PostTrainConfig, world_size: int) -> None:
         raise ConfigError(
             "async_training.enable=true pushes weight snapshots taken after each update, but model.lora_merge="
             "false sends vLLM the adapter alone; set model.lora_merge=true (merged weights are pushed)"
+        )
+
+
+def check_partial_rollout(cfg: PostTrainConfig) -> None:
+    """`async_training.partial_rollout`: it splits rollouts ahead of training (so needs enable=true), and a
+    step's prompts must be known before its responses are finished (so not with DAPO's group filter)."""
+    a = cfg.async_training
+    if not a.partial_rollout:
+        if a.partial_rollout_tokens:
+            raise ConfigError(
+                f"async_training.partial_rollout_tokens={a.partial_rollout_tokens} says how much of each "
+                "response is generated ahead, but async_training.partial_rollout=false (responses are "
+                "generated whole); set async_training.partial_rollout=true, or drop partial_rollout_tokens"
+            )
+        return
+    if not a.enable:
+        raise ConfigError(
+            "async_training.partial_rollout=true splits the rollouts generated ahead of training, but "
+            "async_training.enable=false (rollout and training alternate, nothing runs ahead); set "
+            "async_training.enable=true"
+        )
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError(
+            "async_training.partial_rollout=true with algorithm.filter_groups.enable=true: the group filter "
+            "scores finished responses to decide whether to draw another generation batch, but a partial "
+            "rollout finishes its responses only when the step is about to train. Set "
+            "algorithm.filter_groups.enable=false, or async_training.partial_rollout=false"
         )
 
 

@@ -264,7 +264,8 @@ def rollout_ahead(c: Components, start: int) -> RolloutAhead | None:
         host = start_ray_host(c.cfg, c.model_path, start, c.sampler.state_dict())
     else:
         host = ThreadHost(RolloutWorker(rollout_side_of(c), start))
-    ahead = RolloutAhead(host, a.max_staleness, start_step=start, total_steps=c.cfg.trainer.total_steps)
+    total = c.cfg.trainer.total_steps
+    ahead = RolloutAhead(host, a.max_staleness, start, total, partial=a.partial_rollout)
     if host.remote:  # it loaded the weights from disk: the actor's (resumed, LoRA merged) come first
         ahead.push(start, c.actor.module)
     return ahead

@@ -13,6 +13,8 @@ version, whatever the timing:
 So rollout s (s > k + 1) was queued right after "load version s-1-k": it samples with the policy of update
 s-1-k while the trainer is at s-1, a lag of exactly k (rollouts 1 .. k+1 use the initial weights, lag s-1).
 k = 1 is verl's one-step-off-policy schedule; k = 0 is the synchronous loop, run through this machinery.
+With partial rollouts (``posttrain.rl.partial_rollout``) "generate s" is two calls: "start s" where
+"generate s" was queued, and "finish s" queued when the trainer takes step s (after "load version s-1").
 Which version sampled each row is recorded (``batch.policy_versions``); the rollout-correction machinery
 (``algorithm.rollout_correction``) reweights or rejects what the lag made too different.
 
@@ -35,26 +37,39 @@ class RolloutAhead:
     """The queue of rollouts ahead of training, on a host that runs the rollout worker's calls in order
     (``posttrain.rl.rollout_hosts``: a thread, or a Ray actor)."""
 
-    def __init__(self, host, max_staleness: int, start_step: int, total_steps: int):
+    def __init__(self, host, max_staleness: int, start_step: int, total_steps: int, partial: bool = False):
         self.host = host
         self.max_staleness = max_staleness
+        self.partial = partial  # rollouts in two calls: "start s" ahead, "finish s" when step s is taken
         self._total = total_steps
         self._pending: dict[int, Future] = {}  # step -> its GeneratedStep
         self._next = start_step + 1  # the next step to queue a rollout for
         self._loads: list[Future] = []  # weight loads not yet seen to have succeeded
 
     def take(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Step ``step``'s batch and rollout metrics (waits for it; queues the rollouts up to step + k)."""
-        while self._next <= min(step + self.max_staleness, self._total):
-            self._pending[self._next] = self.host.call("generate", self._next)
-            self._next += 1
-        done: GeneratedStep = self._pending.pop(step).result()
+        """Step ``step``'s batch and rollout metrics (waits for it; queues the rollouts up to step + k). With
+        partial rollouts its finish is queued first (after the newest weights), then the starts up to step + k."""
+        if self.partial:
+            self._queue("start", step)
+            finishing = self.host.call("finish", step)
+            self._queue("start", step + self.max_staleness)
+            self._pending.pop(step).result()  # its start's error, if it failed
+            done: GeneratedStep = finishing.result()
+        else:
+            self._queue("generate", step + self.max_staleness)
+            done = self._pending.pop(step).result()
         self._check_loads()
         batch, metrics = done.batch, done.metrics
         lag = (step - 1) - batch.policy_versions
         metrics["async/policy_lag_max"] = float(lag.max())
         metrics["async/policy_lag_mean"] = float(lag.float().mean())
         return batch, metrics
+
+    def _queue(self, method: str, last: int) -> None:
+        """Queue ``method`` for the steps not queued yet up to ``last`` (not beyond the run)."""
+        while self._next <= min(last, self._total):
+            self._pending[self._next] = self.host.call(method, self._next)
+            self._next += 1
 
     def push(self, version: int, policy: nn.Module) -> dict[str, float]:
         """Queue the actor's weights after update ``version`` (copied now: the next update changes them)."""

@@ -63,6 +63,13 @@ class GeneratedStep:
     sampler_before: dict
 
 
+@dataclass
+class StartedStep:
+    """What the trainer hears of a partial rollout's start: the prompt sampler's state before it drew."""
+
+    sampler_before: dict
+
+
 def rollout_side_of(c: Components) -> RolloutSide:
     """The trainer's own rollout parts (one process, or this rank's share with several)."""
     return RolloutSide(

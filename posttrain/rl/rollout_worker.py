@@ -2,7 +2,8 @@
 
 Its calls run one at a time, in the order the trainer made them, on a background thread of the trainer's
 process or in a process of its own (``posttrain.rl.rollout_hosts``); it neither knows nor cares which. It
-generates a step's samples, loads a weight snapshot, validates, and reports the prompt sampler's state.
+generates a step's samples (at once, or with partial rollouts in two parts: start and finish), loads a weight
+snapshot, validates, and reports the prompt sampler's state.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from posttrain.config.schema import PostTrainConfig
 from posttrain.rl.evaluate import validate
-from posttrain.rl.rollout_side import GeneratedStep, RolloutSide, build_rollout_side
+from posttrain.rl.partial_rollout import StartedRollout, finish_rollout, start_rollout
+from posttrain.rl.rollout_side import GeneratedStep, RolloutSide, StartedStep, build_rollout_side
 from posttrain.rl.sampling import step_seed
 from posttrain.rl.step import rollout_phase
 from posttrain.utils.metrics import PhaseTimer
@@ -51,6 +53,7 @@ class RolloutWorker:
     def __init__(self, side: RolloutSide, version: int):
         self.side = side
         self.version = version
+        self._started: dict[int, StartedRollout] = {}  # partial rollouts started, by step
 
     def ready(self) -> int:
         """The process id this worker runs in (a round trip that says it was built)."""
@@ -64,6 +67,24 @@ class RolloutWorker:
         metrics.update(timer.pop())
         metrics["async/policy_version"] = float(self.version)
         return GeneratedStep(batch, metrics, before)
+
+    def start(self, step: int) -> StartedStep:
+        """A partial rollout's first part (`async_training.partial_rollout`): the step's prompts and the
+        first tokens of each response, kept here until :meth:`finish`."""
+        started = start_rollout(self.side, step, self.version, PhaseTimer(prefix="async/"))
+        self._started[step] = started
+        return StartedStep(started.sampler_before)
+
+    def finish(self, step: int) -> GeneratedStep:
+        """The rest of the responses :meth:`start` left unfinished, with the weights loaded since, scored."""
+        started = self._started.pop(step)
+        timer = PhaseTimer(prefix="async/")
+        batch, metrics = finish_rollout(self.side, started, step, self.version, timer)
+        batch.policy_versions = torch.full((batch.num_rows,), started.version, dtype=torch.long)
+        metrics.update(started.metrics)
+        metrics.update(timer.pop())
+        metrics["async/policy_version"] = float(started.version)
+        return GeneratedStep(batch, metrics, started.sampler_before)
 
     def load(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Put the snapshot taken after update ``version`` into the engine."""

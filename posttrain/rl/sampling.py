@@ -150,6 +150,19 @@ def sample_and_score(
     ``prompt_index``: the prompt's index in the step). Nothing crosses shares; the scorer's metrics are this
     rank's (reduce them with ``share.reduce``)."""
     lo, local = generate_share(engine, prompts, prompt_rows, params, dist)
+    return score_share(scorer, prompts, prompt_rows, lo, local, share)
+
+
+def score_share(
+    scorer: Scorer,
+    prompts: TokenizedPrompts,
+    prompt_rows: list[int],
+    lo: int,
+    local: RolloutResult,
+    share: DataShare = SINGLE_SHARE,
+) -> tuple[Scored, ShareMetrics]:
+    """Score this rank's generated part ``local`` of the prompts (its first prompt at ``lo`` in the step), then
+    keep its share of the step; the scorer's metrics are this rank's (reduce them with ``share.reduce``)."""
     scores, scorer_metrics = scorer.score(prompts, prompt_rows[lo:], local)
     metrics = ShareMetrics()
     for name, value in scorer_metrics.items():

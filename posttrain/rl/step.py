@@ -27,7 +27,7 @@ from posttrain.parallel.data_parallel import DataParallel
 from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, SUM, DataShare, ShareMetrics, select_share
 from posttrain.rewards.overlong import overlong_metrics
 from posttrain.rl.build import Components
-from posttrain.rl.dynamic_sampling import draw_groups, generation_salt, group_filter
+from posttrain.rl.dynamic_sampling import ScoredGroups, draw_groups, generation_salt, group_filter
 from posttrain.rl.rollout_ahead import RolloutAhead
 from posttrain.rl.rollout_side import RolloutSide, rollout_side_of
 from posttrain.rl.sampling import (
@@ -207,7 +207,7 @@ def rollout_phase(c: RolloutSide, step: int, timer: PhaseTimer) -> tuple[Rollout
     is drawn and filtered on every rank, then cut to the share. The engine's cache memory is held for this
     phase only."""
     cfg = c.cfg
-    scorer = Scorer(c.reward_runner, c.reward_model, c.tokenizer, overlong_shaping(cfg))
+    scorer = side_scorer(c)
     flt = group_filter(cfg)
     with timer.phase("rollout"):
         c.engine.wake_up()
@@ -216,14 +216,36 @@ def rollout_phase(c: RolloutSide, step: int, timer: PhaseTimer) -> tuple[Rollout
             return training_params(cfg, step_seed(cfg.trainer.seed, step, generation_salt(k)))
 
         drawn, local = draw_groups(c.engine, scorer, c.train_prompts, c.sampler, params, flt, c.dist, c.share)
-        prompt_rows, result = drawn.rows, drawn.result
-        baselines = None
-        if estimator_needs(cfg.algorithm.adv_estimator).greedy_baseline:
-            baselines = greedy_baselines(
-                c.engine, scorer, c.train_prompts, prompt_rows, cfg.data.max_response_length, c.dist, c.share
-            )
+        baselines = side_baselines(c, scorer, drawn.rows)
         engine_metrics = c.engine.generation_metrics()
         c.engine.release_memory()  # the forward and update phases need the memory more
+    return assemble_rollout(c, drawn, local, baselines, engine_metrics)
+
+
+def side_scorer(c: RolloutSide) -> Scorer:
+    """The rollout's scorer: the reward function or rule, the reward model, DAPO's overlong shaping."""
+    return Scorer(c.reward_runner, c.reward_model, c.tokenizer, overlong_shaping(c.cfg))
+
+
+def side_baselines(c: RolloutSide, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:
+    """ReMax's greedy-response rewards of the step's prompts, when the estimator needs them (else None)."""
+    if not estimator_needs(c.cfg.algorithm.adv_estimator).greedy_baseline:
+        return None
+    max_tokens = c.cfg.data.max_response_length
+    return greedy_baselines(c.engine, scorer, c.train_prompts, prompt_rows, max_tokens, c.dist, c.share)
+
+
+def assemble_rollout(
+    c: RolloutSide,
+    drawn: ScoredGroups,
+    local: ShareMetrics,
+    baselines: torch.Tensor | None,
+    engine_metrics: dict[str, float],
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """The step's batch and rollout metrics from its scored groups (``local``: the metrics gathered so far)."""
+    cfg = c.cfg
+    flt = group_filter(cfg)
+    prompt_rows, result = drawn.rows, drawn.result
     step_prompts = [c.train_prompts.prompt_ids[row] for row in prompt_rows]
     engine_log_probs = has_rollout_log_probs(result) or cfg.algorithm.rollout_correction.bypass_mode
     batch = scored_batch(

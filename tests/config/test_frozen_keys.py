@@ -54,6 +54,7 @@ sft.optim.lr sft.optim.weight_decay sft.optim.betas sft.optim.warmup_steps sft.o
 sft.optim.min_lr_ratio sft.optim.grad_clip
 actor.optim.eps critic.optim.eps sft.optim.eps trainer.max_skipped_steps trainer.save_on_terminate
 async_training.enable async_training.max_staleness
+async_training.partial_rollout async_training.partial_rollout_tokens
 algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
 algorithm.mask_truncated_samples reward.overlong_buffer.enable reward.overlong_buffer.len
 reward.overlong_buffer.penalty_factor reward.overlong_buffer.log

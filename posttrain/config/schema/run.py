@@ -93,6 +93,21 @@ class AsyncTrainingConfig:
         unit="GPUs",
         min=0,
     )
+    partial_rollout: bool = knob(
+        False,
+        "Start each step's rollout ahead (as enable does) but generate only partial_rollout_tokens tokens per "
+        "response there; the responses not finished by then are continued just before the step trains, with "
+        "the newest weights (loaded after the last update). Each token keeps the log-prob of the policy that "
+        "sampled it. Needs enable=true; not with algorithm.filter_groups.",
+    )
+    partial_rollout_tokens: int = knob(
+        0,
+        "With partial_rollout: tokens per response generated ahead, the rest after the reload. 0: half of "
+        "data.max_response_length (at least 1); >= data.max_response_length: nothing is left to continue "
+        "(the same samples as partial_rollout=false).",
+        unit="tokens",
+        min=0,
+    )
 
 
 @dataclass
