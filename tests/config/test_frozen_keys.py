@@ -55,6 +55,8 @@ sft.optim.min_lr_ratio sft.optim.grad_clip
 actor.optim.eps critic.optim.eps sft.optim.eps trainer.max_skipped_steps trainer.save_on_terminate
 async_training.enable async_training.max_staleness
 async_training.partial_rollout async_training.partial_rollout_tokens
+async_training.ray_address async_training.rollout_num_cpus async_training.rollout_num_gpus
+async_training.rollout_worker
 algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
 algorithm.mask_truncated_samples reward.overlong_buffer.enable reward.overlong_buffer.len
 reward.overlong_buffer.penalty_factor reward.overlong_buffer.log
