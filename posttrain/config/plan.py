@@ -83,6 +83,9 @@ class BatchPlan:
     reward_model: ForwardPlan | None
     old_log_prob_source: str = "recompute"  # see :func:`old_log_prob_source`
     rollout_staleness: int = 0  # steps the rollout runs ahead of training (async_training), 0: synchronous
+    partial_rollout_tokens: int = (
+        0  # tokens per response generated ahead (async_training.partial_rollout), 0: off
+    )
 
     @property
     def share_replicas(self) -> int:
@@ -362,9 +365,19 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         reward_model=_forward_plan(cfg, "reward_model", world_size) if cfg.reward.model.enable else None,
         old_log_prob_source=old_log_prob_source(cfg, actor),
         rollout_staleness=cfg.async_training.max_staleness if cfg.async_training.enable else 0,
+        partial_rollout_tokens=partial_rollout_tokens(cfg),
     )
     _check_shares(plan)
     return plan
+
+
+def partial_rollout_tokens(cfg: PostTrainConfig) -> int:
+    """P: the tokens per response a partial rollout generates ahead (`async_training.partial_rollout_tokens`;
+    0 there: half of data.max_response_length); 0 without partial rollouts."""
+    a = cfg.async_training
+    if not (a.enable and a.partial_rollout):
+        return 0
+    return a.partial_rollout_tokens or max(1, cfg.data.max_response_length // 2)
 
 
 def _check_shares(plan: BatchPlan) -> None:

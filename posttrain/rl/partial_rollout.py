@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from posttrain.config.plan import partial_rollout_tokens
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch
 from posttrain.rl.dynamic_sampling import ScoredGroups, generation_salt
@@ -47,15 +48,10 @@ class StartedRollout:
     sampler_before: dict
 
 
-def partial_tokens(cfg: PostTrainConfig) -> int:
-    """P: the tokens per response generated ahead (`async_training.partial_rollout_tokens`, 0: half)."""
-    return cfg.async_training.partial_rollout_tokens or max(1, cfg.data.max_response_length // 2)
-
-
 def start_params(cfg: PostTrainConfig, step: int) -> SamplingParams:
     """How a step's start samples: the step's plain seed and settings, at most P tokens."""
     full = training_params(cfg, step_seed(cfg.trainer.seed, step, generation_salt(0)))
-    return replace(full, max_tokens=min(partial_tokens(cfg), full.max_tokens))
+    return replace(full, max_tokens=min(partial_rollout_tokens(cfg), full.max_tokens))
 
 
 def continue_params(cfg: PostTrainConfig, step: int) -> SamplingParams:

@@ -169,6 +169,11 @@ def _derived_facts(facts: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None:
                 "rollout worker: a background thread of the trainer's process, sharing its devices (async_training"
                 ".rollout_worker=thread; =ray gives it a process and devices of its own)"
             )
+        if plan.partial_rollout_tokens:
+            facts.add(
+                f"partial rollouts: the first {plan.partial_rollout_tokens} token(s) of each response are generated ahead, the rest just "
+                "before the step trains, with the newest weights (async_training.partial_rollout_tokens)"
+            )
     if plan.max_policy_lag == 0:
         facts.add("fully on-policy: the single mini-batch is updated by the policy that generated it")
     elif not plan.rollout_staleness:

@@ -250,3 +250,20 @@ def test_a_ray_worker_runs_the_partial_rollouts_of_the_rollout_thread(tiny_model
     for t, r in zip(thread, ray, strict=True):
         for key in (*COMPARED, "async/policy_version", "async/partial_samples", "async/tokens_from_newest"):
             assert r[key] == t[key], (t["step"], key)
+
+
+def test_the_plan_and_explain_give_the_tokens_generated_ahead():
+    from rich.console import Console
+
+    from posttrain.config.plan import build_plan
+    from posttrain.tools.explain import plan_tree
+
+    on = ("async_training.enable=true", "async_training.partial_rollout=true", "data.max_response_length=9")
+    assert build_plan(build_config(overrides=list(on))).partial_rollout_tokens == 4  # half, rounded down
+    cfg = build_config(overrides=[*on, "async_training.partial_rollout_tokens=3"])
+    console = Console(width=200, record=True)
+    console.print(plan_tree(cfg, build_plan(cfg)))
+    assert (
+        "partial rollouts: the first 3 token(s) of each response are generated ahead" in console.export_text()
+    )
+    assert build_plan(build_config(overrides=["async_training.enable=true"])).partial_rollout_tokens == 0
