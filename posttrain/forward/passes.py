@@ -113,16 +113,28 @@ def response_hidden_states(
     if options.remove_padding:
         return packed_response_hidden_states(model, batch, options)
     decoder = model.get_decoder()
+    p, r = batch.prompt_width, batch.response_width
+    end = _predicting_positions(batch)
     with _offload(options, batch):
         out = decoder(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
+            input_ids=batch.input_ids[:, :end],
+            attention_mask=batch.attention_mask[:, :end],
+            position_ids=batch.position_ids[:, :end],
             use_cache=False,  # a cache object changes how transformers treats masks; never needed here
         )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    p, r = batch.prompt_width, batch.response_width
     return hidden[:, p - 1 : p - 1 + r]
+
+
+def _predicting_positions(batch: RolloutBatch) -> int:
+    """How many leading positions of the padded layout predict a response token: all but the last.
+
+    Why: response token t is predicted at position ``p - 1 + t`` (t < R), so the last position's output is never
+    read, and under causal attention no other position sees it, so the body skips it: one of the ``P + R``
+    columns of the forward and backward (2% of the update with 18-token prompts and 32-token responses). Same
+    numbers up to float rounding (kernels see one column fewer).
+    """
+    return batch.prompt_width + batch.response_width - 1
 
 
 def packed_response_hidden_states(
@@ -361,9 +373,12 @@ def critic_values(
     if options.remove_padding or options.prefix_grouper:
         hidden = response_hidden_states(critic.backbone, batch, options)
         return critic.value_head(hidden.float()).squeeze(-1)
+    end = _predicting_positions(batch)
     with _offload(options, batch):
         values = critic(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+            input_ids=batch.input_ids[:, :end],
+            attention_mask=batch.attention_mask[:, :end],
+            position_ids=batch.position_ids[:, :end],
         )
     p, r = batch.prompt_width, batch.response_width
     return values[:, p - 1 : p - 1 + r].float()

@@ -279,3 +279,25 @@ def test_fixed_shape_decode_path(model, prompts, monkeypatch):
     assert fixed.generate(prompts, greedy).response_ids == eager.generate(prompts, greedy).response_ids
     assert fixed._static is not None  # the fixed-shape path did run
     _same_samples(fixed.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cache_holds_the_slots_a_call_can_use(model, prompts, monkeypatch, enforce_eager):
+    """The cache gets as many slots as the call has samples (rounded up to a power of two, at most
+    max_num_seqs), not max_num_seqs: results equal those with every slot allocated, bit for bit, on the eager
+    and the fixed-shape path; a larger call grows it."""
+    monkeypatch.setattr(graphs.torch, "compile", lambda fn, **kwargs: fn)
+    eos = {_eos_that_stops_some(model, prompts, 10)}
+
+    def engine():
+        return _engine(model, eos, max_num_seqs=64, max_num_batched_tokens=64, enforce_eager=enforce_eager)
+
+    small, full = engine(), engine()
+    full.cache.ensure(full._parts(), 64, 1)  # every slot, as before the cache followed the call
+    for params, slots in ((SamplingParams(max_tokens=10, n=2, greedy=True), 8), (SAMPLED, 16)):
+        got, expected = small.generate(prompts[:3], params), full.generate(prompts[:3], params)
+        assert small.cache.slots == slots < full.cache.slots == 64
+        assert got.response_ids == expected.response_ids and got.finish_reasons == expected.finish_reasons
+        assert got.response_logprobs == expected.response_logprobs
+    small.generate(prompts, SAMPLED)  # 18 samples
+    assert small.cache.slots == 32

@@ -33,6 +33,8 @@ def simulate(prompts, *, n, max_tokens, max_num_seqs, max_num_batched_tokens, ch
         assert 0 < plan.num_tokens <= max_num_batched_tokens
         slots = [s.slot for s in plan.decode] + [c.prefill.slot for c in plan.chunks]
         assert len(set(slots)) == len(slots) and all(0 <= s < max_num_seqs for s in slots)
+        # Lowest slot first: a call never reaches past its own samples (the engine sizes its cache on it).
+        assert all(s < n * min(len(prompts), in_flight) for s in slots)
         assert [s.slot for s in plan.decode] == sorted(s.slot for s in plan.decode)
         assert len(sched.unfinished) <= in_flight
         for sample in plan.decode:  # a decoding sample's slot holds its own prompt

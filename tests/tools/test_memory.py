@@ -141,7 +141,8 @@ def test_several_gpus_read_the_fsdp_config_as_the_trainer_applies_it():
 
 
 def test_rollout_estimate_is_the_engines_slot_cache():
-    """The estimate's KV cache is what the engine allocates: max_num_seqs slots of prompt + response tokens."""
+    """The estimate's KV cache is what the engine allocates at most: max_num_seqs slots of prompt + response
+    tokens (a call with fewer samples than that allocates a slot per sample, rounded up to a power of two)."""
     from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.native.engine import NativeEngine
@@ -161,7 +162,11 @@ def test_rollout_estimate_is_the_engines_slot_cache():
     engine = NativeEngine(
         model, eos_token_ids=[1], pad_token_id=0, max_num_seqs=16, max_num_batched_tokens=64
     )
-    engine.generate([list(range(3, 15)), list(range(3, 10))], SamplingParams(n=4, max_tokens=6, seed=0))
+    prompts = [list(range(3, 15)), list(range(3, 10))]
+    engine.generate(prompts, SamplingParams(n=4, max_tokens=6, seed=0))  # 8 samples: 8 slots
+    allocated = sum(t.numel() * t.element_size() for t in [*engine.cache.k, *engine.cache.v])
+    assert allocated == est.part("KV cache") // 2
+    engine.generate(prompts, SamplingParams(n=8, max_tokens=6, seed=0))  # 16 samples: every slot
     allocated = sum(t.numel() * t.element_size() for t in [*engine.cache.k, *engine.cache.v])
     # Slots hold the longest prompt + max_tokens - 1 positions (the last token is never fed back) + one scratch.
     assert allocated == est.part("KV cache")

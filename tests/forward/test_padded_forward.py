@@ -1,0 +1,92 @@
+"""The padded forward stops one position short (the last position predicts no response token): log-probs,
+entropies, values and every gradient equal those of the full-width forward."""
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, Qwen2Config
+
+from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from posttrain.data.batch import build_rollout_batch
+from posttrain.forward.passes import critic_values, policy_logprobs
+from posttrain.models.critic import CriticModel
+
+CONFIG = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+
+    def ids(n):
+        return torch.randint(1, CONFIG["vocab_size"], (n,), generator=g).tolist()
+
+    # ragged prompts (left padding) and responses (right padding), one empty response, one row full width
+    prompts = [ids(n) for n in (5, 2, 7, 7, 3)]
+    responses = [ids(n) for n in (6, 1, 0, 4, 6)]
+    return build_rollout_batch(prompts, responses, [0, 0, 1, 1, 2], pad_token_id=0)
+
+
+def _full_width_hidden(body, batch):
+    """The reference: every position through the body, then the positions predicting response tokens."""
+    out = body(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    p, r = batch.prompt_width, batch.response_width
+    return out.last_hidden_state[:, p - 1 : p - 1 + r]
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_policy_logprobs_equal_the_full_width_forward(temperature):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float()
+    batch = _batch()
+    mask = batch.response_mask
+
+    logprobs, entropy = policy_logprobs(model, batch, temperature=temperature, with_entropy=True)
+    ((logprobs * mask).sum() + (entropy * mask).sum()).backward()
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    logits = model.lm_head(_full_width_hidden(model.get_decoder(), batch)).float() / temperature
+    ref_logprobs, ref_entropy = logprobs_from_logits(logits, batch.responses), entropy_from_logits(logits)
+    ((ref_logprobs * mask).sum() + (ref_entropy * mask).sum()).backward()
+
+    torch.testing.assert_close(logprobs * mask, ref_logprobs * mask, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy * mask, ref_entropy * mask, rtol=0, atol=1e-6)
+    ref = _grads(model)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_critic_values_equal_the_full_width_forward():
+    torch.manual_seed(0)
+    critic = CriticModel(
+        AutoModel.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float(), init_std=0.1
+    )
+    batch = _batch()
+    values = critic_values(critic, batch)
+    (values * batch.response_mask).sum().backward()
+    got = _grads(critic)
+    critic.zero_grad(set_to_none=True)
+
+    ref_values = critic.value_head(_full_width_hidden(critic.backbone, batch).float()).squeeze(-1)
+    (ref_values * batch.response_mask).sum().backward()
+    torch.testing.assert_close(values, ref_values, rtol=0, atol=1e-6)
+    ref = _grads(critic)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
