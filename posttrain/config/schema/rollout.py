@@ -27,7 +27,8 @@ class RolloutConfig:
         256,
         "KV-cache slots of the rollout engine: sequences decoding (or prompts being prefilled) at once. "
         "Finished samples leave and waiting ones join (continuous batching); the cache holds this many "
-        "sequences of the longest prompt + max_response_length tokens (docs/rollout.md).",
+        "sequences (fewer when a call has fewer samples) of the longest prompt + max_response_length tokens "
+        "(docs/rollout.md).",
         unit="sequences",
         min=1,
     )
