@@ -24,7 +24,11 @@ PLACEMENT_TIMEOUT_S = 300  # how long Ray may take to find the rollout worker's 
 
 
 class RolloutWorkerLost(RuntimeError):
-    """The rollout worker's process died (killed, out of memory, its node gone)."""
+    """The rollout worker's process died (killed, out of memory, its node gone) or could not be built."""
+
+    def __init__(self, message: str, ray_says: str = ""):
+        super().__init__(message)
+        self.ray_says = ray_says
 
 
 class ThreadHost:
@@ -76,10 +80,12 @@ def _lost_as_error(fut: Future, ray) -> Future:
         try:
             out.set_result(f.result())
         except ray.exceptions.RayActorError as exc:
+            says = f"Ray says: {exc}"
             out.set_exception(
                 RolloutWorkerLost(
                     "the rollout worker's process died; the run stops here. The last checkpoint is intact: "
-                    f"run the same command to resume from it. Ray says: {exc}"
+                    f"run the same command to resume from it. {says}",
+                    says,
                 )
             )
         except BaseException as exc:
@@ -121,6 +127,14 @@ def start_ray_host(cfg: PostTrainConfig, model_path: Path, version: int, sampler
         cfg, str(model_path), version, sampler_state, a.rollout_num_cpus, a.rollout_num_gpus
     )
     host = RayHost(ray, actor, group, started)
-    pid = host.call("ready").result()
+    try:
+        pid = host.call("ready").result()
+    except RolloutWorkerLost as exc:
+        host.close()  # its placement group, and the Ray instance started here
+        raise RolloutWorkerLost(
+            f"the rollout worker could not be built where Ray placed it ({bundle}); nothing was trained. "
+            "It builds from the same model directory, data files and reward as the trainer, at the same paths: "
+            f"check they are readable there. {exc.ray_says}"
+        ) from None
     log.info("rollout worker started by Ray (process %d, %s)", pid, bundle)
     return host

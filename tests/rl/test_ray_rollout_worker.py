@@ -107,6 +107,19 @@ def test_a_dead_worker_stops_the_run_with_what_is_safe(ray_instance, tiny_model_
         host.close()
 
 
+def test_a_worker_that_cannot_be_built_says_so_and_leaves_nothing_behind(
+    ray_instance, tiny_model_dir, tmp_path
+):
+    from posttrain.rl.rollout_hosts import RolloutWorkerLost, start_ray_host
+
+    cfg = small_config(tiny_model_dir, tmp_path / "run", *RAY)
+    with pytest.raises(
+        RolloutWorkerLost, match=r"could not be built where Ray placed it .* nothing was trained"
+    ):
+        start_ray_host(cfg, tmp_path / "no-such-model", 0, _fresh_sampler(cfg))
+    assert all(g["state"] == "REMOVED" for g in ray_instance.util.placement_group_table().values())
+
+
 def test_ray_settings_are_checked_before_anything_loads(monkeypatch):
     cfg = build_config(overrides=["async_training.rollout_worker=ray"])
     with pytest.raises(
