@@ -115,7 +115,7 @@ def response_hidden_states(
     decoder = model.get_decoder()
     p, r = batch.prompt_width, batch.response_width
     end = _predicting_positions(batch)
-    with _offload(options, batch):
+    with _offload(options, batch), _last_mlp_from(decoder, p - 1):
         out = decoder(
             input_ids=batch.input_ids[:, :end],
             attention_mask=batch.attention_mask[:, :end],
@@ -135,6 +135,49 @@ def _predicting_positions(batch: RolloutBatch) -> int:
     numbers up to float rounding (kernels see one column fewer).
     """
     return batch.prompt_width + batch.response_width - 1
+
+
+@contextlib.contextmanager
+def _last_mlp_from(decoder: nn.Module, start: int):
+    """Run the last decoder layer's MLP on columns ``[start, end)`` only, while the context is open.
+
+    Why: only the positions predicting response tokens (from ``prompt_width - 1``) are read from the body's
+    output, and nothing attends to the last layer's output, so its MLP (three quarters of a layer's matmul
+    work) is wasted on the prompt columns; their outputs become zeros, which nobody reads. With 18-token
+    prompts, 32-token responses and 4 layers that is 8% of the body's forward and backward. Same numbers up to
+    float rounding. Only a dense, per-token MLP (a class named ``*MLP``, called with the hidden states alone)
+    is narrowed: a mixture of experts routes on the batch, and gradient checkpointing re-runs the layer in
+    backward without this context; both are left alone.
+    """
+    layers = getattr(decoder, "layers", None)
+    mlp = getattr(layers[-1], "mlp", None) if layers is not None and len(layers) else None
+    dense = mlp is not None and type(mlp).__name__.endswith("MLP")
+    if start <= 0 or not dense or getattr(decoder, "gradient_checkpointing", False):
+        yield
+        return
+    narrowed = []
+
+    def narrow(module, args, kwargs):
+        (hidden,) = args if len(args) == 1 and not kwargs else (None,)
+        if hidden is None or hidden.dim() != 3 or hidden.shape[1] <= start:
+            return None
+        narrowed.append(True)
+        return (hidden[:, start:],), {}
+
+    def widen(module, args, kwargs, out):
+        if narrowed and narrowed.pop():
+            return torch.nn.functional.pad(out, (0, 0, start, 0))
+        return None
+
+    handles = [
+        mlp.register_forward_pre_hook(narrow, with_kwargs=True),
+        mlp.register_forward_hook(widen, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def packed_response_hidden_states(

@@ -1,5 +1,6 @@
-"""The padded forward stops one position short (the last position predicts no response token): log-probs,
-entropies, values and every gradient equal those of the full-width forward."""
+"""The padded forward stops one position short (the last position predicts no response token) and runs the last
+layer's MLP on the predicting columns only: log-probs, entropies, values and every gradient equal those of the
+full-width forward."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from transformers import AutoModel, AutoModelForCausalLM, Qwen2Config
 
 from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from posttrain.data.batch import build_rollout_batch
-from posttrain.forward.passes import critic_values, policy_logprobs
+from posttrain.forward.passes import critic_values, policy_logprobs, response_hidden_states
 from posttrain.models.critic import CriticModel
 
 CONFIG = dict(
@@ -90,3 +91,49 @@ def test_critic_values_equal_the_full_width_forward():
     ref = _grads(critic)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _mlp_widths(model):
+    """Records the column count of every input the last layer's MLP computes on (its first projection's)."""
+    widths = []
+    mlp = model.get_decoder().layers[-1].mlp
+    handle = mlp.gate_proj.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    return widths, handle, mlp
+
+
+def test_the_last_mlp_runs_on_the_predicting_columns_only_and_its_hooks_leave():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float()
+    batch = _batch()
+    widths, spy, mlp = _mlp_widths(model)
+    response_hidden_states(model, batch)
+    spy.remove()
+    p, r = batch.prompt_width, batch.response_width
+    assert widths == [r]  # columns p-1 .. p+r-2 of the p+r-1 the body runs
+    assert p - 1 > 0
+    assert not mlp._forward_pre_hooks and not mlp._forward_hooks
+
+    def fail(module, args):
+        raise RuntimeError("inside the last MLP")
+
+    failing = mlp.gate_proj.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="inside the last MLP"):
+        response_hidden_states(model, batch)
+    failing.remove()
+    assert not mlp._forward_pre_hooks and not mlp._forward_hooks
+
+
+def test_with_gradient_checkpointing_the_last_mlp_is_left_whole():
+    """Checkpointing re-runs the layer in backward outside the context: the narrowing must not happen then."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = _batch()
+    widths, spy, _ = _mlp_widths(model)
+    logprobs, _ = policy_logprobs(model, batch, temperature=1.0)
+    (logprobs * batch.response_mask).sum().backward()
+    spy.remove()
+    full = batch.prompt_width + batch.response_width - 1
+    assert widths == [full, full]  # the forward and its recomputation
+    assert all(p.grad is not None for p in model.parameters())
