@@ -81,9 +81,8 @@ def check_rollout_backend(cfg: PostTrainConfig, device: torch.device, world_size
 
 
 def check_async_training(cfg: PostTrainConfig, world_size: int) -> None:
-    """`async_training.*`: rollouts ahead of training need one trainer process (a rollout thread beside
-    several ranks would issue collectives concurrently with the trainer's; a Ray worker feeding several
-    ranks is not built), a weight push that is a copy of whole tensors (not vLLM's separate LoRA adapter),
+    """`async_training.*`: a rollout thread needs one trainer process (beside several ranks it would issue
+    collectives concurrently with the trainer's; a Ray-placed worker feeds any number of ranks), a weight push that is a copy of whole tensors (not vLLM's separate LoRA adapter),
     and Ray where it places the worker."""
     a = cfg.async_training
     check_partial_rollout(cfg)
@@ -97,12 +96,12 @@ def check_async_training(cfg: PostTrainConfig, world_size: int) -> None:
         return
     if a.rollout_worker == "ray":
         require_ray()
-    if world_size > 1:
+    if world_size > 1 and a.rollout_worker == "thread":
         raise ConfigError(
-            f"async_training.enable=true trains on one process for now, but the world size is {world_size} (a "
-            "rollout thread would issue collectives concurrently with the trainer's; a Ray rollout worker "
-            "feeding several ranks is not built). Set async_training.enable=false for multi-rank runs, or "
-            "train on one process"
+            f"async_training.enable=true with async_training.rollout_worker=thread needs one trainer process, "
+            f"but the world size is {world_size} (a rollout thread beside the ranks would issue collectives "
+            "concurrently with the trainer's). Set async_training.rollout_worker=ray (a rollout worker of its "
+            "own feeds every rank), or async_training.enable=false"
         )
     lora = cfg.model.lora_rank > 0 or bool(cfg.model.lora_adapter_path)
     if cfg.rollout.name == "vllm" and lora and not cfg.model.lora_merge:

@@ -261,12 +261,16 @@ def rollout_ahead(c: Components, start: int) -> RolloutAhead | None:
     if not a.enable:
         return None
     if a.rollout_worker == "ray":
-        host = start_ray_host(c.cfg, c.model_path, start, c.sampler.state_dict())
+        # With several trainer ranks, rank 0 alone talks to the worker (it generates whole steps).
+        host = start_ray_host(c.cfg, c.model_path, start, c.sampler.state_dict()) if c.dist.is_main else None
+        remote = True
     else:
-        host = ThreadHost(RolloutWorker(rollout_side_of(c), start))
+        host, remote = ThreadHost(RolloutWorker(rollout_side_of(c), start)), False
     total = c.cfg.trainer.total_steps
-    ahead = RolloutAhead(host, a.max_staleness, start, total, partial=a.partial_rollout)
-    if host.remote:  # it loaded the weights from disk: the actor's (resumed, LoRA merged) come first
+    ahead = RolloutAhead(
+        host, a.max_staleness, start, total, partial=a.partial_rollout, dist=c.dist, share=c.share
+    )
+    if remote:  # it loaded the weights from disk: the actor's (resumed, LoRA merged) come first
         ahead.push(start, c.actor.module)
     return ahead
 

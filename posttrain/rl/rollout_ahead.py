@@ -20,6 +20,11 @@ Which version sampled each row is recorded (``batch.policy_versions``); the roll
 
 The trainer never touches the engine while rollouts are in flight: validation runs as one more call in the
 queue (after the rollouts and weights queued before it), and checkpoints first wait for the queue to drain.
+
+With several trainer ranks (a worker Ray placed; a thread is refused, ``posttrain.rl.checks``) rank 0 alone
+talks to the worker, which generates whole steps. Rank 0 sends each step (and every validation) to the other
+ranks, and each keeps its data share of it, the groups the synchronous loop would have given it. Every rank
+takes part in gathering the sharded weights for a push; rank 0 sends them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from torch import nn
 
 from posttrain.data.batch import RolloutBatch
 from posttrain.models.lora import policy_weights
+from posttrain.parallel.runtime import DistContext
+from posttrain.parallel.shares import SINGLE_SHARE, DataShare, select_share
 from posttrain.rl.rollout_side import GeneratedStep
 
 
@@ -37,8 +44,18 @@ class RolloutAhead:
     """The queue of rollouts ahead of training, on a host that runs the rollout worker's calls in order
     (``posttrain.rl.rollout_hosts``: a thread, or a Ray actor)."""
 
-    def __init__(self, host, max_staleness: int, start_step: int, total_steps: int, partial: bool = False):
-        self.host = host
+    def __init__(
+        self,
+        host,
+        max_staleness: int,
+        start_step: int,
+        total_steps: int,
+        partial: bool = False,
+        dist: DistContext | None = None,
+        share: DataShare = SINGLE_SHARE,
+    ):
+        self.host = host  # None on ranks other than 0
+        self.dist, self.share = dist or DistContext(), share
         self.max_staleness = max_staleness
         self.partial = partial  # rollouts in two calls: "start s" ahead, "finish s" when step s is taken
         self._total = total_steps
@@ -47,8 +64,13 @@ class RolloutAhead:
         self._loads: list[Future] = []  # weight loads not yet seen to have succeeded
 
     def take(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Step ``step``'s batch and rollout metrics (waits for it; queues the rollouts up to step + k). With
-        partial rollouts its finish is queued first (after the newest weights), then the starts up to step + k."""
+        """Step ``step``'s batch (this rank's share of it) and rollout metrics (waits for it; queues the
+        rollouts up to step + k). With partial rollouts its finish is queued first (after the newest weights),
+        then the starts up to step + k."""
+        batch, metrics = self._from_main(self._take_here, step)
+        return select_share(batch, self.share), metrics
+
+    def _take_here(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         if self.partial:
             self._queue("start", step)
             finishing = self.host.call("finish", step)
@@ -73,32 +95,73 @@ class RolloutAhead:
 
     def push(self, version: int, policy: nn.Module) -> dict[str, float]:
         """Queue the actor's weights after update ``version`` (copied now: the next update changes them)."""
-        snapshot = [(name, t.detach().clone()) for name, t in policy_weights(policy)]
-        self._loads.append(self.host.call("load", version, snapshot))
-        return {"async/weights_mib": sum(t.numel() * t.element_size() for _, t in snapshot) / 2**20}
+        # A sharded policy is gathered by every rank (a collective); rank 0 keeps the copy and sends it.
+        keep = self.host is not None
+        snapshot = [(name, t.detach().clone() if keep else t) for name, t in policy_weights(policy)]
+        mib = sum(t.numel() * t.element_size() for _, t in snapshot) / 2**20
+        if keep:
+            self._loads.append(self.host.call("load", version, snapshot))
+        return {"async/weights_mib": mib}
 
     def validate(self, step: int) -> tuple[dict[str, float], list[dict]]:
-        """Validate with the last pushed weights, after everything queued so far."""
-        return self.host.call("validate", step).result()
+        """Validate with the last pushed weights, after everything queued so far (every rank gets rank 0's
+        metrics and rows)."""
+        return self._from_main(lambda: self.host.call("validate", step).result())
 
     def drain(self) -> None:
         """Wait until every queued rollout and weight load has run (the engine is idle and holds the last
         pushed weights); rollouts already generated stay queued for their steps."""
-        self.host.call("ready").result()
-        self._check_loads()
+        if self.host is not None:
+            self.host.call("ready").result()
+            self._check_loads()
 
     def sampler_state_after(self, step: int) -> dict:
         """The prompt sampler's state as the synchronous loop has it after step ``step`` (for a checkpoint):
-        before the first rollout queued beyond ``step`` drew its prompts."""
+        before the first rollout queued beyond ``step`` drew its prompts (the same on every rank)."""
+        return self._from_main(self._sampler_state_here, step)
+
+    def _sampler_state_here(self, step: int) -> dict:
         if step + 1 in self._pending:
             return self._pending[step + 1].result().sampler_before
         return self.host.call("sampler_state").result()
 
     def close(self) -> None:
-        self.host.close()
+        if self.host is not None:
+            self.host.close()
+
+    def _from_main(self, fn, *args):
+        """``fn(*args)`` run on rank 0, its result sent to every rank. A failure there reaches the other ranks as
+        an error with its message (instead of leaving them waiting for a result until the timeout)."""
+        if not self.dist.distributed:
+            return fn(*args)
+        if self.host is not None:
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                self.dist.broadcast_object(_Failed(f"{type(exc).__name__}: {exc}"))
+                raise
+            return self.dist.broadcast_object(result)
+        result = self.dist.broadcast_object(None)
+        if isinstance(result, _Failed):
+            raise RolloutOnMainFailed(
+                f"rank {self.dist.rank}: the rollout worker failed on rank 0 ({result.message}); see rank 0's "
+                "error above"
+            )
+        return result
 
     def _check_loads(self) -> None:
         """Raise the error of a weight load that failed (nobody waits on a load, so it would pass unseen)."""
         for fut in [f for f in self._loads if f.done()]:
             self._loads.remove(fut)
             fut.result()
+
+
+class _Failed:
+    """What rank 0 sends the other ranks when its call to the rollout worker failed."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class RolloutOnMainFailed(RuntimeError):
+    """On a rank other than 0: rank 0's call to the rollout worker failed (rank 0 raises the cause)."""

@@ -122,6 +122,11 @@ def start_ray_host(cfg: PostTrainConfig, model_path: Path, version: int, sampler
         num_gpus=a.rollout_num_gpus,
         max_restarts=0,  # a restarted worker would have lost its queue: the run stops instead (see docs)
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
+        # A world of one whatever the trainer's: Ray's processes inherit the environment of the rank that
+        # started Ray (torchrun's RANK/WORLD_SIZE), which would make the worker's engine act as that rank.
+        runtime_env={
+            "env_vars": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+        },
     )
     actor = worker.remote(
         cfg, str(model_path), version, sampler_state, a.rollout_num_cpus, a.rollout_num_gpus

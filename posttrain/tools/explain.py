@@ -160,9 +160,14 @@ def _derived_facts(facts: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None:
             devices = f"{a.rollout_num_cpus} CPU(s)" + (
                 f" and {a.rollout_num_gpus} GPU(s)" if a.rollout_num_gpus else ""
             )
+            ranks = (
+                f"; it generates whole steps for rank 0, which sends each of the {plan.world_size} ranks its share"
+                if plan.world_size > 1
+                else ""
+            )
             facts.add(
                 f"rollout worker: a process of its own that Ray places on {devices} (async_training.rollout_worker"
-                "=ray); the trainer's devices hold no engine, and the weights travel to it after every update"
+                f"=ray); the trainer's devices hold no engine, and the weights travel to it after every update{ranks}"
             )
         else:
             facts.add(

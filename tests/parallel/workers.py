@@ -49,7 +49,81 @@ def collective_bytes(out: Path, options: dict[str, str]) -> None:
     (out / f"bytes_{os.environ['RANK']}.json").write_text(json.dumps(counts))
 
 
-SCENARIOS = {"update": update, "train": train, "collective_bytes": collective_bytes}
+def ahead_failure(out: Path, options: dict[str, str]) -> None:
+    """Rank 0's rollout worker fails while taking a step: rank 0 raises the cause, the others an error that
+    names it (not a wait until the collective timeout). Each rank writes ``error_<rank>.txt``."""
+    import datetime
+    from concurrent.futures import Future
+
+    import torch.distributed as dist
+
+    from posttrain.parallel.runtime import DistContext
+    from posttrain.rl.rollout_ahead import RolloutAhead
+
+    class Failing:
+        def call(self, method, *args):
+            fut = Future()
+            fut.set_exception(ValueError(f"{method} {args} broke"))
+            return fut
+
+        def close(self):
+            pass
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    ctx = DistContext(rank=rank, world_size=dist.get_world_size())
+    ahead = RolloutAhead(Failing() if rank == 0 else None, 1, 0, 4, dist=ctx)
+    try:
+        ahead.take(1)
+        message = "no error"
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    (out / f"error_{rank}.txt").write_text(message)
+    dist.destroy_process_group()
+
+
+def ahead_shares(out: Path, options: dict[str, str]) -> None:
+    """Rank 0's worker returns a whole step of 4 groups x 2 samples; each rank writes the group ids of the
+    batch it gets (``groups_<rank>.txt``) and the lag metric."""
+    import datetime
+    from concurrent.futures import Future
+
+    import torch.distributed as dist
+
+    from posttrain.data.batch import build_rollout_batch
+    from posttrain.parallel.runtime import DistContext
+    from posttrain.parallel.shares import data_share
+    from posttrain.rl.rollout_ahead import RolloutAhead
+    from posttrain.rl.rollout_side import GeneratedStep
+
+    class Whole:
+        def call(self, method, *args):
+            groups = [0, 0, 1, 1, 2, 2, 3, 3]
+            batch = build_rollout_batch([[5, 6]] * 8, [[7, 8, 9]] * 8, groups, pad_token_id=0)
+            batch.policy_versions = torch.zeros(8, dtype=torch.long)
+            fut = Future()
+            fut.set_result(GeneratedStep(batch, {"reward/mean": 0.5}, {}))
+            return fut
+
+        def close(self):
+            pass
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    ctx = DistContext(rank=rank, world_size=dist.get_world_size())
+    ahead = RolloutAhead(Whole() if rank == 0 else None, 0, 0, 4, dist=ctx, share=data_share(ctx))
+    batch, metrics = ahead.take(1)
+    (out / f"groups_{rank}.txt").write_text(f"{batch.group_ids.tolist()} {metrics['reward/mean']}")
+    dist.destroy_process_group()
+
+
+SCENARIOS = {
+    "ahead_shares": ahead_shares,
+    "update": update,
+    "train": train,
+    "collective_bytes": collective_bytes,
+    "ahead_failure": ahead_failure,
+}
 
 if __name__ == "__main__":
     _setup_threads()

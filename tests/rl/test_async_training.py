@@ -89,11 +89,11 @@ def test_a_checkpoint_keeps_the_prompt_order_of_the_synchronous_loop(tiny_model_
     assert sampler("ahead") == sampler("sync")
 
 
-def test_async_training_on_several_ranks_is_refused_before_loading(tiny_model_dir, tmp_path):
+def test_a_rollout_thread_beside_several_ranks_is_refused_before_loading(tiny_model_dir, tmp_path):
     cfg = small_config(tiny_model_dir, tmp_path / "run", "async_training.enable=true")
     assert build_plan(cfg, 2).max_policy_lag >= 0
     with pytest.raises(
-        ConfigError, match=r"async_training.enable=true trains on one process .* world size is 2"
+        ConfigError, match=r"rollout_worker=thread needs one trainer process, but the world size is 2"
     ):
         check_run(cfg, 2, torch.device("cpu"))
 

@@ -139,13 +139,16 @@ def test_explain_says_where_the_rollout_worker_runs():
     from posttrain.config.plan import build_plan
     from posttrain.tools.explain import plan_tree
 
-    def text(*extra):
+    def text(*extra, world_size=1):
         cfg = build_config(overrides=["async_training.enable=true", *extra])
-        console = Console(width=200, record=True)
-        console.print(plan_tree(cfg, build_plan(cfg, 1)))
+        console = Console(width=400, record=True)
+        console.print(plan_tree(cfg, build_plan(cfg, world_size)))
         return console.export_text()
 
     ray = text(*RAY[1:], "async_training.rollout_num_gpus=1")
     assert "a process of its own that Ray places on 1 CPU(s) and 1 GPU(s)" in ray
     assert "queued for the Ray-placed worker process" in ray
+    assert "sends each of the" not in ray
     assert "a background thread of the trainer's process" in text()
+    ranks = text(*RAY[1:], world_size=2)
+    assert "it generates whole steps for rank 0, which sends each of the 2 ranks its share" in ranks
