@@ -21,6 +21,7 @@ from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
+from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
 from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
 from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
@@ -170,7 +171,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    run_training(_checked(args, "train"))
+    cfg = _checked(args, "train")
+    if not wants_ray_ranks(cfg):
+        run_training(cfg)
+        return 0
+    try:
+        last = run_on_ray(cfg)
+    except RanksFailed as exc:
+        print(f"posttrain train: error: {exc}", file=sys.stderr)
+        return 1
+    shown = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "val/accuracy") if k in last)
+    print(f"Trained on {cfg.trainer.ray_ranks} ranks placed by Ray; last step: {shown}")
     return 0
 
 
