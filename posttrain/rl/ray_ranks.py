@@ -269,16 +269,3 @@ def _wait(ray, refs: list) -> dict[str, float]:
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return lines[0].strip() if lines else type(exc).__name__
-
-
-def describe(cfg: PostTrainConfig) -> str:
-    """What `posttrain explain` says about the ranks' placement."""
-    t = cfg.trainer
-    each = f"{t.ray_cpus_per_rank} CPU(s)" + (
-        f" and {t.ray_gpus_per_rank} GPU(s)" if t.ray_gpus_per_rank else ""
-    )
-    where = t.ray_address or "a Ray instance started on this machine"
-    return (
-        f"trainer ranks: {t.ray_ranks} processes placed by Ray (trainer.ray_ranks) on {where}, {each} each, "
-        f"placement {t.ray_placement}, up to {t.ray_max_restarts} restart(s) from the last checkpoint"
-    )
