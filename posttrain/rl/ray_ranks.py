@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 
 from posttrain.config.errors import ConfigError
@@ -30,6 +32,7 @@ PLACEMENT_TIMEOUT_S = (
 )
 LOG_FLUSH_S = 1.0  # how long the driver waits for Ray to forward the ranks' last output lines
 LOCK_WAIT_S = 60  # how long a restart waits for the failed rank 0's process (and its run_dir lock) to go
+WAIT_POLL_S = 0.5  # how often the driver looks up from waiting on the ranks (signals are handled then)
 
 
 class RanksFailed(RuntimeError):
@@ -40,6 +43,40 @@ class _RankLost(Exception):
     def __init__(self, rank: int, what: str):
         super().__init__(f"rank {rank} {what}")
         self.rank = rank
+
+
+class _StopRequests:
+    """Ctrl-C and SIGTERM on the driver: noted by the handler, acted on between two waits. (An exception
+    raised by a handler while Ray waits is held inside Ray's wait until the ranks end, and then surfaces as
+    a SystemError.)"""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():  # handlers live on the main thread only
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def check(self) -> None:
+        from posttrain.utils.signals import Terminated
+
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum == signal.SIGTERM:
+            raise Terminated(
+                "terminated (SIGTERM); the ranks were stopped and the last complete checkpoint is intact"
+            )
 
 
 def wants_ray_ranks(cfg: PostTrainConfig) -> bool:
@@ -108,19 +145,17 @@ def run_on_ray(cfg: PostTrainConfig) -> dict[str, float]:
 
     Raises ConfigError (a user error, also one raised inside a rank: never restarted) or RanksFailed.
     """
-    from posttrain.utils.signals import RunSignals
-
     ray = check_launch(cfg)
     t = cfg.trainer
     started = not ray.is_initialized()
     if started:
         ray.init(address=t.ray_address or None, include_dashboard=False, logging_level=logging.WARNING)
-    signals = RunSignals().install()  # SIGTERM raises Terminated: the ranks are stopped on the way out
+    stop = _StopRequests().install()  # Ctrl-C and SIGTERM stop the ranks on the way out
     try:
         attempt = 0
         while True:
             try:
-                return _attempt(ray, cfg, attempt)
+                return _attempt(ray, cfg, attempt, stop)
             except _RankLost as lost:
                 if attempt >= t.ray_max_restarts:
                     raise RanksFailed(
@@ -135,10 +170,10 @@ def run_on_ray(cfg: PostTrainConfig) -> dict[str, float]:
                     file=sys.stderr,
                     flush=True,
                 )
-                _wait_for_run_dir(t.run_dir)
+                _wait_for_run_dir(t.run_dir, stop)
                 cfg = _resuming(cfg)
     finally:
-        signals.restore()
+        stop.restore()
         # Ray forwards the ranks' output from their log files every so often: let it pass the last lines.
         time.sleep(LOG_FLUSH_S)
         if started:
@@ -152,7 +187,7 @@ def _resuming(cfg: PostTrainConfig) -> PostTrainConfig:
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
 
 
-def _wait_for_run_dir(run_dir: str) -> None:
+def _wait_for_run_dir(run_dir: str, stop: _StopRequests) -> None:
     """Wait until no process holds run_dir's lock: a killed rank 0's process may take a moment to end, and
     the new rank 0 must take the lock (the kernel frees a dead process's lock)."""
     from posttrain.utils.run_lock import RunDirLock
@@ -166,9 +201,10 @@ def _wait_for_run_dir(run_dir: str) -> None:
             if time.monotonic() > deadline:
                 return  # the new rank 0 then says who holds it
             time.sleep(0.2)
+            stop.check()
 
 
-def _attempt(ray, cfg: PostTrainConfig, attempt: int) -> dict[str, float]:
+def _attempt(ray, cfg: PostTrainConfig, attempt: int, stop: _StopRequests) -> dict[str, float]:
     """Place and start the ranks once, wait for them; the placement group and actors are gone on return."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -179,15 +215,17 @@ def _attempt(ray, cfg: PostTrainConfig, attempt: int) -> dict[str, float]:
     group = placement_group([bundle] * n, strategy=t.ray_placement, name=f"posttrain-trainer-{attempt}")
     actors = []
     try:
-        try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
+        deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
+        while not ray.wait([group.ready()], timeout=WAIT_POLL_S)[0]:
+            stop.check()
+            if time.monotonic() < deadline:
+                continue
             raise ConfigError(
                 f"Ray could not place {n} trainer ranks ({bundle} each, trainer.ray_placement="
                 f"{t.ray_placement}) within {PLACEMENT_TIMEOUT_S} s; the cluster has "
                 f"{ray.available_resources()} free. Lower trainer.ray_ranks / ray_cpus_per_rank / "
                 "ray_gpus_per_rank, choose a looser trainer.ray_placement, or add nodes"
-            ) from None
+            )
         rank_class = ray.remote(TrainerRank)
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
@@ -202,7 +240,7 @@ def _attempt(ray, cfg: PostTrainConfig, attempt: int) -> dict[str, float]:
             f"rank 0 listens on {envs[0]['MASTER_ADDR']}:{port}",
             flush=True,
         )
-        return _wait(ray, [a.train.remote(cfg, env) for a, env in zip(actors, envs, strict=True)])
+        return _wait(ray, [a.train.remote(cfg, env) for a, env in zip(actors, envs, strict=True)], stop)
     finally:
         for actor in actors:  # a rank still in a collective with a dead peer would wait for dist_timeout_s
             ray.kill(actor, no_restart=True)
@@ -247,12 +285,15 @@ def rank_envs(places: list[tuple[str, str, list[str]]], port: int, cpus: int, at
     return envs
 
 
-def _wait(ray, refs: list) -> dict[str, float]:
+def _wait(ray, refs: list, stop: _StopRequests) -> dict[str, float]:
     """Rank 0's result once every rank has finished; the first failure, as soon as it happens."""
     results: dict[int, dict] = {}
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=WAIT_POLL_S)
+        stop.check()
+        if not done:
+            continue
         rank = refs.index(done[0])
         try:
             results[rank] = ray.get(done[0])

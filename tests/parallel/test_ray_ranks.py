@@ -132,6 +132,16 @@ def test_a_dead_rank_0_restarts_too(ray_instance, one_process, tiny_model_dir, t
     _same_training(one_process, read_metrics(run_dir), (2, 3))
 
 
+def test_ranks_ray_cannot_place_are_a_config_error(ray_instance, tiny_model_dir, tmp_path, monkeypatch):
+    from posttrain.rl import ray_ranks
+
+    monkeypatch.setattr(ray_ranks, "PLACEMENT_TIMEOUT_S", 1)
+    cfg = small_config(tiny_model_dir, tmp_path / "run", *STEPS, *RAY2, "trainer.ray_cpus_per_rank=2")
+    with pytest.raises(ConfigError, match=r"could not place 2 trainer ranks \(\{'CPU': 2\} each.* free"):
+        run_on_ray(cfg)  # the instance has 2 CPUs, the ranks ask for 4
+    assert _no_groups_left(ray_instance)
+
+
 def _train_error(capsys, tiny_model_dir, tmp_path, *extra) -> str:
     code = main(["train", *small_overrides(tiny_model_dir, tmp_path / "run", *extra)])
     err = capsys.readouterr().err
