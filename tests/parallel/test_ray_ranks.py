@@ -39,7 +39,6 @@ def ray_instance():
     """One local Ray instance for the module (the driver joins it rather than starting its own)."""
     import ray
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the instance's workers inherit it
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
