@@ -21,6 +21,7 @@ from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
+from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
 from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
 from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
@@ -82,11 +83,27 @@ def _model_shape(cfg, model_config: str | None):
     return shape_for_model_path(cfg.model.path)
 
 
-def _world_size(args: argparse.Namespace) -> int:
+def _world_size(args: argparse.Namespace, cfg) -> int:
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    n = cfg.trainer.ray_ranks
+    if n and args.world_size not in (None, n):
+        raise ConfigError(
+            f"--world-size {args.world_size} disagrees with trainer.ray_ranks={n}, the number of ranks Ray "
+            f"starts (the world size); drop --world-size, or set trainer.ray_ranks={args.world_size}"
+        )
+    if n:
+        return n
     return args.world_size if args.world_size is not None else args.nodes * args.gpus_per_node
+
+
+def _cluster_shape(args: argparse.Namespace, world: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of the memory estimate. --world-size, when given, replaces nodes x gpus-per-node
+    (one node of that many GPUs); so do Ray-placed ranks that --nodes x --gpus-per-node do not describe."""
+    if args.world_size is None and args.nodes * args.gpus_per_node == world:
+        return args.nodes, args.gpus_per_node
+    return 1, world
 
 
 def _explain_json(plan, estimate, advice, point) -> dict:
@@ -121,12 +138,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if not args.model_config:  # with --model-config the model need not be here: only its shape is used
         preflight(cfg, "explain")
-    world = _world_size(args)
+    world = _world_size(args, cfg)
     plan = build_plan(cfg, world_size=world)
     estimate, advice, shape, point = None, {}, _model_shape(cfg, args.model_config), None
     if shape is not None:
-        # --world-size, when given, replaces nodes x gpus-per-node (one node of that many GPUs).
-        nodes, per_node = (args.nodes, args.gpus_per_node) if args.world_size is None else (1, world)
+        nodes, per_node = _cluster_shape(args, world)
         cluster = Cluster(nodes, per_node, args.gpu_memory_gb)
         what_if = _what_if(args, world, cfg)
         estimate = estimate_memory(cfg, plan, shape, cluster, what_if)
@@ -170,7 +186,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    run_training(_checked(args, "train"))
+    cfg = _checked(args, "train")
+    if not wants_ray_ranks(cfg):
+        run_training(cfg)
+        return 0
+    try:
+        last = run_on_ray(cfg)
+    except RanksFailed as exc:
+        print(f"posttrain train: error: {exc}", file=sys.stderr)
+        return 1
+    shown = ", ".join(f"{k}={last[k]:.3f}" for k in ("reward/mean", "val/accuracy") if k in last)
+    print(f"Trained on {cfg.trainer.ray_ranks} ranks placed by Ray; last step: {shown}")
     return 0
 
 

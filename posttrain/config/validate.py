@@ -64,6 +64,7 @@ def check_config(cfg: PostTrainConfig) -> None:
         )
     _check_filter_groups(cfg)
     _check_overlong_buffer(cfg)
+    _check_ray_ranks(cfg)
 
 
 def _check_filter_groups(cfg: PostTrainConfig) -> None:
@@ -108,4 +109,44 @@ def _check_overlong_buffer(cfg: PostTrainConfig) -> None:
             f"reward.overlong_buffer.len={o.len} must be between 1 and data.max_response_length={limit}: it is "
             "the number of tokens before the response limit over which the overlong penalty grows from 0 to "
             f"reward.overlong_buffer.penalty_factor; e.g. reward.overlong_buffer.len={max(1, limit // 4)}"
+        )
+
+
+# trainer.ray_* keys that only mean something when Ray places the trainer ranks, with their defaults.
+RAY_RANK_KNOBS = {
+    "ray_cpus_per_rank": 1,
+    "ray_gpus_per_rank": 0,
+    "ray_placement": "PACK",
+    "ray_max_restarts": 0,
+}
+
+
+def _check_ray_ranks(cfg: PostTrainConfig) -> None:
+    """trainer.ray_ranks: its knobs need it, and the device the ranks train on must be the one Ray gives
+    them (Ray hides GPUs from a process that reserved none). Rules on the launch itself (not under torchrun,
+    the batch plan for N ranks, Ray installed) are checked by the launcher, posttrain.rl.ray_ranks."""
+    t = cfg.trainer
+    if t.ray_ranks == 0:
+        changed = [
+            f"trainer.{k}={getattr(t, k)}"
+            for k, default in RAY_RANK_KNOBS.items()
+            if getattr(t, k) != default
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)} configure(s) the trainer ranks Ray places, but trainer.ray_ranks=0 (this "
+                "process, or torchrun's ranks, train); set trainer.ray_ranks=N to have Ray start N ranks, or "
+                "drop those keys"
+            )
+        return
+    if t.ray_gpus_per_rank > 0 and t.device == "cpu":
+        raise ConfigError(
+            f"trainer.ray_gpus_per_rank={t.ray_gpus_per_rank} reserves a GPU for each trainer rank, but "
+            "trainer.device=cpu trains on CPU; set trainer.device=cuda (or auto), or trainer.ray_gpus_per_rank=0"
+        )
+    if t.ray_gpus_per_rank == 0 and t.device == "cuda":
+        raise ConfigError(
+            f"trainer.device=cuda with trainer.ray_ranks={t.ray_ranks}, but trainer.ray_gpus_per_rank=0: Ray "
+            "gives a rank no GPU it did not reserve, so the ranks would find none; set "
+            "trainer.ray_gpus_per_rank=1 (one GPU per rank), or trainer.device=cpu"
         )

@@ -40,6 +40,7 @@ from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.utils.console import TrainingDisplay
+from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.metrics import MetricsLogger, PhaseTimer
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.run_lock import RunDirLock
@@ -232,6 +233,7 @@ def _run_steps(
                 logger.log(last, step=0)
             display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
+            crash_if_asked(step, c.dist.rank)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
             metrics = train_step(c, step, timer, ahead)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
                 # With rollouts ahead: after this step's weights reach the worker, before later rollouts.

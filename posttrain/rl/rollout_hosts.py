@@ -105,7 +105,9 @@ def start_ray_host(cfg: PostTrainConfig, model_path: Path, version: int, sampler
     a = cfg.async_training
     started = not ray.is_initialized()
     if started:
-        ray.init(address=a.ray_address or None, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(
+            address=cfg.trainer.ray_address or None, include_dashboard=False, logging_level=logging.WARNING
+        )
     bundle = {"CPU": a.rollout_num_cpus} | ({"GPU": a.rollout_num_gpus} if a.rollout_num_gpus else {})
     group = placement_group([bundle], strategy="PACK", name="posttrain-rollout")
     try:

@@ -74,6 +74,20 @@ def weight_sync_line(cfg: PostTrainConfig, plan: BatchPlan) -> str:
     )
 
 
+def ray_ranks_line(cfg: PostTrainConfig) -> str:
+    """Where the trainer ranks run when Ray places them (trainer.ray_ranks)."""
+    t = cfg.trainer
+    each = f"{t.ray_cpus_per_rank} CPU(s)" + (
+        f" and {t.ray_gpus_per_rank} GPU" if t.ray_gpus_per_rank else ""
+    )
+    where = f"the Ray cluster at {t.ray_address}" if t.ray_address else "a Ray instance on this machine"
+    return (
+        f"[bold]trainer ranks[/]: {t.ray_ranks} processes placed by Ray (trainer.ray_ranks) on {where}, "
+        f"{each} each, placement {t.ray_placement}; a failed rank restarts all of them from the last "
+        f"checkpoint up to {t.ray_max_restarts} time(s) (trainer.ray_max_restarts)"
+    )
+
+
 OLD_LOG_PROB_LINES = {
     "rollout": "[bold]old log-probs[/]: the rollout engine's, no forward pass "
     "(algorithm.rollout_correction.bypass_mode)",
@@ -96,6 +110,8 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         f"tokens ({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
     )
     rollout.add(weight_sync_line(cfg, plan))
+    if cfg.trainer.ray_ranks:
+        root.add(ray_ranks_line(cfg))
     _forward_branches(root, cfg, plan)
     if plan.critic is not None:
         _update_branch(root, plan.critic, "critic update", "critic")

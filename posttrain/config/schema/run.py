@@ -49,6 +49,47 @@ class TrainerConfig:
         "model (AutoModelForCausalLM), instead of the PEFT adapter directory (PeftModel.from_pretrained). "
         "Applies to `posttrain train` and `posttrain sft`.",
     )
+    ray_ranks: int = knob(
+        0,
+        "N > 0: `posttrain train` asks Ray for N trainer processes (one placement-group bundle each, on this "
+        "node or others) and runs the job on them with torch.distributed, as torchrun would; pip install "
+        "'posttrain[ray]'. 0: the launched process (or torchrun's ranks) trains.",
+        unit="ranks",
+        min=0,
+    )
+    ray_cpus_per_rank: int = knob(
+        1,
+        "With ray_ranks: CPUs Ray reserves for each trainer rank (its torch threads: OMP_NUM_THREADS).",
+        unit="CPUs",
+        min=1,
+    )
+    ray_gpus_per_rank: int = knob(
+        0,
+        "With ray_ranks: GPUs Ray reserves for each trainer rank; 1 trains on CUDA, one GPU per rank "
+        "(NCCL); 0 trains on CPU (gloo).",
+        unit="GPUs",
+        min=0,
+        max=1,
+    )
+    ray_placement: str = knob(
+        "PACK",
+        "With ray_ranks: Ray's placement-group strategy for the ranks' bundles: PACK (as few nodes as "
+        "possible), SPREAD (as many as possible), STRICT_PACK (one node), STRICT_SPREAD (one node each).",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )
+    ray_max_restarts: int = knob(
+        0,
+        "With ray_ranks: when a rank dies or fails, start all ranks again up to this many times; they resume "
+        "from the last checkpoint in run_dir (as resume=auto does). 0: the run stops, its checkpoint intact.",
+        unit="restarts",
+        min=0,
+    )
+    ray_address: str = knob(
+        "",
+        "The Ray cluster that places the trainer ranks (ray_ranks) and the rollout worker "
+        "(async_training.rollout_worker=ray): 'auto' or 'ray://host:port' joins a running cluster; empty "
+        "starts a Ray instance on this machine (or uses the one this process already joined).",
+    )
 
 
 @dataclass
@@ -75,11 +116,6 @@ class AsyncTrainingConfig:
         "or 'ray' (a process of its own that Ray places on rollout_num_cpus / rollout_num_gpus, on this node or "
         "another; pip install 'posttrain[ray]'). Weights travel to it after every update.",
         choices=("thread", "ray"),
-    )
-    ray_address: str = knob(
-        "",
-        "With rollout_worker=ray: the Ray cluster to join ('auto', or 'ray://host:port'); empty starts a Ray "
-        "instance on this machine (or uses the one this process already joined).",
     )
     rollout_num_cpus: int = knob(
         1,
