@@ -39,7 +39,8 @@ def ray_instance():
     """One local Ray instance for the module (the driver joins it rather than starting its own)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    # 3 logical CPUs: two trainer ranks and a rollout worker (the ranks run one thread each).
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
@@ -131,13 +132,32 @@ def test_a_dead_rank_0_restarts_too(ray_instance, one_process, tiny_model_dir, t
     _same_training(one_process, read_metrics(run_dir), (2, 3))
 
 
+@pytest.mark.dist
+def test_ray_ranks_fed_by_a_ray_rollout_worker_train_like_one_process(ray_instance, tiny_model_dir, tmp_path):
+    """Both roles placed by Ray: two trainer ranks and one rollout worker one step ahead give the run of one
+    trainer process with the same worker (validation included, through rank 0's worker)."""
+    ahead = (
+        "async_training.enable=true",
+        "async_training.rollout_worker=ray",
+        "async_training.max_staleness=1",
+    )
+    reference_dir = tmp_path / "one"
+    run_training(small_config(tiny_model_dir, reference_dir, *STEPS, *ahead), quiet=True)
+    run_dir = tmp_path / "run"
+    run_on_ray(small_config(tiny_model_dir, run_dir, *STEPS, *ahead, *RAY2))
+    metrics = read_metrics(run_dir)
+    _same_training({m["step"]: m for m in read_metrics(reference_dir)}, metrics, (0, 1, 2, 3))
+    assert [m["async/policy_lag_max"] for m in metrics if m["step"] > 0] == [0.0, 1.0, 1.0]
+    assert _no_groups_left(ray_instance)
+
+
 def test_ranks_ray_cannot_place_are_a_config_error(ray_instance, tiny_model_dir, tmp_path, monkeypatch):
     from posttrain.rl import ray_ranks
 
     monkeypatch.setattr(ray_ranks, "PLACEMENT_TIMEOUT_S", 1)
     cfg = small_config(tiny_model_dir, tmp_path / "run", *STEPS, *RAY2, "trainer.ray_cpus_per_rank=2")
     with pytest.raises(ConfigError, match=r"could not place 2 trainer ranks \(\{'CPU': 2\} each.* free"):
-        run_on_ray(cfg)  # the instance has 2 CPUs, the ranks ask for 4
+        run_on_ray(cfg)  # the instance has 3 CPUs, the ranks ask for 4
     assert _no_groups_left(ray_instance)
 
 
@@ -160,7 +180,7 @@ def test_launch_errors_are_config_errors_before_ray_starts(tiny_model_dir, tmp_p
     err = _train_error(capsys, tiny_model_dir, tmp_path, "async_training.ray_address=auto")
     assert "unknown config key 'async_training.ray_address'; did you mean 'trainer.ray_address'" in err
     err = _train_error(capsys, tiny_model_dir, tmp_path, *RAY2, "async_training.enable=true")
-    assert "async_training.enable=true trains on one process" in err
+    assert "rollout_worker=thread needs one trainer process, but the world size is 2" in err
     monkeypatch.setenv("WORLD_SIZE", "2")
     err = _train_error(capsys, tiny_model_dir, tmp_path, *RAY2)
     assert "already one of 2 ranks" in err and "torchrun" in err
