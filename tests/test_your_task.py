@@ -25,7 +25,7 @@ COMMANDS = [
     + DATA
     + " data.max_response_length=6 trainer.run_dir=runs/sft",
     "posttrain train model.path=runs/sft/sft_model " + DATA + " data.max_response_length=6 "
-    "data.train_batch_size=16 actor.ppo_mini_batch_size=8 trainer.total_steps=10 trainer.run_dir=runs/grpo",
+    "data.train_batch_size=16 actor.ppo_mini_batch_size=8 trainer.total_steps=20 trainer.run_dir=runs/grpo",
 ]
 
 

@@ -8,12 +8,14 @@ prints as usual; Ray forwards its output. The driver waits on all ranks at once,
 seen at once: it then stops every rank, and either starts all of them again from the last checkpoint
 (`ray_max_restarts`) or stops with a message saying which rank failed and that the checkpoint is intact.
 
-Nothing heavy is imported at module level: a rank's process imports torch only after its environment
-(OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) is set.
+A rank's process imports torch with this module, before its environment is set: it sets its thread count
+explicitly, and CUDA reads CUDA_VISIBLE_DEVICES at its first use (in the trainer, after the environment is
+set), not at import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,8 +24,16 @@ import sys
 import threading
 import time
 
+import torch
+
 from posttrain.config.errors import ConfigError
+from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.parallel.runtime import launched_world_size
+from posttrain.rl.checks import check_async_training, require_ray
+from posttrain.rl.loop import run_training
+from posttrain.utils.run_lock import RunDirLock
+from posttrain.utils.signals import Terminated
 
 # Set in each rank's environment: that process trains, it does not ask Ray for ranks again.
 MARKER = "POSTTRAIN_RAY_RANK"
@@ -69,8 +79,6 @@ class _StopRequests:
         self._previous.clear()
 
     def check(self) -> None:
-        from posttrain.utils.signals import Terminated
-
         if self.signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self.signum == signal.SIGTERM:
@@ -107,21 +115,13 @@ class TrainerRank:
 
     def train(self, cfg: PostTrainConfig, env: dict[str, str]) -> dict[str, float]:
         os.environ.update(env)
-        import torch
-
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # in case torch was loaded before the variable
-        from posttrain.rl.loop import run_training
-
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch was loaded before the variable was set
         return run_training(cfg)
 
 
 def check_launch(cfg: PostTrainConfig):
     """The rules on the launch itself, before Ray starts; returns the ray module. (The config-only rules of
     the ray_* keys are in posttrain.config.validate.)"""
-    from posttrain.config.plan import build_plan
-    from posttrain.parallel.runtime import launched_world_size
-    from posttrain.rl.checks import check_async_training, require_ray
-
     n, world = cfg.trainer.ray_ranks, launched_world_size()
     if world > 1:
         raise ConfigError(
@@ -182,16 +182,12 @@ def run_on_ray(cfg: PostTrainConfig) -> dict[str, float]:
 
 def _resuming(cfg: PostTrainConfig) -> PostTrainConfig:
     """The config of a restart: resume from the latest checkpoint in run_dir, whatever `resume` named."""
-    import dataclasses
-
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
 
 
 def _wait_for_run_dir(run_dir: str, stop: _StopRequests) -> None:
     """Wait until no process holds run_dir's lock: a killed rank 0's process may take a moment to end, and
     the new rank 0 must take the lock (the kernel frees a dead process's lock)."""
-    from posttrain.utils.run_lock import RunDirLock
-
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
         try:

@@ -39,6 +39,7 @@ from posttrain.tools.memory_bytes import (
     forward_only_bytes,
     gradient_bytes,
     head_update_bytes,
+    narrowed_last_mlp_bytes,
     native_rollout_bytes,
     optimizer_bytes,
     parameter_bytes,
@@ -340,7 +341,13 @@ def _update_phase(
     _, optimizer, grads = _states(cfg, s, place, t, trained=True)
     step_optimizer = optimizer if place.optimizer_offload and not place.param_offload else 0
     gc = _flag(ckpt_section, "enable_gradient_checkpointing")
-    acts = update_activation_bytes(shape, tokens, b, gc, _flag(ckpt_section, "enable_activation_offload"), t)
+    offload = _flag(ckpt_section, "enable_activation_offload")
+    acts = update_activation_bytes(shape, tokens, b, gc, offload, t)
+    # The padded forward (not packed, grouped or split over SP ranks) narrows its last MLP; checkpointing
+    # recomputes the whole layer, and offloaded activations are not on the device anyway.
+    padded = not _flag(cfg.model if actor else cfg.critic, "use_remove_padding") and not mask
+    if padded and p.sp_size == 1 and not gc and not offload:
+        acts -= narrowed_last_mlp_bytes(shape, tokens, resp, b)
     note = f"max(activations {acts / GIB:.2f} GiB, gradients {grads / GIB:.2f} GiB"
     note += f" + optimizer states for the step {step_optimizer / GIB:.2f} GiB)" if step_optimizer else ")"
     comps = [

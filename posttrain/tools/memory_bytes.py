@@ -162,6 +162,13 @@ def update_activation_bytes(
     return shape.num_layers * one_layer
 
 
+def narrowed_last_mlp_bytes(shape: ModelShape, tokens: int, response_tokens: int, dtype_bytes: int) -> int:
+    """What the padded forward does not save: its last decoder layer's MLP (gate, up, SiLU, product:
+    4 x intermediate per token) runs on the columns that predict response tokens only
+    (``posttrain.forward.passes._last_mlp_from``), not on the prompt columns."""
+    return max(tokens - response_tokens, 0) * 4 * shape.intermediate_size * dtype_bytes
+
+
 def update_step_bytes(activations: int, gradients: int, optimizer_for_step: int = 0) -> int:
     """Activations and gradients at the backward's peak: backward frees each layer's saved activations as it
     creates that layer's gradients, so the peak is the larger of the two (measured on CPU: they do not add up).
