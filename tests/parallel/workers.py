@@ -49,30 +49,50 @@ def collective_bytes(out: Path, options: dict[str, str]) -> None:
     (out / f"bytes_{os.environ['RANK']}.json").write_text(json.dumps(counts))
 
 
-def ahead_failure(out: Path, options: dict[str, str]) -> None:
-    """Rank 0's rollout worker fails while taking a step: rank 0 raises the cause, the others an error that
-    names it (not a wait until the collective timeout). Each rank writes ``error_<rank>.txt``."""
+class _StandIn:
+    """A rollout host whose every call answers ``answer(method, *args)`` (a value, or an exception to raise)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def call(self, method, *args):
+        from concurrent.futures import Future
+
+        fut, result = Future(), self.answer(method, *args)
+        if isinstance(result, Exception):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+        return fut
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+def _queue_on_ranks(answer, max_staleness: int, shares: bool):
+    """(rank, a RolloutAhead over a gloo group of the launched ranks: rank 0 holds a stand-in host)."""
     import datetime
-    from concurrent.futures import Future
 
     import torch.distributed as dist
 
     from posttrain.parallel.runtime import DistContext
+    from posttrain.parallel.shares import SINGLE_SHARE, data_share
     from posttrain.rl.rollout_ahead import RolloutAhead
-
-    class Failing:
-        def call(self, method, *args):
-            fut = Future()
-            fut.set_exception(ValueError(f"{method} {args} broke"))
-            return fut
-
-        def close(self):
-            pass
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     ctx = DistContext(rank=rank, world_size=dist.get_world_size())
-    ahead = RolloutAhead(Failing() if rank == 0 else None, 1, 0, 4, dist=ctx)
+    host = _StandIn(answer) if rank == 0 else None
+    share = data_share(ctx) if shares else SINGLE_SHARE
+    return rank, RolloutAhead(host, max_staleness, 0, 4, dist=ctx, share=share)
+
+
+def ahead_failure(out: Path, options: dict[str, str]) -> None:
+    """Rank 0's rollout worker fails while taking a step: rank 0 raises the cause, the others an error that
+    names it (not a wait until the collective timeout). Each rank writes ``error_<rank>.txt``."""
+    import torch.distributed as dist
+
+    rank, ahead = _queue_on_ranks(lambda method, *args: ValueError(f"{method} {args} broke"), 1, False)
     try:
         ahead.take(1)
         message = "no error"
@@ -84,34 +104,18 @@ def ahead_failure(out: Path, options: dict[str, str]) -> None:
 
 def ahead_shares(out: Path, options: dict[str, str]) -> None:
     """Rank 0's worker returns a whole step of 4 groups x 2 samples; each rank writes the group ids of the
-    batch it gets (``groups_<rank>.txt``) and the lag metric."""
-    import datetime
-    from concurrent.futures import Future
-
+    batch it gets (``groups_<rank>.txt``) and the step's reward metric."""
     import torch.distributed as dist
 
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.parallel.runtime import DistContext
-    from posttrain.parallel.shares import data_share
-    from posttrain.rl.rollout_ahead import RolloutAhead
     from posttrain.rl.rollout_side import GeneratedStep
 
-    class Whole:
-        def call(self, method, *args):
-            groups = [0, 0, 1, 1, 2, 2, 3, 3]
-            batch = build_rollout_batch([[5, 6]] * 8, [[7, 8, 9]] * 8, groups, pad_token_id=0)
-            batch.policy_versions = torch.zeros(8, dtype=torch.long)
-            fut = Future()
-            fut.set_result(GeneratedStep(batch, {"reward/mean": 0.5}, {}))
-            return fut
+    def whole_step(method, *args):
+        batch = build_rollout_batch([[5, 6]] * 8, [[7, 8, 9]] * 8, [0, 0, 1, 1, 2, 2, 3, 3], pad_token_id=0)
+        batch.policy_versions = torch.zeros(8, dtype=torch.long)
+        return GeneratedStep(batch, {"reward/mean": 0.5}, {})
 
-        def close(self):
-            pass
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    ctx = DistContext(rank=rank, world_size=dist.get_world_size())
-    ahead = RolloutAhead(Whole() if rank == 0 else None, 0, 0, 4, dist=ctx, share=data_share(ctx))
+    rank, ahead = _queue_on_ranks(whole_step, 0, True)
     batch, metrics = ahead.take(1)
     (out / f"groups_{rank}.txt").write_text(f"{batch.group_ids.tolist()} {metrics['reward/mean']}")
     dist.destroy_process_group()
