@@ -12,7 +12,7 @@ from typing import Any
 
 from posttrain.algorithms.advantages import GROUP_ESTIMATORS
 from posttrain.config.errors import ConfigError
-from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema import PostTrainConfig, TrainerConfig
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # Estimators whose advantage is a sample's reward relative to the other samples of its prompt's group.
@@ -112,13 +112,8 @@ def _check_overlong_buffer(cfg: PostTrainConfig) -> None:
         )
 
 
-# trainer.ray_* keys that only mean something when Ray places the trainer ranks, with their defaults.
-RAY_RANK_KNOBS = {
-    "ray_cpus_per_rank": 1,
-    "ray_gpus_per_rank": 0,
-    "ray_placement": "PACK",
-    "ray_max_restarts": 0,
-}
+# trainer.ray_* keys that only mean something when Ray places the trainer ranks.
+RAY_RANK_KNOBS = ("ray_cpus_per_rank", "ray_gpus_per_rank", "ray_placement", "ray_max_restarts")
 
 
 def _check_ray_ranks(cfg: PostTrainConfig) -> None:
@@ -127,10 +122,9 @@ def _check_ray_ranks(cfg: PostTrainConfig) -> None:
     the batch plan for N ranks, Ray installed) are checked by the launcher, posttrain.rl.ray_ranks."""
     t = cfg.trainer
     if t.ray_ranks == 0:
+        defaults = TrainerConfig()
         changed = [
-            f"trainer.{k}={getattr(t, k)}"
-            for k, default in RAY_RANK_KNOBS.items()
-            if getattr(t, k) != default
+            f"trainer.{k}={getattr(t, k)}" for k in RAY_RANK_KNOBS if getattr(t, k) != getattr(defaults, k)
         ]
         if changed:
             raise ConfigError(

@@ -95,13 +95,17 @@ class RolloutAhead:
 
     def push(self, version: int, policy: nn.Module) -> dict[str, float]:
         """Queue the actor's weights after update ``version`` (copied now: the next update changes them)."""
-        # A sharded policy is gathered by every rank (a collective); rank 0 keeps the copy and sends it.
+        # A sharded policy is gathered by every rank (a collective); rank 0 keeps the copy and sends it, the
+        # other ranks drop each gathered tensor at once (never a whole copy of the model).
         keep = self.host is not None
-        snapshot = [(name, t.detach().clone() if keep else t) for name, t in policy_weights(policy)]
-        mib = sum(t.numel() * t.element_size() for _, t in snapshot) / 2**20
+        snapshot, nbytes = [], 0
+        for name, t in policy_weights(policy):
+            nbytes += t.numel() * t.element_size()
+            if keep:
+                snapshot.append((name, t.detach().clone()))
         if keep:
             self._loads.append(self.host.call("load", version, snapshot))
-        return {"async/weights_mib": mib}
+        return {"async/weights_mib": nbytes / 2**20}
 
     def validate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         """Validate with the last pushed weights, after everything queued so far (every rank gets rank 0's
