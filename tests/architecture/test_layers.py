@@ -37,6 +37,7 @@ OPTIONAL = {
     "trl",
     "matplotlib",
     "torch.utils.tensorboard",
+    "skyrl_gym",
 }
 
 
