@@ -76,3 +76,39 @@ class Trajectory:
             if end > start:
                 out[end - 1] += reward
         return out
+
+
+def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """A step's numbers over its trajectories, under the names verl and TRL users know where they exist.
+
+    ``num_turns/*`` counts assistant and environment turns together (as verl does); ``tool_call_counts/*`` the
+    tool calls per trajectory; ``tools/call_frequency`` the share of trajectories with a tool call and
+    ``tools/failure_frequency`` the share of tool calls that failed; ``tool_failures/<kind>`` the failures of
+    each kind; ``truncated/share`` the trajectories that ended on ``length`` or ``turn_limit``.
+    """
+    if not trajectories:
+        return {}
+    n = len(trajectories)
+    turns = [t.num_assistant_turns + t.num_user_turns for t in trajectories]
+    calls = [t.metrics.get("tool_calls", 0.0) for t in trajectories]
+    failures: dict[str, float] = {}
+    for t in trajectories:
+        for key, value in t.metrics.items():
+            if key.startswith("tool_failures/"):
+                failures[key] = failures.get(key, 0.0) + value
+    out = {
+        "num_turns/mean": sum(turns) / n,
+        "num_turns/min": float(min(turns)),
+        "num_turns/max": float(max(turns)),
+        "tool_call_counts/mean": sum(calls) / n,
+        "tool_call_counts/min": float(min(calls)),
+        "tool_call_counts/max": float(max(calls)),
+        "tools/call_frequency": sum(1 for c in calls if c > 0) / n,
+        "tools/failure_frequency": sum(failures.values()) / sum(calls) if sum(calls) else 0.0,
+        "truncated/share": sum(t.finish_reason in ("length", "turn_limit") for t in trajectories) / n,
+        "tokens/assistant": float(sum(t.assistant_tokens for t in trajectories)),
+        "tokens/environment": float(sum(t.environment_tokens for t in trajectories)),
+        "reward/env_mean": sum(t.reward for t in trajectories) / n,
+    }
+    out.update(failures)
+    return out

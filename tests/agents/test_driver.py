@@ -14,6 +14,8 @@ from posttrain.agents.env import Environment, StepResult, ToolEnvironment
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.render import Renderer
 from posttrain.agents.tools import ToolSet, make_tool
+from posttrain.agents.trajectory import trajectory_metrics
+from posttrain.data.datasets import encode_prompt
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 
@@ -198,3 +200,37 @@ def test_with_a_real_tiny_qwen2(tok):
         report = Renderer(tok).drift(t.messages, t.prompt_ids + t.response_ids)
         print(t.finish_reason, t.num_assistant_turns, "turns, drift", report.mismatched_tokens)
     assert any(t.num_assistant_turns > 1 for t in trajs)
+
+
+def test_single_turn_is_the_one_step_case(tok):
+    """No tools, the base environment: the prompt is the data pipeline's prompt and the response the sampled ids."""
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    traj = run_trajectories(
+        [{"prompt": prompt}], lambda r: Environment(), scripted(tok, lambda c: "5"), tok, MultiTurnSettings()
+    )[0]
+    assert traj.prompt_ids == encode_prompt(prompt, tok, apply_chat_template=True)
+    assert traj.response_ids == tok("5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert traj.mask == [1] * len(traj.response_ids) and traj.finish_reason == "stop"
+
+
+def test_step_metrics_under_verl_and_trl_names(tok):
+    tools = ToolSet([make_tool(calculator)])
+
+    def policy(conversation):
+        if "<tool_response>" in conversation:
+            return "done"
+        if "bad" in conversation:
+            return tool_call_text("calculator", {"expression": "1/0"}) + tool_call_text("nope", {})
+        return "no tool" if "plain" in conversation else tool_call_text("calculator", {"expression": "1+1"})
+
+    rows = [{"prompt": "ok"}, {"prompt": "bad"}, {"prompt": "plain"}]
+    trajs = run_trajectories(
+        rows, lambda r: ToolEnvironment(tools), scripted(tok, policy), tok, MultiTurnSettings()
+    )
+    m = trajectory_metrics(trajs)
+    assert m["num_turns/min"] == 1.0 and m["num_turns/max"] == 3.0 and m["num_turns/mean"] == 7 / 3
+    assert m["tool_call_counts/max"] == 2.0 and m["tools/call_frequency"] == 2 / 3
+    assert m["tools/failure_frequency"] == 2 / 3
+    assert m["tool_failures/raised"] == 1.0 and m["tool_failures/unknown_tool"] == 1.0
+    assert m["truncated/share"] == 0.0
+    assert m["tokens/assistant"] + m["tokens/environment"] == sum(len(t.response_ids) for t in trajs)
