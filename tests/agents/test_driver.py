@@ -234,3 +234,37 @@ def test_step_metrics_under_verl_and_trl_names(tok):
     assert m["tool_failures/raised"] == 1.0 and m["tool_failures/unknown_tool"] == 1.0
     assert m["truncated/share"] == 0.0
     assert m["tokens/assistant"] + m["tokens/environment"] == sum(len(t.response_ids) for t in trajs)
+
+
+def long_output(n: int) -> str:
+    """Return n numbers."""
+    return " ".join(str(i) for i in range(n))
+
+
+def test_tool_output_is_truncated_in_tokens_and_logged(tok):
+    tools = ToolSet([make_tool(long_output)])
+
+    def policy(conversation):
+        if "<tool_response>" in conversation:
+            return "ok"
+        return tool_call_text("long_output", {"n": 300}) + tool_call_text("long_output", {"n": 3})
+
+    settings = MultiTurnSettings(max_tool_response_length=32, tool_response_truncate_side="left")
+    traj = run_trajectories(
+        [{"prompt": "go"}], lambda r: ToolEnvironment(tools), scripted(tok, policy), tok, settings
+    )[0]
+    long, short = traj.messages[2]["content"], traj.messages[3]["content"]
+    assert long.startswith("0 1 2") and long.endswith("...(truncated)...") and short == "0 1 2"
+    assert len(tok(long, add_special_tokens=False)["input_ids"]) <= 32
+    assert len(traj.truncations) == 1 and traj.truncations[0].startswith("tool output:")
+    assert traj.truncations[0].endswith("tokens dropped (left)")
+
+
+def test_an_engine_error_is_raised_not_swallowed(tok):
+    def broken(prompts, limits):
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        run_trajectories(
+            [{"prompt": "a"}, {"prompt": "b"}], lambda r: Environment(), broken, tok, MultiTurnSettings()
+        )
