@@ -1,5 +1,5 @@
 """The multi-turn driver: token layout and masks, turn and token limits, tools that do not block generation,
-and a real tiny Qwen2 sampling through transformers' generate."""
+and a real tiny Qwen2 sampling through transformers' generate and through the native engine."""
 
 import asyncio
 import re
@@ -17,6 +17,8 @@ from posttrain.agents.tools import ToolSet, make_tool
 from posttrain.agents.trajectory import trajectory_metrics
 from posttrain.data.datasets import encode_prompt
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.native.engine import NativeEngine
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +270,46 @@ def test_an_engine_error_is_raised_not_swallowed(tok):
         run_trajectories(
             [{"prompt": "a"}, {"prompt": "b"}], lambda r: Environment(), broken, tok, MultiTurnSettings()
         )
+
+
+def native_generate(engine, seed=0):
+    """The native engine behind the driver's callable: one engine call per distinct token limit."""
+    calls = [0]
+
+    def generate(prompts, limits):
+        out: list = [None] * len(prompts)
+        for limit in sorted(set(limits)):
+            idx = [i for i, m in enumerate(limits) if m == limit]
+            calls[0] += 1
+            res = engine.generate(
+                [prompts[i] for i in idx], SamplingParams(max_tokens=limit, seed=seed + calls[0])
+            )
+            for i, ids, lp, fin in zip(idx, res.response_ids, res.response_logprobs, res.finish_reasons):
+                out[i] = Generation(ids, lp, "stop" if fin == "eos" else "length")
+        return out
+
+    return generate
+
+
+def test_with_the_native_engine(tok):
+    model = build_tiny_model(
+        tok, hidden_size=64, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False
+    )
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Guess"}], add_generation_prompt=True, tokenize=False
+    )
+    with (
+        torch.no_grad()
+    ):  # a random model that ends its turns early: the eos row points along the mean hidden state
+        h = model.model(torch.tensor([tok(prompt)["input_ids"]])).last_hidden_state[0].mean(0)
+        model.lm_head.weight[tok.eos_token_id] = 6.0 * h / h.norm() ** 2
+    engine = NativeEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    settings = MultiTurnSettings(max_assistant_turns=3, max_tokens_per_turn=10, max_response_length=100)
+    rows = [{"target": 5, "seed": i} for i in range(4)]
+    trajs = run_trajectories(rows, lambda r: GuessNumberEnv(), native_generate(engine), tok, settings)
+    for t in trajs:
+        assert len(t.mask) == len(t.response_ids) == len(t.logprobs) and len(t.response_ids) <= 100
+        for start, end in t.turns:
+            assert t.mask[start:end] == [1] * (end - start)
+        print(t.finish_reason, t.num_assistant_turns, "turns", t.assistant_tokens, "assistant tokens")
+    assert any(t.num_assistant_turns > 1 for t in trajs)
