@@ -183,6 +183,10 @@ async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Rende
             return
         new = _truncate_messages(traj, step.messages, renderer, s)
         new_ids = renderer.new_message_ids(new)
+        if (
+            not ids or ids[-1] != renderer.eos_id
+        ):  # stopped on another stop token: close the turn as the template does
+            new_ids = [renderer.eos_id] + new_ids
         if len(traj.response_ids) + len(new_ids) >= s.max_response_length:
             traj.finish_reason = "length"
             traj.truncations.append("trajectory budget")

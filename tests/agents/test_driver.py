@@ -313,3 +313,18 @@ def test_with_the_native_engine(tok):
             assert t.mask[start:end] == [1] * (end - start)
         print(t.finish_reason, t.num_assistant_turns, "turns", t.assistant_tokens, "assistant tokens")
     assert any(t.num_assistant_turns > 1 for t in trajs)
+
+
+def test_a_turn_ended_by_another_stop_token_is_closed_with_the_template_eos(tok):
+    def generate(
+        prompts, limits
+    ):  # ends every turn with <|endoftext|> (a stop token, but not the template's)
+        ids = tok("7", add_special_tokens=False)["input_ids"] + [tok.pad_token_id]
+        return [Generation(ids, [0.0] * len(ids), "stop") for _ in prompts]
+
+    traj = run_trajectories([{"target": 9}], lambda r: GuessNumberEnv(), generate, tok, MultiTurnSettings())[
+        0
+    ]
+    end = traj.turns[0][1]
+    assert traj.response_ids[end - 1] == tok.pad_token_id and traj.response_ids[end] == tok.eos_token_id
+    assert traj.mask[end] == 0
