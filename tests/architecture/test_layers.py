@@ -14,7 +14,7 @@ LAYERS = [
     {"batching"},
     {"models", "parallel"},
     {"forward"},
-    {"rollout", "rewards"},
+    {"rollout", "rewards", "agents"},
     {"train"},
     {"sft"},
     {"rl"},
@@ -37,6 +37,7 @@ OPTIONAL = {
     "trl",
     "matplotlib",
     "torch.utils.tensorboard",
+    "skyrl_gym",
 }
 
 
@@ -177,3 +178,13 @@ def test_function_local_imports_only_for_optional_dependencies(name):
                 ):
                     local.append(f"line {node.lineno}: {root}")
     assert not local, f"{name} imports inside functions (hoist them, or list an optional extra): {local}"
+
+
+def test_agents_stays_below_the_rollout_and_the_rl_loop():
+    """agents/ is engine-agnostic: the rollout and the RL step will call it, never the other way round."""
+    wrong = [
+        f"{src} imports {dst}"
+        for src, dst, _, _ in edges()
+        if package(src) == "agents" and package(dst) in {"rollout", "rl"}
+    ]
+    assert not wrong, wrong

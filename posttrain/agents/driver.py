@@ -1,0 +1,222 @@
+"""The multi-turn driver: a pure function of rows, an environment factory and a ``generate`` callable.
+
+``generate(prompts, max_tokens) -> [Generation]`` takes token-id prompts and a token limit per prompt and returns,
+per prompt, the sampled ids, their log-probs and a finish reason ("stop" when an end-of-turn token ended it,
+"length" when the limit did). It may be sync (it then runs on a worker thread) or async, so any engine fits.
+
+Each trajectory is an asyncio task. Requests for generation are gathered into one ``generate`` call from the
+trajectories that are ready; a trajectory that waits for its tools or its environment is not waited for, and its
+tools run while the others generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.agents.env import Environment, Message, maybe_await
+from posttrain.agents.render import Renderer, truncate_text_to_tokens
+from posttrain.agents.trajectory import Trajectory
+from posttrain.config.errors import ConfigError
+
+
+@dataclass
+class Generation:
+    """One prompt's sample: ids [L], their log-probs [L], "stop" or "length"."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+GenerateFn = Callable[[list[list[int]], list[int]], "list[Generation] | Awaitable[list[Generation]]"]
+
+
+@dataclass
+class MultiTurnSettings:
+    """The knobs of the loop (the names of verl's ``multi_turn`` keys; every length is in tokens).
+
+    max_response_length: the whole trajectory after the prompt, assistant and environment tokens together.
+    max_tokens_per_turn: a cap on one assistant turn (None: only the trajectory budget).
+    max_user_turns: how many environment replies (tool results or user messages) may enter the trajectory.
+    """
+
+    max_assistant_turns: int = 5
+    max_user_turns: int = 5
+    max_response_length: int = 512
+    max_tokens_per_turn: int | None = None
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+
+    def __post_init__(self) -> None:
+        for key in (
+            "max_assistant_turns",
+            "max_user_turns",
+            "max_response_length",
+            "max_tool_response_length",
+        ):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment raised in reset or step: names the environment, the row and the message."""
+
+
+class _Batcher:
+    """Gathers the generation requests of the ready trajectories into one ``generate`` call."""
+
+    def __init__(self, generate: GenerateFn) -> None:
+        self.generate = generate
+        self.pending: list[tuple[list[int], int, asyncio.Future]] = []
+        self.runner: asyncio.Task | None = None
+        self.calls = 0
+
+    async def submit(self, ids: list[int], max_tokens: int) -> Generation:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((ids, max_tokens, future))
+        if self.runner is None or self.runner.done():
+            self.runner = asyncio.ensure_future(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        while self.pending:
+            for _ in range(3):  # let every trajectory that is ready now add its request
+                await asyncio.sleep(0)
+            batch, self.pending = self.pending, []
+            try:
+                out = await self._call([b[0] for b in batch], [b[1] for b in batch])
+            except Exception as exc:
+                for _, _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, _, future), generation in zip(batch, out):
+                future.set_result(generation)
+
+    async def _call(self, prompts: list[list[int]], limits: list[int]) -> list[Generation]:
+        self.calls += 1
+        if inspect.iscoroutinefunction(self.generate):
+            return await self.generate(prompts, limits)
+        return await asyncio.to_thread(self.generate, prompts, limits)
+
+
+def _prompt_messages(row: dict[str, Any]) -> list[Message]:
+    prompt = row.get("prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        return []
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+async def _env_call(env: Environment, method: str, arg: Any, index: int) -> Any:
+    try:
+        return await maybe_await(getattr(env, method)(arg))
+    except Exception as exc:
+        raise EnvironmentFailure(
+            f"environment {type(env).__name__}.{method} failed on row {index}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _truncate_messages(traj: Trajectory, messages: list[Message], renderer: Renderer, s: MultiTurnSettings):
+    out = []
+    for m in messages:
+        if m.get("role") == "tool":
+            text, dropped = truncate_text_to_tokens(
+                renderer.tokenizer,
+                str(m.get("content", "")),
+                s.max_tool_response_length,
+                s.tool_response_truncate_side,
+            )
+            if dropped:
+                traj.truncations.append(
+                    f"tool output: {dropped} tokens dropped ({s.tool_response_truncate_side})"
+                )
+            m = {**m, "content": text}
+        out.append(m)
+    return out
+
+
+async def run_trajectory(
+    row: dict[str, Any], index: int, env: Environment, tokenizer: Any, batcher: _Batcher, s: MultiTurnSettings
+) -> Trajectory:
+    """One episode of ``env`` on ``row`` (see the module docstring); ``env`` is closed at the end."""
+    try:
+        opening = await _env_call(env, "reset", row, index)
+        messages = _prompt_messages(row) + list(opening or [])
+        if not messages:
+            raise ConfigError(f"row {index}: no prompt and the environment's reset returned no messages")
+        renderer = Renderer(tokenizer, tools=env.tool_schemas())
+        traj = Trajectory(prompt_ids=renderer.prompt_ids(messages), messages=messages)
+        await _turns(traj, index, env, renderer, batcher, s)
+        traj.metrics = dict(env.metrics())
+        return traj
+    finally:
+        await maybe_await(env.close())
+
+
+async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Renderer, batcher, s) -> None:
+    while True:
+        budget = s.max_response_length - len(traj.response_ids)
+        limit = min(budget, s.max_tokens_per_turn or budget)
+        gen = await batcher.submit(traj.prompt_ids + traj.response_ids, limit)
+        ids, logprobs = gen.ids[:limit], gen.logprobs[:limit]
+        traj.add_assistant(ids, logprobs)
+        text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
+        traj.messages.append({"role": "assistant", "content": text})
+        if gen.finish_reason == "length" or len(ids) >= budget:
+            traj.finish_reason = "length"
+            traj.turn_rewards.append(0.0)
+            traj.truncations.append("trajectory budget" if limit == budget else "turn token limit")
+            return
+        step = await _env_call(env, "step", text, index)
+        traj.turn_rewards.append(float(step.reward))
+        if step.done or not step.messages:
+            traj.finish_reason = "stop"
+            return
+        if traj.num_assistant_turns >= s.max_assistant_turns or traj.num_user_turns >= s.max_user_turns:
+            traj.finish_reason = "turn_limit"
+            traj.truncations.append("turn limit")
+            return
+        new = _truncate_messages(traj, step.messages, renderer, s)
+        new_ids = renderer.new_message_ids(new)
+        if (
+            not ids or ids[-1] != renderer.eos_id
+        ):  # stopped on another stop token: close the turn as the template does
+            new_ids = [renderer.eos_id] + new_ids
+        if len(traj.response_ids) + len(new_ids) >= s.max_response_length:
+            traj.finish_reason = "length"
+            traj.truncations.append("trajectory budget")
+            return
+        traj.messages.extend(new)
+        traj.num_user_turns += 1
+        traj.add_environment(new_ids)
+
+
+async def run_trajectories_async(
+    rows: list[dict[str, Any]],
+    make_env: Callable[[dict[str, Any]], Environment],
+    generate: GenerateFn,
+    tokenizer: Any,
+    settings: MultiTurnSettings,
+) -> list[Trajectory]:
+    """Every row's trajectory, concurrently, in row order."""
+    batcher = _Batcher(generate)
+    tasks = [
+        run_trajectory(row, i, make_env(row), tokenizer, batcher, settings) for i, row in enumerate(rows)
+    ]
+    return list(await asyncio.gather(*tasks))
+
+
+def run_trajectories(
+    rows: list[dict[str, Any]],
+    make_env: Callable[[dict[str, Any]], Environment],
+    generate: GenerateFn,
+    tokenizer: Any,
+    settings: MultiTurnSettings,
+) -> list[Trajectory]:
+    """:func:`run_trajectories_async` from synchronous code (runs its own event loop)."""
+    return asyncio.run(run_trajectories_async(rows, make_env, generate, tokenizer, settings))

@@ -1,0 +1,124 @@
+"""The tool config file (YAML or JSON): which functions are tools, by path, with optional explicit schemas.
+
+```yaml
+tools:
+  - path: my_tools.py:calculator        # a file (relative to this config file, then to the working directory)
+  - path: mypkg.search:web_search       # or an importable module
+    timeout_s: 10                       # optional, overrides the run's per-call timeout
+    schema:                             # optional: as verl's tool YAML (`tool_schema` is accepted too)
+      type: function
+      function: {name: web_search, description: ..., parameters: {...}}
+```
+
+Every mistake (a missing or unreadable file, a missing function, a schema that does not fit the signature) is a
+ConfigError naming the config file, the tool and the fix, raised before any model loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import yaml
+
+from posttrain.agents.tools import Tool, ToolSet, make_tool
+from posttrain.config.errors import ConfigError, MissingPathError
+
+_KEYS = {"path", "schema", "tool_schema", "timeout_s"}
+
+
+def load_tool_config(path: str | Path) -> ToolSet:
+    """The tools a config file names (see the module docstring for the format)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingPathError(
+            f"tool config {str(path)!r} not found; check rollout.multi_turn.tool_config_path"
+        )
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"tool config {str(path)!r} cannot be read: {exc}; fix the file's syntax") from exc
+    entries = data.get("tools") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(
+            f"tool config {str(path)!r}: expected a top-level 'tools' list (each item `path: file.py:function`)"
+        )
+    return ToolSet([_load_entry(entry, i, path) for i, entry in enumerate(entries)])
+
+
+def _load_entry(entry: Any, index: int, config: Path) -> Tool:
+    where = f"tool config {str(config)!r}, tools[{index}]"
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        raise ConfigError(f"{where}: each tool needs `path: file.py:function` (or `package.module:function`)")
+    unknown = sorted(set(entry) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; allowed: {sorted(_KEYS)}")
+    spec = entry["path"]
+    where = f"{where} ({spec})"
+    fn = resolve_function(spec, config.parent, where)
+    schema = entry.get("schema", entry.get("tool_schema"))
+    timeout = entry.get("timeout_s")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"{where}: timeout_s={timeout!r} must be a positive number of seconds")
+    return make_tool(fn, schema=schema, timeout_s=timeout, where=where)
+
+
+def resolve_function(spec: str, base: Path, where: str) -> Any:
+    """The object ``file.py:name`` or ``package.module:name`` names (a file is looked up beside ``base`` first)."""
+    if ":" not in spec:
+        raise ConfigError(
+            f"{where}: {spec!r} must be 'path/to/file.py:function' or 'package.module:function'"
+        )
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        candidates = [base / target, Path(target)]
+        file = next((c for c in candidates if c.is_file()), None)
+        if file is None:
+            raise ConfigError(
+                f"{where}: file {target!r} not found (looked beside the config and in the working directory)"
+            )
+        module = _load_file(file, where)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ConfigError(
+                f"{where}: cannot import module {target!r}: {exc}; is it installed or on PYTHONPATH?"
+            ) from exc
+    if not hasattr(module, name):
+        defined = sorted(
+            n
+            for n, v in vars(module).items()
+            if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
+        raise ConfigError(f"{where}: {target} defines no {name!r}; callables defined there: {defined}")
+    obj = getattr(module, name)
+    if not callable(obj):
+        raise ConfigError(f"{where}: {name!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _load_file(file: Path, where: str) -> ModuleType:
+    resolved = file.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    name = f"posttrain_user_agents_{resolved.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{where}: cannot import {str(file)!r}; is it a .py file?")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(f"{where}: importing {str(file)!r} failed: {exc!r}") from exc
+    return module
