@@ -142,7 +142,11 @@ def _status(
         return TIME_LIMIT, returncode
     if returncode == 0:
         return FINISHED, 0
-    tail = stderr[-4096:].decode("utf-8", errors="replace")
-    if any(sign in tail for sign in _MEMORY_SIGNS):
+    if memory_signs_in(stderr[-4096:].decode("utf-8", errors="replace")):
         return MEMORY_LIMIT, returncode
     return ERROR, returncode
+
+
+def memory_signs_in(stderr: str) -> bool:
+    """Whether a program's error output says an allocation failed (what RLIMIT_AS makes of too much memory)."""
+    return any(sign in stderr[-4096:] for sign in _MEMORY_SIGNS)
