@@ -22,7 +22,7 @@ from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
-from posttrain.sandbox.build import build_sandbox
+from posttrain.sandbox.build import build_sandbox, probe_line
 from posttrain.sandbox.server import serve
 from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
@@ -158,6 +158,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=120)
     console.print(plan_tree(cfg, plan))
+    if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
+        console.print(probe_line(cfg.sandbox))
     if estimate is None:
         console.print(
             f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"

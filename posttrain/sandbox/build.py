@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.sandbox.fusion import FusionSandbox
 from posttrain.sandbox.local import LocalSandbox
@@ -72,3 +73,20 @@ def build_sandbox(cfg: SandboxConfig) -> Sandbox:
     else:
         backend = LocalSandbox(limits, cfg.bwrap_path, cfg.unsafe_no_isolation)
     return Sandbox(backend, cfg.max_concurrent)
+
+
+def probe_line(cfg: SandboxConfig) -> str:
+    """One line for `posttrain explain`: the sandbox, its limits, and one trivial run through it; a ConfigError
+    when the sandbox cannot run code here."""
+    box = build_sandbox(cfg)
+    try:
+        result = box.probe()
+    finally:
+        box.close()
+    if result.status != "finished" or result.stdout.strip() != "42":
+        detail = (result.stderr or result.stdout).strip()[-300:]
+        raise ConfigError(
+            f"the sandbox ({box.describe()}) cannot run a trivial program: status {result.status}, {detail!r}; "
+            "check the sandbox.* keys (docs/sandbox.md)"
+        )
+    return f"sandbox: {box.describe()}; probe: print(6 * 7) -> 42 in {result.duration_s:.2f} s"

@@ -17,7 +17,7 @@ import pytest
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.sandbox import Limits, RunRequest
-from posttrain.sandbox.build import Sandbox, build_sandbox
+from posttrain.sandbox.build import Sandbox, build_sandbox, probe_line
 from posttrain.sandbox.fusion import FusionSandbox
 from posttrain.sandbox.server import SandboxServer
 
@@ -179,3 +179,13 @@ def test_verls_keys_and_a_missing_url(served):
     results = box.run_many([RunRequest(f"print({i})") for i in range(5)])
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
     box.close()
+
+
+def test_the_explain_probe_line_and_a_sandbox_that_cannot_run():
+    line = probe_line(SandboxConfig(time_limit_s=5))
+    assert line.startswith("sandbox: local bubblewrap") and "probe: print(6 * 7) -> 42" in line
+    dead = SandboxConfig(backend="sandbox_fusion")
+    dead.sandbox_fusion.url = [f"http://127.0.0.1:{free_port()}"]
+    dead.sandbox_fusion.max_retries = 0
+    with pytest.raises(ConfigError, match="cannot run a trivial program: status sandbox_error"):
+        probe_line(dead)
