@@ -61,11 +61,14 @@ def python_prefixes() -> list[str]:
     return out
 
 
-def bwrap_argv(bwrap: str, workdir: str, command: list[str], uid: int | None) -> list[str]:
+def bwrap_argv(
+    bwrap: str, workdir: str, limiter: list[str], command: list[str], uid: int | None
+) -> list[str]:
     """bwrap's arguments: no network, IPC, UTS or PID sharing; the system read-only; ``workdir`` as /tmp.
 
     ``uid``: run the program under this user id (root only: as root RLIMIT_NPROC is not enforced, under a
-    user id of its own the process limit holds and counts this sandbox's processes only)."""
+    user id of its own the process limit holds and counts this sandbox's processes only). ``limiter``: the
+    argv prefix that sets the rlimits before the user id changes and the program starts."""
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     if uid is None:
         argv.append("--unshare-user")
@@ -81,7 +84,7 @@ def bwrap_argv(bwrap: str, workdir: str, command: list[str], uid: int | None) ->
             argv += ["--ro-bind", d, d]
     for d in python_prefixes():
         argv += ["--ro-bind", d, d]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, "/tmp", "--chdir", "/tmp", "--"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, "/tmp", "--chdir", "/tmp", "--", *limiter]
     if uid is not None:
         argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
     return argv + command
@@ -102,13 +105,16 @@ def inside_env() -> dict[str, str]:
 @functools.cache
 def check_bwrap(bwrap: str, as_root: bool) -> None:
     """Start one empty sandbox; a ConfigError naming what to enable when namespaces are not allowed here."""
-    if as_root and not os.path.exists("/usr/bin/setpriv"):
-        raise ConfigError(
-            "the local sandbox runs code under its own user id with /usr/bin/setpriv (util-linux), which is "
-            "missing: install util-linux"
-        )
+    for tool in ["/usr/bin/prlimit"] + (["/usr/bin/setpriv"] if as_root else []):
+        if not os.path.exists(tool):
+            raise ConfigError(
+                f"the local sandbox sets its limits and user id with util-linux's {tool}, which is missing: "
+                "install util-linux"
+            )
     workdir = Path(os.environ.get("TMPDIR", "/tmp"))
-    argv = bwrap_argv(bwrap, str(workdir), ["/bin/true"], 65534 if as_root else None)
+    argv = bwrap_argv(
+        bwrap, str(workdir), ["/usr/bin/prlimit", "--"], ["/bin/true"], 65534 if as_root else None
+    )
     try:
         proc = subprocess.run(argv, capture_output=True, timeout=30, env={})
     except OSError as exc:

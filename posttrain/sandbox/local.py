@@ -11,7 +11,7 @@ from pathlib import Path
 
 from posttrain.config.errors import ConfigError
 from posttrain.sandbox.bwrap import bwrap_argv, check_bwrap, find_bwrap, inside_env, python_binary
-from posttrain.sandbox.process import run_command
+from posttrain.sandbox.process import PRLIMIT, rlimit_argv, run_command
 from posttrain.sandbox.types import LANGUAGES, SANDBOX_ERROR, Limits, RunRequest, RunResult
 
 SOURCE_NAMES = {"python": "main.py", "bash": "main.sh"}
@@ -100,10 +100,12 @@ class LocalSandbox:
 
     def _execute(self, workdir: str, request: RunRequest, limits: Limits, uid: int | None) -> RunResult:
         source = SOURCE_NAMES[request.language]
-        if self.unsafe:
-            program = [python_binary(), source] if request.language == "python" else ["/bin/bash", source]
-            env = {**inside_env(), "HOME": workdir, "TMPDIR": workdir}
-            return run_command(program, limits, stdin=request.stdin.encode(), env=env, cwd=workdir)
         program = [python_binary(), source] if request.language == "python" else ["/bin/bash", source]
-        argv = bwrap_argv(self.bwrap, workdir, program, uid)
-        return run_command(argv, limits, stdin=request.stdin.encode(), signal_offset=128)
+        stdin = request.stdin.encode()
+        if self.unsafe:
+            env = {**inside_env(), "HOME": workdir, "TMPDIR": workdir}
+            if os.path.exists(PRLIMIT):
+                return run_command(rlimit_argv(limits) + program, limits, stdin=stdin, env=env, cwd=workdir)
+            return run_command(program, limits, stdin=stdin, env=env, cwd=workdir, preexec_limits=True)
+        argv = bwrap_argv(self.bwrap, workdir, rlimit_argv(limits), program, uid)
+        return run_command(argv, limits, stdin=stdin, signal_offset=128)

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from posttrain.sandbox import RunRequest
+from posttrain.sandbox import Limits, LocalSandbox, RunRequest
 from tests.sandbox.conftest import child_pids, sandbox_pids
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -270,3 +270,10 @@ def test_the_trainers_environment_is_not_visible(sandbox, monkeypatch):
         "PYTHONIOENCODING",
         "TMPDIR",
     }
+
+
+def test_the_cpu_time_limit_stops_a_busy_program_before_the_wall_clock():
+    box = LocalSandbox(Limits(time_limit_s=30, cpu_time_limit_s=1))
+    r = box.run(RunRequest("while True: pass"))
+    assert r.status == "time_limit" and r.exit_code == 128 + 24, r  # SIGXCPU, reported by bwrap as 128 + 24
+    assert r.duration_s < 30
