@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
-from posttrain.rewards import resolve_reward_function
+from posttrain.rewards import RewardInput, RewardRunner, resolve_reward_function
 from posttrain.rewards.code import COUNTS, CodeReward, configure_code_reward, extract_code
 from posttrain.sandbox.build import Sandbox
 
@@ -78,3 +78,15 @@ def test_code_is_a_built_in_reward_configured_from_the_sandbox_section():
         )
         == 1.0
     )
+
+
+def test_the_code_reward_behind_the_guarded_runner(sandbox):
+    configure_code_reward(SandboxConfig(max_concurrent=2, time_limit_s=5))
+    samples = [
+        RewardInput("", block("def add(a, b):\n    return a + b"), ADD),
+        RewardInput("", block("def add(a, b):\n    return a - b"), ADD),  # wrong on every case
+        RewardInput("", "no code here, just words", SUM),
+    ]
+    with RewardRunner(resolve_reward_function("code"), timeout_s=60) as runner:  # in a forked worker
+        rewards, _ = runner.score(samples)
+    assert rewards == [1.0, 0.0, 0.0]
