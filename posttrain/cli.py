@@ -22,6 +22,8 @@ from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
+from posttrain.sandbox.build import build_sandbox, probe_line
+from posttrain.sandbox.server import serve
 from posttrain.sft.command import run_sft_command
 from posttrain.tools.advice import advise, starting_point
 from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
@@ -156,6 +158,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=120)
     console.print(plan_tree(cfg, plan))
+    if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
+        console.print(probe_line(cfg.sandbox))
     if estimate is None:
         console.print(
             f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"
@@ -210,6 +214,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sandbox_serve(args: argparse.Namespace) -> int:
+    serve(build_sandbox(_load(args).sandbox), args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain", description="RL post-training of LLMs (PPO, GRPO and relatives)."
@@ -244,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
             "Measure micro-batch sizes / token budgets on this device; write a config overlay.",
         )
     )
+    sandbox = sub.add_parser("sandbox", help="Sandboxed code execution (docs/sandbox.md).")
+    serve_cmd = _add_command(
+        sandbox.add_subparsers(dest="sandbox_command", required=True),
+        "serve",
+        cmd_sandbox_serve,
+        "Serve the sandbox of the `sandbox` config section over SandboxFusion's POST /run_code API.",
+    )
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1)")
+    serve_cmd.add_argument("--port", type=int, default=8080, help="Port to listen on (default: 8080)")
     return parser
 
 

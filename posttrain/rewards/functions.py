@@ -25,6 +25,7 @@ from typing import Any
 from posttrain.config.errors import ConfigError
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
+from posttrain.rewards.code import code_reward
 
 RewardFn = Callable[[str, str, "str | None", dict[str, Any]], float]
 
@@ -40,6 +41,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "exact_match": exact_match_reward,
     "arithmetic": arithmetic_reward,
     "gsm8k": gsm8k_reward,
+    "code": code_reward,
 }
 
 

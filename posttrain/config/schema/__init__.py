@@ -35,6 +35,7 @@ from posttrain.config.schema.roles import (
 )
 from posttrain.config.schema.rollout import RolloutConfig
 from posttrain.config.schema.run import AsyncTrainingConfig, SFTConfig, TrainerConfig
+from posttrain.config.schema.sandbox import SandboxConfig
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -60,6 +61,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "SFTConfig",
+    "SandboxConfig",
     "ShardingConfig",
     "TrainerConfig",
 ]
@@ -80,3 +82,4 @@ class PostTrainConfig:
     trainer: TrainerConfig = section(TrainerConfig)
     async_training: AsyncTrainingConfig = section(AsyncTrainingConfig)
     sft: SFTConfig = section(SFTConfig)
+    sandbox: SandboxConfig = section(SandboxConfig)

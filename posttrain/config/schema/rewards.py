@@ -71,7 +71,7 @@ class RewardConfig:
 
     function: str = knob(
         "",
-        "Reward function: a built-in name (exact_match, arithmetic, gsm8k) or 'path/to/file.py:fn'. "
+        "Reward function: a built-in name (exact_match, arithmetic, gsm8k, code) or 'path/to/file.py:fn'. "
         "Empty: the task's own reward.",
     )
     timeout_s: float = knob(10.0, "Seconds one reward call may take (0 disables the guard).", min=0.0)

@@ -1,0 +1,92 @@
+"""The sandbox a run uses, built once from the `sandbox` config section: a backend, and parallel runs bounded
+by ``sandbox.max_concurrent``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from posttrain.config.errors import ConfigError
+from posttrain.config.schema.sandbox import SandboxConfig
+from posttrain.sandbox.fusion import FusionSandbox
+from posttrain.sandbox.local import LocalSandbox
+from posttrain.sandbox.types import Limits, RunRequest, RunResult
+
+
+class Backend(Protocol):
+    name: str
+    limits: Limits
+
+    def run(self, request: RunRequest) -> RunResult: ...
+
+    def describe(self) -> str: ...
+
+
+class Sandbox:
+    """A backend behind a concurrency limit: at most ``max_concurrent`` runs at once, whoever calls."""
+
+    def __init__(self, backend: Backend, max_concurrent: int = 4) -> None:
+        self.backend = backend
+        self.max_concurrent = max_concurrent
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def limits(self) -> Limits:
+        return self.backend.limits
+
+    def describe(self) -> str:
+        return f"{self.backend.describe()}; {self.limits.describe()}; {self.max_concurrent} at once"
+
+    def run(self, request: RunRequest) -> RunResult:
+        with self._slots:
+            return self.backend.run(request)
+
+    def run_many(self, requests: Sequence[RunRequest]) -> list[RunResult]:
+        """Results in the order of ``requests``, run up to ``max_concurrent`` at a time."""
+        if len(requests) <= 1:
+            return [self.run(r) for r in requests]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="sandbox")
+        return list(self._pool.map(self.run, requests))
+
+    def probe(self) -> RunResult:
+        """One trivial program: does the sandbox work at all?"""
+        return self.run(RunRequest("print(6 * 7)"))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def build_sandbox(cfg: SandboxConfig) -> Sandbox:
+    """The sandbox of ``cfg``; a ConfigError (what to install or set) when it cannot work here."""
+    limits = Limits.from_config(cfg)
+    if cfg.backend == "sandbox_fusion":
+        fusion = cfg.sandbox_fusion
+        backend: Backend = FusionSandbox(fusion.url, limits, fusion.request_timeout_s, fusion.max_retries)
+    else:
+        backend = LocalSandbox(limits, cfg.bwrap_path, cfg.unsafe_no_isolation)
+    return Sandbox(backend, cfg.max_concurrent)
+
+
+def probe_line(cfg: SandboxConfig) -> str:
+    """One line for `posttrain explain`: the sandbox, its limits, and one trivial run through it; a ConfigError
+    when the sandbox cannot run code here."""
+    box = build_sandbox(cfg)
+    try:
+        result = box.probe()
+    finally:
+        box.close()
+    if result.status != "finished" or result.stdout.strip() != "42":
+        detail = (result.stderr or result.stdout).strip()[-300:]
+        raise ConfigError(
+            f"the sandbox ({box.describe()}) cannot run a trivial program: status {result.status}, {detail!r}; "
+            "check the sandbox.* keys (docs/sandbox.md)"
+        )
+    return f"sandbox: {box.describe()}; probe: print(6 * 7) -> 42 in {result.duration_s:.2f} s"

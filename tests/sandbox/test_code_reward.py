@@ -1,0 +1,92 @@
+"""The built-in code reward, run in the real sandbox on the tiny code dataset's formats."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.errors import ConfigError
+from posttrain.config.schema.sandbox import SandboxConfig
+from posttrain.rewards import RewardInput, RewardRunner, resolve_reward_function
+from posttrain.rewards.code import COUNTS, CodeReward, configure_code_reward, extract_code
+from posttrain.sandbox.build import Sandbox
+
+ROWS = [json.loads(line) for line in (Path(__file__).parents[2] / "examples/code/tiny_code.jsonl").open()]
+SUM = ROWS[0]["answer"]  # stdin/stdout: a + b
+ADD = ROWS[3]["answer"]  # call-based: add(a, b)
+
+
+@pytest.fixture(scope="module")
+def reward(sandbox):
+    return CodeReward(Sandbox(sandbox, max_concurrent=2))
+
+
+def block(code: str) -> str:
+    return f"Here is my answer:\n```python\n{code}\n```\nDone."
+
+
+def test_extract_code_takes_the_last_python_block():
+    text = "```\nnot this\n```\n```python\nprint(1)\n```\n```text\nout\n```"
+    assert extract_code(text) == "print(1)"
+    assert extract_code("print(2)") == "print(2)"
+
+
+def test_stdin_stdout_cases(reward):
+    assert reward("", block("a, b = map(int, input().split())\nprint(a + b)"), SUM, {}) == 1.0
+    assert reward(
+        "", block("a, b = map(int, input().split())\nprint(a + b if a else 99)"), SUM, {}
+    ) == pytest.approx(2 / 3)
+    reward_all = CodeReward(reward.sandbox, mode="all_or_nothing")
+    assert (
+        reward_all("", block("a, b = map(int, input().split())\nprint(a + b if a else 99)"), SUM, {}) == 0.0
+    )
+
+
+def test_call_based_cases_and_a_solution_class(reward):
+    assert reward("", block("def add(a, b):\n    return a + b"), ADD, {}) == 1.0
+    leetcode = "class Solution:\n    def add(self, a, b):\n        return a + b if a > 1 else -1"
+    assert reward("", block(leetcode), ADD, {}) == pytest.approx(1 / 3)
+
+
+def test_compile_errors_and_timeouts_score_zero_and_are_counted(sandbox):
+    reward = CodeReward(Sandbox(sandbox, max_concurrent=2))
+    before = COUNTS.copy()
+    assert reward("", block("def add(a, b) return a + b"), ADD, {}) == 0.0
+    assert COUNTS["compile_errors"] - before["compile_errors"] == 1
+    assert COUNTS["cases"] - before["cases"] == 1  # not run on the other cases
+    slow = CodeReward(Sandbox(sandbox.__class__(sandbox.limits.__class__(time_limit_s=1)), 2))
+    assert slow("", block("while True: pass"), SUM, {}) == 0.0
+    assert COUNTS["time_limits"] - before["time_limits"] == 3
+
+
+def test_malformed_test_cases_are_a_config_error(reward):
+    with pytest.raises(ConfigError, match="one output per input"):
+        reward("", "print(1)", json.dumps({"inputs": ["1"], "outputs": []}), {})
+    with pytest.raises(ConfigError, match="needs test cases"):
+        reward("", "print(1)", None, {})
+
+
+def test_code_is_a_built_in_reward_configured_from_the_sandbox_section():
+    fn = resolve_reward_function("code")
+    configure_code_reward(SandboxConfig(max_concurrent=2, time_limit_s=5))
+    assert (
+        fn(
+            "",
+            block("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)"),
+            ROWS[5]["answer"],
+            {},
+        )
+        == 1.0
+    )
+
+
+def test_the_code_reward_behind_the_guarded_runner(sandbox):
+    configure_code_reward(SandboxConfig(max_concurrent=2, time_limit_s=5))
+    samples = [
+        RewardInput("", block("def add(a, b):\n    return a + b"), ADD),
+        RewardInput("", block("def add(a, b):\n    return a - b"), ADD),  # wrong on every case
+        RewardInput("", "no code here, just words", SUM),
+    ]
+    with RewardRunner(resolve_reward_function("code"), timeout_s=60) as runner:  # in a forked worker
+        rewards, _ = runner.score(samples)
+    assert rewards == [1.0, 0.0, 0.0]

