@@ -13,6 +13,8 @@ from posttrain.forward.passes import critic_values, policy_logprobs, response_hi
 from posttrain.models.critic import CriticModel
 from tests.helpers import assert_fp32_close
 
+pytestmark = pytest.mark.numerics  # runs again under other CPU instruction sets in CI
+
 CONFIG = dict(
     vocab_size=97,
     hidden_size=32,
