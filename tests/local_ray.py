@@ -13,6 +13,7 @@ posttrain.parallel.ray_local), that leaves nothing behind:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def local_ray(tmp_path: Path, num_cpus: int):
     temp_dir = tempfile.mkdtemp(prefix="ray-")
     (tmp_path / "ray-session").symlink_to(temp_dir)
     token = f"{MARK}={uuid.uuid4().hex}"
-    watchdog = _start_watchdog(token, temp_dir)
+    watchdog = _start_watchdog(token, temp_dir) if sys.platform.startswith("linux") else None  # reads /proc
     os.environ[MARK] = token.split("=", 1)[1]  # only the processes Ray starts now inherit it
     try:
         start_or_join(ray, num_cpus=num_cpus, _temp_dir=temp_dir)
@@ -94,8 +95,11 @@ def local_ray(tmp_path: Path, num_cpus: int):
         try:
             ray.shutdown()
         finally:
-            watchdog.stdin.close()  # anything left is killed, the directory removed
-            watchdog.wait(timeout=30)
+            if watchdog is None:
+                shutil.rmtree(temp_dir, ignore_errors=True)
+            else:
+                watchdog.stdin.close()  # anything left is killed, the directory removed
+                watchdog.wait(timeout=30)
 
 
 def _start_watchdog(token: str, temp_dir: str) -> subprocess.Popen:
