@@ -12,6 +12,7 @@ posttrain.parallel.ray_local), that leaves nothing behind:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -147,9 +148,13 @@ def listening_addresses(pids: list[int]) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for pid in pids:
         try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone
             continue
+        links = []
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         inodes = [link[8:-1] for link in links if link.startswith("socket:[")]
         out[pid] = [listening[i] for i in inodes if i in listening]
     return out
