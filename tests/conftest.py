@@ -1,12 +1,34 @@
 """Shared test setup: small thread pools (CI has 2 cores), a private cache, tiny model directories."""
 
 import os
+import signal
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    from tests.local_ray import stop_on_sigterm
+
+    stop_on_sigterm()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A SIGTERM that reached the test as an exception (posttrain's handler raises Terminated, Ray's driver
+    handler SystemExit(15)) stops the session after this test, its fixtures torn down, as Ctrl-C does."""
+    from posttrain.utils.signals import Terminated
+
+    report = yield
+    exc = call.excinfo
+    if exc is not None and (
+        exc.errisinstance(Terminated) or (exc.errisinstance(SystemExit) and exc.value.code == signal.SIGTERM)
+    ):
+        item.session.shouldstop = "terminated (SIGTERM)"
+    return report
 
 
 def _tiny_model(tmp_path_factory, name: str, hidden_size: int, intermediate_size: int):

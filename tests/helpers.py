@@ -111,6 +111,28 @@ class GradCapture(torch.optim.Optimizer):
         self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
 
 
+FP32_EPS = torch.finfo(torch.float32).eps  # 1.19e-7
+
+
+def assert_fp32_close(actual, expected, *, ulps: float = 64, msg: str = ""):
+    """Equivalence tests say which kind they are. *Bit-exact* ones use ``torch.equal``: the same kernels on the
+    same shapes in the same order, so the result cannot depend on the CPU. *fp32-close* ones use this: the same
+    maths in another order of float32 operations (another width, kernel, matmul blocking or reduction order;
+    the CPU's instruction set changes all of these: AVX-512, AVX2 and the scalar kernels round differently).
+    Rounding error in a sum scales with its terms, not its result, so every element may differ by ``ulps``
+    float32 epsilons of the tensor's largest magnitude (seen: up to 6 on AVX2 for a 2-layer model's
+    gradients; the default leaves 10x room)."""
+    scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
+    atol = ulps * FP32_EPS * max(scale, torch.finfo(torch.float32).tiny)
+    torch.testing.assert_close(
+        actual,
+        expected,
+        rtol=0,
+        atol=atol,
+        msg=lambda m: f"{msg} (fp32-close, {ulps} ulps of {scale:.3g}): {m}",
+    )
+
+
 def assert_grads_equal(grads, ref, what):
     assert any(float(g.abs().max()) > 1e-4 for g in ref), (
         "reference gradient is zero: the test would be vacuous"

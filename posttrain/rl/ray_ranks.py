@@ -15,8 +15,8 @@ set), not at import.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import logging
 import os
 import signal
 import socket
@@ -29,6 +29,7 @@ import torch
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.parallel.ray_local import loopback_rank_env, start_or_join
 from posttrain.parallel.runtime import launched_world_size
 from posttrain.rl.checks import check_async_training, require_ray
 from posttrain.rl.loop import run_training
@@ -43,6 +44,7 @@ PLACEMENT_TIMEOUT_S = (
 LOG_FLUSH_S = 1.0  # how long the driver waits for Ray to forward the ranks' last output lines
 LOCK_WAIT_S = 60  # how long a restart waits for the failed rank 0's process (and its run_dir lock) to go
 WAIT_POLL_S = 0.5  # how often the driver looks up from waiting on the ranks (signals are handled then)
+USER_ERROR_GRACE_S = 10.0  # after a rank fails, how long the driver looks for a config error among the others
 
 
 class RanksFailed(RuntimeError):
@@ -109,8 +111,11 @@ class TrainerRank:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), gpus
 
     def free_port(self) -> int:
+        """A port free on this rank's node address (where rank 0 will listen)."""
+        import ray
+
         with socket.socket() as s:
-            s.bind(("", 0))
+            s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
     def train(self, cfg: PostTrainConfig, env: dict[str, str]) -> dict[str, float]:
@@ -147,9 +152,7 @@ def run_on_ray(cfg: PostTrainConfig) -> dict[str, float]:
     """
     ray = check_launch(cfg)
     t = cfg.trainer
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address=t.ray_address or None, include_dashboard=False, logging_level=logging.WARNING)
+    started = start_or_join(ray, t.ray_address)  # a local start listens on loopback only
     stop = _StopRequests().install()  # Ctrl-C and SIGTERM stop the ranks on the way out
     try:
         attempt = 0
@@ -227,8 +230,8 @@ def _attempt(ray, cfg: PostTrainConfig, attempt: int, stop: _StopRequests) -> di
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
             options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=strategy)
             actors.append(rank_class.options(**options).remote(i))
-        places = _gather(ray, [a.where.remote() for a in actors])
-        port = _gather(ray, [actors[0].free_port.remote()])[0]
+        places = _gather(ray, [a.where.remote() for a in actors], stop)
+        port = _gather(ray, [actors[0].free_port.remote()], stop)[0]
         envs = rank_envs(places, port, cpus, attempt)
         nodes = sorted({ip for _, ip, _ in places})
         print(
@@ -243,12 +246,18 @@ def _attempt(ray, cfg: PostTrainConfig, attempt: int, stop: _StopRequests) -> di
         remove_placement_group(group)
 
 
-def _gather(ray, refs: list) -> list:
-    """The answers of the ranks' setup calls; a rank whose process could not start counts as lost."""
+def _gather(ray, refs: list, stop: _StopRequests) -> list:
+    """The answers of the ranks' setup calls; a rank whose process could not start counts as lost. (Starting
+    a rank's process can take minutes on a busy machine: Ctrl-C and SIGTERM are acted on meanwhile.)"""
+    deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=WAIT_POLL_S)
+        stop.check()
     answers = []
     for rank, ref in enumerate(refs):
         try:
-            answers.append(ray.get(ref, timeout=PLACEMENT_TIMEOUT_S))
+            answers.append(ray.get(ref, timeout=0 if ref in pending else None))
         except ray.exceptions.RayError as exc:
             raise _RankLost(rank, f"could not start where Ray placed it ({_first_line(exc)})") from None
     return answers
@@ -272,7 +281,7 @@ def rank_envs(places: list[tuple[str, str, list[str]]], port: int, cpus: int, at
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": str(cpus),
             MARKER: str(attempt),
-        }
+        } | loopback_rank_env(places[0][1])  # Ray started here: every rank on loopback
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(places[m][2][0] for m in mates)
         # The driver's own POSTTRAIN_* settings (the model cache, ...) hold on every node.
@@ -292,15 +301,32 @@ def _wait(ray, refs: list, stop: _StopRequests) -> dict[str, float]:
             continue
         rank = refs.index(done[0])
         try:
-            results[rank] = ray.get(done[0])
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None) or exc
-            if isinstance(cause, ConfigError):  # a user error: starting again would fail the same way
-                raise ConfigError(f"trainer rank {rank}: {cause}") from None
-            raise _RankLost(rank, f"failed: {type(cause).__name__}: {_first_line(cause)}") from None
-        except ray.exceptions.RayError as exc:  # the process died: killed, out of memory, its node lost
-            raise _RankLost(rank, f"died ({_first_line(exc)})") from None
+            results[rank] = _result(ray, rank, done[0])
+        except _RankLost:
+            # A user error on one rank makes its peers fail too (their group is gone), and on a busy machine
+            # their failure may come first: a config error among the failures of the next moments wins.
+            deadline = time.monotonic() + USER_ERROR_GRACE_S
+            while pending and time.monotonic() < deadline:
+                late, pending = ray.wait(pending, num_returns=len(pending), timeout=WAIT_POLL_S)
+                stop.check()
+                for ref in late:
+                    with contextlib.suppress(_RankLost):
+                        _result(ray, refs.index(ref), ref)
+            raise
     return results[0]
+
+
+def _result(ray, rank: int, ref) -> dict:
+    """A finished rank's result; its user error as a ConfigError, any other failure as _RankLost."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, ConfigError):  # a user error: starting again would fail the same way
+            raise ConfigError(f"trainer rank {rank}: {cause}") from None
+        raise _RankLost(rank, f"failed: {type(cause).__name__}: {_first_line(cause)}") from None
+    except ray.exceptions.RayError as exc:  # the process died: killed, out of memory, its node lost
+        raise _RankLost(rank, f"died ({_first_line(exc)})") from None
 
 
 def _first_line(exc: BaseException) -> str:

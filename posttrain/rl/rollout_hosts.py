@@ -15,6 +15,7 @@ from pathlib import Path
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.parallel.ray_local import start_or_join
 from posttrain.rl.checks import require_ray
 from posttrain.rl.rollout_worker import ProcessRolloutWorker, RolloutWorker
 
@@ -103,11 +104,7 @@ def start_ray_host(cfg: PostTrainConfig, model_path: Path, version: int, sampler
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     a = cfg.async_training
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address=cfg.trainer.ray_address or None, include_dashboard=False, logging_level=logging.WARNING
-        )
+    started = start_or_join(ray, cfg.trainer.ray_address)  # a local start listens on loopback only
     bundle = {"CPU": a.rollout_num_cpus} | ({"GPU": a.rollout_num_gpus} if a.rollout_num_gpus else {})
     group = placement_group([bundle], strategy="PACK", name="posttrain-rollout")
     try:

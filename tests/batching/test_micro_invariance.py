@@ -23,6 +23,8 @@ from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from posttrain.algorithms.value_loss import compute_value_loss
 
+pytestmark = pytest.mark.numerics  # runs again under other CPU instruction sets in CI
+
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[MicroBatch, LossNormalizer], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 

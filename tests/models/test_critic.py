@@ -7,6 +7,8 @@ from posttrain.models.critic import VALUE_HEAD_FILE, CriticModel
 from posttrain.models.hf import load_causal_lm
 from posttrain.models.tiny import create_tiny_model_dir
 
+pytestmark = pytest.mark.numerics  # runs again under other CPU instruction sets in CI
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):

@@ -129,6 +129,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(600)
 def test_fsdp2_two_ranks_train_the_same_adapters_as_one_process(tmp_path):
     import torch.multiprocessing as mp
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,9 +54,48 @@ def torchrun(nproc: int, scenario: str, out: Path, options: dict, timeout: float
         str(out),
         *[f"{k}={v}" for k, v in options.items()],
     ]
-    proc = subprocess.run(cmd, env=loopback_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    ray_dir = tempfile.mkdtemp(prefix="ray-")  # where a rank that starts Ray puts its files (short: sockets)
+    env = loopback_env(RAY_TMPDIR=ray_dir)
+    proc = start_group(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        end_group(proc)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and proc.returncode != 0:
         pytest.fail(
             f"torchrun {scenario} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# Kills the process group named on its command line once its stdin closes: when the test process closes it, or
+# dies, however (SIGKILL included).
+REAPER = """
+import os, signal, sys
+sys.stdin.buffer.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except OSError:
+    pass
+"""
+
+
+def start_group(cmd: list[str], **popen) -> subprocess.Popen:
+    """Popen in a process group of its own (torchrun, its ranks and whatever they start, Ray included),
+    which ends with :func:`end_group` or with this process, whichever comes first."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    proc.reaper = subprocess.Popen(  # type: ignore[attr-defined]
+        [sys.executable, "-c", REAPER, str(proc.pid)], stdin=subprocess.PIPE, start_new_session=True
+    )
+    return proc
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of the group (nothing, after a clean exit), and the reaper."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.reaper.stdin.close()  # type: ignore[attr-defined]
+    proc.reaper.wait()  # type: ignore[attr-defined]

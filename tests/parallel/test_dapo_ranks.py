@@ -7,7 +7,7 @@ import pytest
 
 from tests.parallel.test_distributed_training import _metrics, _options, _run, _same_training
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]  # a hung job fails the test, its processes killed
 
 REWARD = """
 def half(prompt, response, ground_truth, extra):

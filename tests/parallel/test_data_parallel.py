@@ -12,7 +12,7 @@ import torch
 from tests.parallel.conftest import torchrun
 from tests.parallel.update_case import run_update_case
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]  # a hung job fails the test, its processes killed
 
 ACTOR = {
     "data.train_batch_size": 4,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel.conftest import REPO, WORKERS, free_port, loopback_env, torchrun
+from tests.parallel.conftest import REPO, WORKERS, end_group, free_port, loopback_env, start_group, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]  # a hung job fails the test, its processes killed
 
 
 def _options(model_dir, run_dir: Path, **extra) -> dict:
@@ -152,7 +152,7 @@ def test_a_dead_or_hung_rank_ends_the_job(tmp_path, tiny_model_dir, how):
         *[f"{k}={v}" for k, v in options.items()],
     ]
     (tmp_path / "out").mkdir()
-    launcher = subprocess.Popen(
+    launcher = start_group(
         cmd, env=loopback_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
@@ -170,6 +170,7 @@ def test_a_dead_or_hung_rank_ends_the_job(tmp_path, tiny_model_dir, how):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        end_group(launcher)  # the ranks too
     assert launcher.returncode != 0
     assert took < 8 + 60, f"the job took {took:.0f} s to stop"
     if how == "killed":

@@ -11,7 +11,7 @@ import pytest
 from tests.parallel.conftest import torchrun
 from tests.parallel.test_distributed_training import _metrics, _options, _run, _same_training
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]  # a hung job fails the test, its processes killed
 
 # Checkpointing moves the model's state (its size, not the batch's): left out of the step's bytes.
 CHECKPOINT_CALLERS = ("posttrain.train.", "posttrain.rl.guards:")

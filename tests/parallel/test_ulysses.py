@@ -212,11 +212,13 @@ def sp_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(600)  # the first test also starts the ranks (the module fixture)
 def test_collectives_match_their_definitions(sp_results):
     assert all(v < 1e-6 for v in sp_results["collectives"].values()), sp_results["collectives"]
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_sp2_equals_single_process(sp_results, name):
     errors = sp_results[name]

@@ -11,7 +11,7 @@ from tests.helpers import VOWELS_REWARD
 from tests.parallel.conftest import REPO, free_port, loopback_env
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.dist]
+pytestmark = [pytest.mark.vllm, pytest.mark.dist, pytest.mark.timeout(1200)]
 
 
 def run(model_dir, run_dir, nproc: int) -> list[dict]:

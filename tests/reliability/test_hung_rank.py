@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from posttrain.parallel.runtime import is_collective_failure
 
+pytestmark = pytest.mark.timeout(600)  # the subprocesses have their own deadlines too
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("hung_rank_worker.py")
 

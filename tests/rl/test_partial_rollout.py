@@ -19,6 +19,7 @@ from posttrain.rl.rollout_side import GeneratedStep, StartedStep
 from posttrain.rollout.base import RolloutResult, SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
 from tests.helpers import read_metrics, small_config
+from tests.local_ray import local_ray
 
 STEPS = ("trainer.total_steps=4", "trainer.export_hf=false")
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")
@@ -240,13 +241,15 @@ def test_partial_rollouts_run_with_greedy_baselines(tiny_model_dir, tmp_path):
     assert all(m["async/partial_samples"] > 0 and m["response_length/max"] <= 6 for m in metrics)
 
 
+@pytest.mark.timeout(600)
 def test_a_ray_worker_runs_the_partial_rollouts_of_the_rollout_thread(tiny_model_dir, tmp_path):
     """The worker's started responses stay in its process between start and finish: a Ray-placed worker
     produces the thread's run."""
     pytest.importorskip("ray")
     extra = (*PARTIAL, "async_training.partial_rollout_tokens=3")
     thread = _run(tiny_model_dir, tmp_path / "thread", *extra)
-    ray = _run(tiny_model_dir, tmp_path / "ray", *extra, "async_training.rollout_worker=ray")
+    with local_ray(tmp_path, num_cpus=2):  # the run joins it (tests/local_ray.py: nothing is left behind)
+        ray = _run(tiny_model_dir, tmp_path / "ray", *extra, "async_training.rollout_worker=ray")
     for t, r in zip(thread, ray, strict=True):
         for key in (*COMPARED, "async/policy_version", "async/partial_samples", "async/tokens_from_newest"):
             assert r[key] == t[key], (t["step"], key)

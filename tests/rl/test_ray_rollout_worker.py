@@ -20,9 +20,11 @@ from posttrain.rl.build import check_run
 from posttrain.rl.loop import run_training
 from posttrain.train.checkpoint import list_checkpoints
 from tests.helpers import read_metrics, small_config
+from tests.local_ray import local_ray
 
 if os.environ.get("CI") != "true":
     pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(600)  # bounded; the fixture stops Ray
 
 STEPS = ("trainer.total_steps=4", "trainer.export_hf=false")
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")
@@ -30,13 +32,11 @@ RAY = ("async_training.enable=true", "async_training.rollout_worker=ray")
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    """One local Ray instance for the module (a run joins it rather than starting its own)."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
+def ray_instance(tmp_path_factory):
+    """One local Ray instance for the module (a run joins it rather than starting its own), on loopback, gone
+    with the module (tests/local_ray.py)."""
+    with local_ray(tmp_path_factory.mktemp("ray"), num_cpus=2) as ray:
+        yield ray
 
 
 def _run(model_dir, run_dir, *extra):

@@ -1,0 +1,69 @@
+"""Starting Ray on this machine, or joining a cluster (`trainer.ray_address`).
+
+A Ray instance that posttrain starts itself serves this machine only, so it listens on loopback only: Ray's
+GCS, raylet, workers and agents accept connections on their ports, and whoever reaches a Ray head can run
+code on it. Ray binds to its node address, and turns a loopback node address into the machine's external
+one unless Ray clusters are switched off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when ray is imported
+and inherited by the processes Ray starts): a local start sets both, for the time of ``ray.init``, starts
+no dashboard, and the ranks Ray places there get a loopback ``MASTER_ADDR`` (their node's address) and
+``GLOO_SOCKET_IFNAME=lo`` (``loopback_rank_env``). Joining a cluster leaves its network setup to whoever
+started it (docs/distributed.md says how to secure one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import contextmanager
+
+LOOPBACK = "127.0.0.1"
+CLUSTERS_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def start_or_join(ray, address: str = "", **init_options) -> bool:
+    """Join the cluster at ``address``, or (empty) start a Ray instance on this machine bound to loopback;
+    nothing when this process already joined one. Returns whether Ray was started or joined here (the
+    caller then shuts it down). ``init_options`` go to ``ray.init`` (``num_cpus``, ``_temp_dir``)."""
+    if ray.is_initialized():
+        return False
+    options = {"include_dashboard": False, "logging_level": logging.WARNING} | init_options
+    if address:
+        ray.init(address=address, **options)
+        return True
+    with _clusters_off(ray):
+        # "local": a new instance even where another runs on this machine (that one may listen elsewhere).
+        ray.init(address="local", _node_ip_address=LOOPBACK, **options)
+    return True
+
+
+@contextmanager
+def _clusters_off(ray):
+    import ray._private.ray_constants as constants  # the switch, as read when ray was imported
+
+    before_env, before = os.environ.get(CLUSTERS_VARIABLE), getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[CLUSTERS_VARIABLE] = "0"
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if before_env is None:
+            os.environ.pop(CLUSTERS_VARIABLE, None)
+        else:
+            os.environ[CLUSTERS_VARIABLE] = before_env
+        if before is None:
+            del constants.ENABLE_RAY_CLUSTER
+        else:
+            constants.ENABLE_RAY_CLUSTER = before
+
+
+def is_loopback(address: str) -> bool:
+    return address == "localhost" or address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1")
+
+
+def loopback_rank_env(master_addr: str) -> dict[str, str]:
+    """torch.distributed's interface for ranks whose rank 0 listens on ``master_addr``: loopback when that is a
+    loopback address (all ranks on this machine), else whatever gloo picks."""
+    if not is_loopback(master_addr):
+        return {}
+    return {"GLOO_SOCKET_IFNAME": "lo" if sys.platform.startswith("linux") else "lo0"}
