@@ -124,8 +124,10 @@ class KeywordReward:
 
 class VerlReward:
     """verl's ``compute_score``: data_source is the record's ``data_source`` field, else the task or file
-    name; solution_str is the response; extra_info is the record's other fields. Only the keywords the
-    function declares are passed (older verl scorers take ``(solution_str, ground_truth)``)."""
+    name; solution_str is the response; extra_info is the row's own ``extra_info`` field when it has one (as
+    verl passes it), else the record's other fields. Only the keywords the function declares are passed
+    (older verl scorers take ``(solution_str, ground_truth)``). A reward in our style still sees every other
+    field of the row in ``extra`` (``data_source``, ``ability``, ``reward_model``, ``extra_info``)."""
 
     def __init__(self, fn: Callable[..., Any], names: set[str], data_source: str) -> None:
         self.fn, self.names, self.data_source = fn, names, data_source
@@ -135,7 +137,7 @@ class VerlReward:
             "data_source": extra.get("data_source", self.data_source),
             "solution_str": response,
             "ground_truth": ground_truth,
-            "extra_info": extra,
+            "extra_info": extra["extra_info"] if isinstance(extra.get("extra_info"), dict) else extra,
         }
         return self.fn(**{k: v for k, v in values.items() if k in self.names})
 
