@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import ConfigError
+from posttrain.data.scorers import gsm8k_flexible, gsm8k_strict, math_verify_score, score_by_data_source
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
 
@@ -40,6 +41,10 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "exact_match": exact_match_reward,
     "arithmetic": arithmetic_reward,
     "gsm8k": gsm8k_reward,
+    "gsm8k_strict": gsm8k_strict,
+    "gsm8k_flexible": gsm8k_flexible,
+    "math_verify": math_verify_score,
+    "data_source": score_by_data_source,  # the scorer registered for each row's data_source (verl's default)
 }
 
 

@@ -36,6 +36,8 @@ OPTIONAL = {
     "flash_attn",
     "trl",
     "matplotlib",
+    "math_verify",
+    "reasoning_gym",
     "torch.utils.tensorboard",
 }
 

@@ -30,7 +30,15 @@ def user_file(tmp_path):
 
 
 def test_registry_names():
-    assert set(REWARD_FUNCTIONS) == {"exact_match", "arithmetic", "gsm8k"}
+    assert set(REWARD_FUNCTIONS) == {
+        "exact_match",
+        "arithmetic",
+        "gsm8k",
+        "gsm8k_strict",
+        "gsm8k_flexible",
+        "math_verify",
+        "data_source",
+    }
     for name, fn in REWARD_FUNCTIONS.items():
         assert resolve_reward_function(name) is fn
 
@@ -83,5 +91,7 @@ def test_import_error_names_spec(tmp_path):
 
 
 def test_unknown_name():
-    with pytest.raises(ValueError, match=r"neither a built-in \(\['arithmetic', 'exact_match', 'gsm8k'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"neither a built-in \(\['arithmetic', 'data_source', 'exact_match', 'gsm8k', "
+    ):
         resolve_reward_function("exactmatch")
