@@ -87,3 +87,13 @@ def test_unknown_data_source_is_an_error_listing_the_known_ones(tmp_path):
     cfg = build_config(overrides=[f"data.train_files=[{path}]", "reward.function="])
     with pytest.raises(ConfigError, match=r"'my/own'.*known: .*lighteval/MATH.*compute_score"):
         load_splits(cfg)
+
+
+def test_preflight_accepts_data_source_dispatch(tmp_path):
+    from posttrain.tools.preflight import _check_reward
+
+    good = _write(tmp_path / "good.parquet", "openai/gsm8k")
+    _check_reward(build_config(overrides=[f"data.train_files=[{good}]", "reward.function="]), "train")
+    bad = _write(tmp_path / "bad.parquet", "my/own")
+    with pytest.raises(ConfigError, match="my/own"):
+        _check_reward(build_config(overrides=[f"data.train_files=[{bad}]", "reward.function="]), "train")
