@@ -26,6 +26,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.data.scorers import gsm8k_flexible, gsm8k_strict, math_verify_score, score_by_data_source
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
+from posttrain.data.tasks.reasoning_gym import reasoning_gym_reward
 
 RewardFn = Callable[[str, str, "str | None", dict[str, Any]], float]
 
@@ -44,6 +45,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "gsm8k_strict": gsm8k_strict,
     "gsm8k_flexible": gsm8k_flexible,
     "math_verify": math_verify_score,
+    "reasoning_gym": reasoning_gym_reward,
     "data_source": score_by_data_source,  # the scorer registered for each row's data_source (verl's default)
 }
 

@@ -37,6 +37,7 @@ def test_registry_names():
         "gsm8k_strict",
         "gsm8k_flexible",
         "math_verify",
+        "reasoning_gym",
         "data_source",
     }
     for name, fn in REWARD_FUNCTIONS.items():
