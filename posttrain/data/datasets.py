@@ -284,6 +284,19 @@ def tokenize_prompts(
     return TokenizedPrompts(prompt_ids=kept_ids, records=kept, n_filtered=len(records) - len(kept))
 
 
+def warn_dropped(n_dropped: int, n_total: int, what: str, max_prompt_length: int) -> None:
+    """Log how many ``what`` prompts were dropped for exceeding data.max_prompt_length (nothing when none)."""
+    if n_dropped:
+        log.warning(
+            "%d of %d %s prompts are longer than data.max_prompt_length=%d tokens and were dropped "
+            "(raise data.max_prompt_length to keep them)",
+            n_dropped,
+            n_total,
+            what,
+            max_prompt_length,
+        )
+
+
 def encode_prompt(
     prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool, where: str = "prompt"
 ) -> list[int]:
