@@ -16,7 +16,6 @@ verl's names). The rules are data (:data:`RULES`); docs/migrating-from-verl.md p
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -250,14 +249,12 @@ def _apply(
             )
         return Translation(key, ours, value, rule.why)
     if rule.kind == IGNORE and (harmless or not rule.allowed):
-        warnings.warn(f"verl key {key}={value} is ignored: {rule.why}", stacklevel=3)
+        log.warning("verl key %s=%s is ignored: %s", key, value, rule.why)
         return Translation(key, "", value, rule.why)
     if rule.kind == ERROR and harmless:
         return Translation(key, "", value, f"{value} is posttrain's behaviour too")
     if key == "trainer.total_epochs" and "trainer.total_training_steps" in values:
-        warnings.warn(
-            f"verl key {key}={value} is ignored: trainer.total_training_steps decides", stacklevel=3
-        )
+        log.warning("verl key %s=%s is ignored: trainer.total_training_steps decides", key, value)
         return Translation(key, "", value, "trainer.total_training_steps decides")
     shown = f" (accepted: {', '.join(rule.allowed)})" if rule.allowed else ""
     raise ConfigError(f"verl key '{key}' = {value!r} has no posttrain counterpart{shown}: {rule.why}")

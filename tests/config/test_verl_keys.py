@@ -1,8 +1,6 @@
 """verl's key names translate to posttrain's: the override lists of verl's GSM8K example scripts (copied here as
 data) map key by key or fail with an error naming the key; nothing is dropped without a word."""
 
-import warnings
-
 import pytest
 
 from posttrain.config.errors import ConfigError
@@ -162,30 +160,30 @@ trainer.total_steps=2
 """.split()
 
 
-def accounted(overrides):
+def accounted(overrides, caplog):
     """Every verl key of ``overrides`` either kept as a posttrain key or recorded as translated/ignored."""
     values = parse_overrides(overrides)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain"):
         out, done = translate_verl_keys(values, is_key)
     seen = {t.verl for t in done} | {k for k in values if is_key(k) and find_rule(k) is None}
     assert seen == set(values), f"dropped without a word: {set(values) - seen}"
-    return out, done, [str(w.message) for w in caught]
+    return out, done, [r.getMessage() for r in caplog.records]
 
 
-def test_verl_ppo_example_translates_to_the_hand_written_config():
-    _, done, warned = accounted(VERL_PPO)
+def test_verl_ppo_example_translates_to_the_hand_written_config(caplog):
+    _, done, warned = accounted(VERL_PPO, caplog)
     assert any("trainer.n_gpus_per_node=8 is ignored" in w for w in warned)
     assert any("trainer.total_epochs=15 is ignored" in w for w in warned)
     assert {t.verl: t.ours for t in done}["critic.model.path"] == "critic.model_path"
     assert build_config(overrides=VERL_PPO) == build_config(overrides=OURS_PPO)
 
 
-def test_verl_grpo_example_needs_steps_not_epochs():
+def test_verl_grpo_example_needs_steps_not_epochs(caplog):
     with pytest.raises(ConfigError, match=r"'trainer.total_epochs' = '15'.*trainer.total_training_steps"):
         build_config(overrides=VERL_GRPO)
     fixed = [*VERL_GRPO, "trainer.total_training_steps=100"]
-    accounted(fixed)
+    accounted(fixed, caplog)
     assert build_config(overrides=fixed) == build_config(overrides=[*OURS_GRPO, "trainer.total_steps=100"])
 
 
