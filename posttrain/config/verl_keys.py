@@ -295,3 +295,7 @@ def translation_markdown() -> str:
     lines = ["| verl key | posttrain | note |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in translation_table()]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # regenerates the table in docs/migrating-from-verl.md
+    print(translation_markdown(), end="")
