@@ -19,7 +19,7 @@ import yaml
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.validate import check_config, check_value
-from posttrain.config.verl_keys import translate_verl_keys
+from posttrain.config.verl_keys import LAST_TRANSLATED, translate_verl_keys
 
 _NONE_WORDS = {"null", "none", "~"}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
@@ -219,6 +219,7 @@ def build_config(
     """Defaults from the schema, then each YAML file in order, then dotted overrides. Keys written with verl's
     names are translated to posttrain's, one source at a time (posttrain.config.verl_keys)."""
     values: dict[str, Any] = {}
+    LAST_TRANSLATED.clear()
     for path in yaml_paths or []:
         values.update(translate_verl_keys(flatten(read_yaml(path)), is_key)[0])
     if isinstance(overrides, dict):

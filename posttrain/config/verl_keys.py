@@ -200,6 +200,16 @@ class Translation:
     note: str = ""
 
 
+#: What the last config built in this process translated (``posttrain explain`` prints it); reset by
+#: :func:`posttrain.config.load.build_config`.
+LAST_TRANSLATED: list[Translation] = []
+
+
+def translated_lines(items: list[Translation]) -> list[str]:
+    """One line per translated verl key, for ``posttrain explain``."""
+    return [f"  {t.verl} = {t.value}  ->  {t.ours or 'ignored: ' + t.note}" for t in items]
+
+
 def find_rule(key: str) -> Rule | None:
     """The first rule for ``key``: an exact one, else the longest prefix written before it."""
     for rule in RULES:
@@ -231,6 +241,7 @@ def translate_verl_keys(
         done.append(item)
     if reward_path or reward_name:
         done.append(_reward_function(reward_path, reward_name, out))
+    LAST_TRANSLATED.extend(done)
     for item in done:
         log.info("verl key %s=%s -> %s", item.verl, item.value, item.ours or f"ignored ({item.note})")
     return out, done

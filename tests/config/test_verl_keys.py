@@ -220,3 +220,23 @@ def test_every_mapped_target_is_a_posttrain_key():
     for rule in RULES:
         if rule.kind == "map" and not rule.ours.endswith(".*"):
             assert is_key(rule.ours), rule
+
+
+def test_explain_prints_what_it_translated(capsys, tiny_model_dir):
+    from posttrain.cli import main
+
+    args = [
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "trainer.nnodes=1",
+    ]
+    assert main(["explain", *args]) == 0
+    out = capsys.readouterr().out
+    assert "actor_rollout_ref.rollout.n = 4  ->  rollout.n" in out
+    assert "trainer.nnodes = 1  ->  ignored: posttrain's launcher" in out
+    assert main(["explain", "rollout.n=4"]) == 0
+    assert "verl keys translated" not in capsys.readouterr().out
