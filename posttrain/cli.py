@@ -19,6 +19,7 @@ from posttrain import __version__
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
+from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
@@ -138,6 +139,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print("\n".join(key_lines()))
         return 0
     cfg = _load(args)
+    if LAST_TRANSLATED and not args.json:  # verl's key names given: show what each became
+        print(
+            "verl keys translated (docs/migrating-from-verl.md):\n"
+            + "\n".join(translated_lines(LAST_TRANSLATED))
+        )
     if not args.model_config:  # with --model-config the model need not be here: only its shape is used
         preflight(cfg, "explain")
     world = _world_size(args, cfg)

@@ -19,6 +19,7 @@ import yaml
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.validate import check_config, check_value
+from posttrain.config.verl_keys import LAST_TRANSLATED, translate_verl_keys
 
 _NONE_WORDS = {"null", "none", "~"}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
@@ -215,15 +216,25 @@ def build_config(
     yaml_paths: list[str | Path] | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
 ) -> PostTrainConfig:
-    """Defaults from the schema, then each YAML file in order, then dotted overrides."""
+    """Defaults from the schema, then each YAML file in order, then dotted overrides. Keys written with verl's
+    names are translated to posttrain's, one source at a time (posttrain.config.verl_keys)."""
     values: dict[str, Any] = {}
+    LAST_TRANSLATED.clear()
     for path in yaml_paths or []:
-        values.update(flatten(read_yaml(path)))
+        values.update(translate_verl_keys(flatten(read_yaml(path)), is_key)[0])
     if isinstance(overrides, dict):
-        values.update(flatten(overrides))
+        values.update(translate_verl_keys(flatten(overrides), is_key)[0])
     elif overrides:
-        values.update(parse_overrides(overrides))
+        values.update(translate_verl_keys(parse_overrides(overrides), is_key)[0])
     return apply_values(PostTrainConfig(), values)
+
+
+def is_key(key: str) -> bool:
+    """Whether ``key`` is a posttrain leaf key."""
+    try:
+        return not dataclasses.is_dataclass(field_info(key)[1])
+    except ConfigError:
+        return False
 
 
 INHERITED = {

@@ -35,6 +35,13 @@ def check_value(key: str, value: Any) -> None:
             "config key 'rollout.top_k' = 0 is not valid: it would keep no token. Use -1 to disable top-k "
             "sampling, or k >= 1 to sample among the k most likely tokens"
         )
+    elif (
+        key == "data.task" and value not in ("arithmetic", "gsm8k") and not value.startswith("reasoning_gym:")
+    ):
+        raise ConfigError(
+            f"config key 'data.task' = {value!r} is not one of 'arithmetic', 'gsm8k' or 'reasoning_gym:<name>' "
+            "(e.g. data.task=reasoning_gym:basic_arithmetic)"
+        )
     elif key == "trainer.loggers":
         unknown = [name for name in value if name not in LOGGERS]
         if unknown:

@@ -8,13 +8,17 @@ Hugging Face ``datasets``' ``save_to_disk``. Rows are numbered from 0 in error m
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import DataError, MissingPathError
+from posttrain.data.fields import VERL_ANSWER_KEY, available_paths, get_path, has_path, is_verl_row
 from posttrain.data.records import PromptRecord
+
+log = logging.getLogger("posttrain")
 
 _SUFFIXES = (".parquet", ".jsonl", ".json")
 _OVERLONG_MODES = ("filter", "error")
@@ -31,7 +35,10 @@ def load_records(
     ``prompt_key`` names the prompt field (a string or a list of ``{"role", "content"}`` messages);
     ``answer_key`` names the ground-truth field (string or number; null gives None). A row without it is a
     DataError unless ``answer_key`` is empty: ``data.answer_key=""`` says the reward needs no answers (every
-    ground truth is then None). All other fields go to ``PromptRecord.extra``.
+    ground truth is then None). Either key may be a dotted path into nested fields
+    (``reward_model.ground_truth``). With the default ``answer_key="answer"`` and a file in verl's layout
+    that has no ``answer`` field, ``reward_model.ground_truth`` is used (and logged). All other top-level
+    fields go to ``PromptRecord.extra`` (a nested answer's parent stays there too).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -40,7 +47,11 @@ def load_records(
     path = Path(path)
     if not path.exists():
         raise MissingPathError(f"prompt data file not found: {path}")
-    records = [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in _iter_rows(path)]
+    rows = list(_iter_rows(path))
+    if answer_key == "answer" and rows and is_verl_row(rows[0][1]) and "answer" not in rows[0][1]:
+        log.info("%s is in verl's layout: the answers are read from %s", path, VERL_ANSWER_KEY)
+        answer_key = VERL_ANSWER_KEY
+    records = [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in rows]
     if not records:
         raise DataError(f"{path}: no rows found; a prompt data file needs at least one row")
     return records
@@ -147,20 +158,23 @@ def _row_to_record(row: Any, where: str, path: Path, prompt_key: str, answer_key
         raise DataError(
             f"{path}: {where}: expected an object with a {prompt_key!r} field, got {type(row).__name__}"
         )
-    if prompt_key not in row:
+    if not has_path(row, prompt_key):
         raise DataError(
-            f"{path}: {where}: missing field {prompt_key!r}; available fields: {sorted(row)}. "
-            "Set prompt_key to the field that holds the prompt"
+            f"{path}: {where}: missing field {prompt_key!r}; available fields: {sorted(available_paths(row))}. "
+            "Set data.prompt_key to the field that holds the prompt (a dotted path reaches nested fields)"
         )
     source = f"{path}: {where}"
-    prompt = _check_prompt(row[prompt_key], f"{source}: field {prompt_key!r}")
-    if answer_key and answer_key not in row:
+    prompt = _check_prompt(get_path(row, prompt_key), f"{source}: field {prompt_key!r}")
+    if answer_key and not has_path(row, answer_key):
         raise DataError(
-            f"{path}: {where}: missing field {answer_key!r}; available fields: {sorted(row)}. Name the field "
-            "that holds the answer (data.answer_key; for SFT responses sft.response_key), or set "
+            f"{path}: {where}: missing field {answer_key!r}; available fields: {sorted(available_paths(row))}. "
+            "Name the field that holds the answer (data.answer_key; for SFT responses sft.response_key; a "
+            "dotted path such as reward_model.ground_truth reaches nested fields), or set "
             "data.answer_key='' when the reward needs no answers"
         )
-    answer = _check_answer(row.get(answer_key), f"{source}: field {answer_key!r}") if answer_key else None
+    answer = (
+        _check_answer(get_path(row, answer_key), f"{source}: field {answer_key!r}") if answer_key else None
+    )
     extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
     return PromptRecord(
         prompt=prompt, ground_truth=answer, extra=extra, source=f"{source}: field {prompt_key!r}"
@@ -268,6 +282,19 @@ def tokenize_prompts(
             f"all {len(records)} prompts are longer than max_prompt_length={max_prompt_length}; raise it"
         )
     return TokenizedPrompts(prompt_ids=kept_ids, records=kept, n_filtered=len(records) - len(kept))
+
+
+def warn_dropped(n_dropped: int, n_total: int, what: str, max_prompt_length: int) -> None:
+    """Log how many ``what`` prompts were dropped for exceeding data.max_prompt_length (nothing when none)."""
+    if n_dropped:
+        log.warning(
+            "%d of %d %s prompts are longer than data.max_prompt_length=%d tokens and were dropped "
+            "(raise data.max_prompt_length to keep them)",
+            n_dropped,
+            n_total,
+            what,
+            max_prompt_length,
+        )
 
 
 def encode_prompt(

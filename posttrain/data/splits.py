@@ -10,6 +10,7 @@ from posttrain.config.errors import DataError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import load_records
 from posttrain.data.records import PromptRecord
+from posttrain.data.scorers import check_data_sources
 from posttrain.data.tasks import get_task, load_task
 from posttrain.data.tasks.gsm8k import load_gsm8k
 
@@ -43,10 +44,7 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
         train = [r for f in d.train_files for r in load_records(f, d.prompt_key, d.answer_key)]
         val = [r for f in d.val_files for r in load_records(f, d.prompt_key, d.answer_key)]
         if not reward:
-            raise DataError(
-                "reward.function is empty but data files are given: name a reward, e.g. "
-                "reward.function=exact_match, reward.function=gsm8k or reward.function=path/to/file.py:fn"
-            )
+            reward = _reward_by_data_source(train + val)
         first = (d.train_files or d.val_files)[0]
         return Splits(train, val, reward, Path(first).stem)
     train, val = load_task(
@@ -57,3 +55,17 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
         max_operand=d.max_operand,
     )
     return Splits(train, val, reward or get_task(d.task).default_reward, d.task)
+
+
+def _reward_by_data_source(records: list[PromptRecord]) -> str:
+    """'data_source' (each row scored by the built-in scorer for its data_source, as verl's default scorer
+    does) when every record has one and a scorer exists for each; else a DataError/ConfigError."""
+    sources = [r.extra.get("data_source") for r in records]
+    if not records or not all(isinstance(s, str) for s in sources):
+        raise DataError(
+            "reward.function is empty but data files are given: name a reward, e.g. "
+            "reward.function=exact_match, reward.function=gsm8k or reward.function=path/to/file.py:fn "
+            "(rows with a data_source field, as verl writes them, pick a built-in scorer by it)"
+        )
+    check_data_sources(sources, "the data")  # type: ignore[arg-type]
+    return "data_source"

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import ConfigError
+from posttrain.data.scorers import gsm8k_flexible, gsm8k_strict, math_verify_score, score_by_data_source
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
 from posttrain.rewards.code import code_reward
+from posttrain.data.tasks.reasoning_gym import reasoning_gym_reward
 
 RewardFn = Callable[[str, str, "str | None", dict[str, Any]], float]
 
@@ -42,6 +44,11 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
     "gsm8k": gsm8k_reward,
     "code": code_reward,
+    "gsm8k_strict": gsm8k_strict,
+    "gsm8k_flexible": gsm8k_flexible,
+    "math_verify": math_verify_score,
+    "reasoning_gym": reasoning_gym_reward,
+    "data_source": score_by_data_source,  # the scorer registered for each row's data_source (verl's default)
 }
 
 
@@ -126,8 +133,10 @@ class KeywordReward:
 
 class VerlReward:
     """verl's ``compute_score``: data_source is the record's ``data_source`` field, else the task or file
-    name; solution_str is the response; extra_info is the record's other fields. Only the keywords the
-    function declares are passed (older verl scorers take ``(solution_str, ground_truth)``)."""
+    name; solution_str is the response; extra_info is the row's own ``extra_info`` field when it has one (as
+    verl passes it), else the record's other fields. Only the keywords the function declares are passed
+    (older verl scorers take ``(solution_str, ground_truth)``). A reward in our style still sees every other
+    field of the row in ``extra`` (``data_source``, ``ability``, ``reward_model``, ``extra_info``)."""
 
     def __init__(self, fn: Callable[..., Any], names: set[str], data_source: str) -> None:
         self.fn, self.names, self.data_source = fn, names, data_source
@@ -137,7 +146,7 @@ class VerlReward:
             "data_source": extra.get("data_source", self.data_source),
             "solution_str": response,
             "ground_truth": ground_truth,
-            "extra_info": extra,
+            "extra_info": extra["extra_info"] if isinstance(extra.get("extra_info"), dict) else extra,
         }
         return self.fn(**{k: v for k, v in values.items() if k in self.names})
 

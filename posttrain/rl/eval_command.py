@@ -9,7 +9,7 @@ from torch import nn
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
-from posttrain.data.datasets import tokenize_prompts
+from posttrain.data.datasets import tokenize_prompts, warn_dropped
 from posttrain.data.splits import load_splits
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora
@@ -62,6 +62,7 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         prompts = tokenize_prompts(
             splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
         )
+        warn_dropped(prompts.n_filtered, len(splits.val), "validation", cfg.data.max_prompt_length)
         engine = build_engine(cfg, model, tokenizer, device, hf_dir)
         # vLLM reads hf_dir; a checkpoint's or an adapter's weights follow (a no-op for the native engine).
         RolloutWeights(cfg, engine).push(model)

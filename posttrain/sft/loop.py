@@ -20,7 +20,7 @@ from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
-from posttrain.data.datasets import encode_prompt, load_records
+from posttrain.data.datasets import encode_prompt, load_records, warn_dropped
 from posttrain.data.records import PromptRecord
 from posttrain.forward.options import pass_options
 from posttrain.forward.passes import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
@@ -56,6 +56,7 @@ def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int
             examples.append(SFTExample(prompt, response))
     if not examples:
         raise ConfigError(f"no SFT example fits data.max_prompt_length={max_prompt_length}; raise it")
+    warn_dropped(len(records) - len(examples), len(records), "SFT", max_prompt_length)
     return examples
 
 

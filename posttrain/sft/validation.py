@@ -3,7 +3,9 @@
 The held-out records are sft.val_files, else data.val_files, read with data.prompt_key and
 sft.response_key (a row without the response is a DataError naming file, row and key). Accuracy is
 the share of held-out prompts whose greedy response gets reward >= 1 from reward.function, or from the
-built-in task's reward when no files are given; it is measured like `train`'s validation.
+built-in task's reward when no files are given; it is measured like `train`'s validation, against the
+answer under data.answer_key (verl's reward_model.ground_truth for verl-layout rows) when the row has one,
+else against the response itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import build_rollout_batch
 from posttrain.data.datasets import encode_prompt, load_records
+from posttrain.data.fields import VERL_ANSWER_KEY, get_path, has_path, is_verl_row
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
 from posttrain.rewards.functions import resolve_reward_function
@@ -37,6 +40,18 @@ def sft_reward_spec(cfg: PostTrainConfig, default: str) -> str:
     return cfg.reward.function or default
 
 
+def answer_of(record: PromptRecord, answer_key: str) -> str | None:
+    """What the reward compares against: the row's data.answer_key field when it has one (a worked SFT
+    response like "... #### 46" is not the answer "46"), else the record's response."""
+    row = record.extra
+    if answer_key == "answer" and "answer" not in row and is_verl_row(row):
+        answer_key = VERL_ANSWER_KEY
+    if not answer_key or not has_path(row, answer_key):
+        return record.ground_truth
+    value = get_path(row, answer_key)
+    return None if value is None else str(value)
+
+
 class SFTValidator:
     """Computes ``val/loss`` (token-mean NLL of the held-out responses) and ``val/accuracy``."""
 
@@ -45,6 +60,7 @@ class SFTValidator:
     ) -> None:
         self.cfg, self.tokenizer, self.records = cfg, tokenizer, records
         self.reward_fn = resolve_reward_function(reward_spec) if reward_spec else None
+        self.answers = [answer_of(r, cfg.data.answer_key) for r in records]
         template = bool(getattr(tokenizer, "chat_template", None))
         d = cfg.data
         self.prompts = [
@@ -94,7 +110,7 @@ class SFTValidator:
         result = engine.generate(self.prompts, params)
         texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
         inputs = [
-            RewardInput(self.records[p].prompt, t, self.records[p].ground_truth, self.records[p].extra)
+            RewardInput(self.records[p].prompt, t, self.answers[p], self.records[p].extra)
             for p, t in zip(result.prompt_index, texts)
         ]
         with RewardRunner(self.reward_fn, timeout_s=self.cfg.reward.timeout_s or None) as runner:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from posttrain.config.errors import ConfigError, DataError, MissingPathError
+from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.data.splits import load_splits
 from posttrain.data.tasks import get_task
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.rewards.functions import resolve_reward_function
@@ -72,10 +73,7 @@ def _check_reward(cfg: PostTrainConfig, command: str) -> None:
     if not spec and cfg.data.task == "gsm8k":
         spec = "gsm8k"
     if not spec and user_files and command != "sft":
-        raise DataError(
-            "reward.function is empty but data files are given: name a reward, e.g. reward.function=exact_match "
-            "or reward.function=path/to/file.py:fn"
-        )
+        spec = load_splits(cfg).reward_spec  # rows with a data_source pick built-in scorers; else a DataError
     if not spec and not user_files:
         spec = get_task(cfg.data.task).default_reward
     if spec:

@@ -151,6 +151,9 @@ class TrainingDisplay:
         labels = self.labels if self.labels is not None else {k: k for k in metrics}
         parts = [f"step {step}/{self.total_steps}"]
         parts += [f"{label} {format_value(metrics[key])}" for key, label in labels.items() if key in metrics]
+        for key in ("reward/num_failures", "reward/num_timeouts"):  # shown whenever not zero
+            if metrics.get(key) and key not in labels:
+                parts.append(f"{key} {format_value(metrics[key])}")
         elapsed = time.monotonic() - self._started_at
         done = step - self.start_step
         parts.append(f"elapsed {format_duration(elapsed)}")

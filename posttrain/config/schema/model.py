@@ -93,8 +93,9 @@ class DataConfig:
     task: str = knob(
         "arithmetic",
         "Built-in task: 'arithmetic' (generated locally; used when data.train_files is empty) or 'gsm8k' "
-        "(your GSM8K-format data.train_files: question, answer ending in '#### <number>'; numeric verifier).",
-        choices=("arithmetic", "gsm8k"),
+        "(your GSM8K-format data.train_files: question, answer ending in '#### <number>'; numeric verifier), "
+        "or 'reasoning_gym:<name>' (a reasoning-gym task generated from trainer.seed, scored by its own "
+        "score_answer; pip install 'posttrain[reasoning-gym]').",
     )
     train_files: list[str] = knob(
         default_factory=list,

@@ -71,8 +71,9 @@ class RewardConfig:
 
     function: str = knob(
         "",
-        "Reward function: a built-in name (exact_match, arithmetic, gsm8k, code) or 'path/to/file.py:fn'. "
-        "Empty: the task's own reward.",
+        "Reward function: a built-in name (exact_match, arithmetic, gsm8k, gsm8k_strict, gsm8k_flexible, "
+        "math_verify, data_source, code) or 'path/to/file.py:fn'. Empty: the task's own reward, or for files whose "
+        "rows have a data_source (verl's layout) the built-in scorer for each row's data_source.",
     )
     timeout_s: float = knob(10.0, "Seconds one reward call may take (0 disables the guard).", min=0.0)
     failure_reward: float = knob(0.0, "Reward given when the function raises or times out.")

@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord
 from posttrain.data.tasks.arithmetic import load_arithmetic, make_arithmetic_splits
 from posttrain.data.tasks.gsm8k import load_gsm8k, load_gsm8k_task
+from posttrain.data.tasks.reasoning_gym import PREFIX as REASONING_GYM
+from posttrain.data.tasks.reasoning_gym import load_reasoning_gym
 
 #: ``load(seed, **options) -> (train_records, val_records)``.
 TaskLoader = Callable[..., tuple[list[PromptRecord], list[PromptRecord]]]
@@ -58,9 +61,19 @@ TASKS: dict[str, Task] = {
 
 
 def get_task(name: str) -> Task:
-    """The task registered as ``name``."""
+    """The task registered as ``name``; ``reasoning_gym:<task>`` is reasoning-gym's generated task."""
+    if name.startswith(REASONING_GYM):
+        return Task(
+            name=name,
+            load=functools.partial(load_reasoning_gym, name[len(REASONING_GYM) :]),
+            default_reward="reasoning_gym",
+            description="reasoning-gym's generated task; options n_train, n_val",
+        )
     if name not in TASKS:
-        raise DataError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
+        raise DataError(
+            f"unknown task {name!r}; built-in tasks are {sorted(TASKS)} and reasoning_gym:<name> "
+            "(pip install 'posttrain[reasoning-gym]')"
+        )
     return TASKS[name]
 
 

@@ -1,0 +1,312 @@
+"""verl's configuration key names, translated to posttrain's.
+
+A YAML file or override written with verl's names (``actor_rollout_ref.actor.ppo_mini_batch_size=256``,
+``actor_rollout_ref.rollout.n=5``, ``reward_model.enable=true``, ``trainer.total_training_steps=100``) is
+translated before the schema sees it. Every verl key ends one of three ways, never silently:
+
+- **mapped** to a posttrain key (the value converted where the two differ, e.g. verl's ``save_freq=-1``);
+- **ignored** with a one-line warning, where ignoring changes nothing about the run (``trainer.nnodes``: the
+  launcher decides; ``trainer.project_name``: posttrain names runs by ``trainer.run_dir``);
+- a :class:`ConfigError` that names the key and says why there is no counterpart and what to do.
+
+Keys that are already posttrain keys pass through unchanged (most of ``algorithm.*`` and ``data.*`` share
+verl's names). The rules are data (:data:`RULES`); docs/migrating-from-verl.md prints them as a table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.config.errors import ConfigError
+
+log = logging.getLogger("posttrain")
+
+MAP, IGNORE, ERROR = "map", "ignore", "error"
+_TRUE = {"true", "1", "yes", "on"}
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.strip().lower() in _TRUE)
+
+
+def _freq(value: Any) -> Any:
+    """verl's ``-1`` (never) is posttrain's ``0``."""
+    return 0 if str(value).strip() == "-1" else value
+
+
+def _overlong(value: Any) -> str:
+    return "filter" if _truthy(value) else "error"
+
+
+def _not(value: Any) -> bool:
+    return not _truthy(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one verl key (or, ending in ``.*``, every key under a prefix) becomes posttrain's.
+
+    Attributes:
+        verl: the verl key, or a prefix ``section.*``.
+        kind: ``map``, ``ignore`` or ``error``.
+        ours: the posttrain key (or prefix) for ``map``.
+        why: one line for warnings, errors and the docs table.
+        convert: value conversion for ``map`` (None: unchanged).
+        allowed: for ``ignore``/``error``: values with which the key is harmless and ignored; any other value
+            is an error (e.g. ``data.truncation=error`` is posttrain's behaviour, ``left`` is not supported).
+    """
+
+    verl: str
+    kind: str
+    ours: str = ""
+    why: str = ""
+    convert: Callable[[Any], Any] | None = None
+    allowed: tuple[str, ...] = ()
+
+
+_LAUNCHER = "posttrain's launcher (torchrun or trainer.ray_ranks) decides the processes and GPUs"
+_DEPRECATED_GLOBAL = "verl's deprecated global micro batch size; give the per-GPU key ({}) instead"
+_NO_EFFECT = "no effect on the run in posttrain"
+
+RULES: list[Rule] = [
+    # --- actor_rollout_ref.actor
+    Rule("actor_rollout_ref.actor.ppo_micro_batch_size", ERROR,
+         why=_DEPRECATED_GLOBAL.format("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")),
+    Rule("actor_rollout_ref.actor.grad_clip", MAP, "actor.optim.grad_clip"),
+    Rule("actor_rollout_ref.actor.policy_loss.loss_mode", MAP, "actor.policy_loss"),
+    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps", MAP, "actor.optim.warmup_steps"),
+    Rule("actor_rollout_ref.actor.optim.warmup_style", MAP, "actor.optim.lr_schedule"),
+    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", ERROR, allowed=("0", "0.0"),
+         why="posttrain counts warm-up in optimizer steps: set actor.optim.warmup_steps"),
+    Rule("actor_rollout_ref.actor.optim.total_training_steps", IGNORE, why="verl fills it in; posttrain too"),
+    Rule("actor_rollout_ref.actor.fsdp_config.grad_offload", IGNORE, why="deprecated in verl; " + _NO_EFFECT),
+    Rule("actor_rollout_ref.actor.strategy", ERROR, allowed=("fsdp", "fsdp2"),
+         why="posttrain trains with FSDP2 only (no Megatron backend)"),
+    Rule("actor_rollout_ref.actor.use_torch_compile", IGNORE, why="a speed switch; " + _NO_EFFECT),
+    Rule("actor_rollout_ref.actor.checkpoint.*", IGNORE, why="posttrain always saves model, optimizer and state"),
+    Rule("actor_rollout_ref.actor.*", MAP, "actor.*"),
+    # --- actor_rollout_ref.rollout
+    Rule("actor_rollout_ref.rollout.log_prob_micro_batch_size", ERROR,
+         why=_DEPRECATED_GLOBAL.format("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")),
+    Rule("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", MAP, "actor.log_prob_micro_batch_size_per_gpu"),
+    Rule("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", MAP, "actor.log_prob_max_token_len_per_gpu"),
+    Rule("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", IGNORE,
+         why="posttrain's old-log-prob pass follows actor.use_dynamic_bsz"),
+    Rule("actor_rollout_ref.rollout.val_kwargs.n", MAP, "rollout.val_n"),
+    Rule("actor_rollout_ref.rollout.val_kwargs.do_sample", MAP, "rollout.val_greedy", convert=_not),
+    Rule("actor_rollout_ref.rollout.val_kwargs.*", ERROR,
+         why="posttrain validates with rollout.temperature/top_p/top_k, or greedily (rollout.val_greedy=true)"),
+    Rule("actor_rollout_ref.rollout.mode", IGNORE, why="posttrain's engine has one mode"),
+    Rule("actor_rollout_ref.rollout.dtype", IGNORE, why="the rollout uses model.dtype"),
+    Rule("actor_rollout_ref.rollout.prompt_length", IGNORE, why="taken from data.max_prompt_length"),
+    Rule("actor_rollout_ref.rollout.response_length", IGNORE, why="taken from data.max_response_length"),
+    Rule("actor_rollout_ref.rollout.*", MAP, "rollout.*"),
+    # --- actor_rollout_ref.ref and .model
+    Rule("actor_rollout_ref.ref.log_prob_micro_batch_size", ERROR,
+         why=_DEPRECATED_GLOBAL.format("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")),
+    Rule("actor_rollout_ref.ref.*", MAP, "ref.*"),
+    Rule("actor_rollout_ref.model.use_shm", IGNORE, why="a loading speed switch; " + _NO_EFFECT),
+    Rule("actor_rollout_ref.model.use_fused_kernels", IGNORE, why="a speed switch; " + _NO_EFFECT),
+    Rule("actor_rollout_ref.model.external_lib", ERROR,
+         why="posttrain loads models with transformers' AutoModelForCausalLM; import the library yourself"),
+    Rule("actor_rollout_ref.model.*", MAP, "model.*"),
+    # --- critic
+    Rule("critic.ppo_micro_batch_size", ERROR, why=_DEPRECATED_GLOBAL.format("critic.ppo_micro_batch_size_per_gpu")),
+    Rule("critic.grad_clip", MAP, "critic.optim.grad_clip"),
+    Rule("critic.strategy", ERROR, allowed=("fsdp", "fsdp2"), why="posttrain trains with FSDP2 only"),
+    Rule("critic.optim.lr_warmup_steps", MAP, "critic.optim.warmup_steps"),
+    Rule("critic.optim.warmup_style", MAP, "critic.optim.lr_schedule"),
+    Rule("critic.optim.lr_warmup_steps_ratio", ERROR, allowed=("0", "0.0"),
+         why="posttrain counts warm-up in optimizer steps: set critic.optim.warmup_steps"),
+    Rule("critic.model.path", MAP, "critic.model_path"),
+    Rule("critic.model.tokenizer_path", IGNORE, why="the critic shares the policy's tokenizer"),
+    Rule("critic.model.*", MAP, "critic.*"),
+    Rule("critic.checkpoint.*", IGNORE, why="posttrain always saves model, optimizer and state"),
+    # --- reward
+    Rule("reward_model.enable", MAP, "reward.model.enable"),
+    Rule("reward_model.model.path", MAP, "reward.model.path"),
+    Rule("reward_model.model.input_tokenizer", IGNORE,
+         why="posttrain re-tokenizes the chat for the reward model with its own tokenizer"),
+    Rule("reward_model.model.*", MAP, "reward.model.*"),
+    Rule("reward_model.strategy", ERROR, allowed=("fsdp", "fsdp2"), why="posttrain runs reward models with FSDP2"),
+    Rule("reward_model.reward_manager", ERROR, allowed=("naive", "dapo"),
+         why="posttrain has one reward manager (verl's naive; DAPO's overlong shaping is reward.overlong_buffer.*)"),
+    Rule("reward_model.overlong_buffer.*", MAP, "reward.overlong_buffer.*"),
+    Rule("reward_model.reward_kwargs.overlong_buffer_cfg.*", MAP, "reward.overlong_buffer.*"),
+    Rule("reward_model.reward_kwargs.max_resp_len", IGNORE, why="taken from data.max_response_length"),
+    Rule("reward_model.*", MAP, "reward.model.*"),
+    Rule("custom_reward_function.path", MAP, "reward.function",
+         why="with custom_reward_function.name (default compute_score) it becomes reward.function=path:name"),
+    Rule("custom_reward_function.name", MAP, "reward.function", why="see custom_reward_function.path"),
+    # --- data
+    Rule("data.filter_overlong_prompts", MAP, "data.overlong_prompts", convert=_overlong),
+    Rule("data.truncation", ERROR, allowed=("error",),
+         why="posttrain never cuts a prompt: overlong prompts are dropped and counted or an error "
+         "(data.overlong_prompts)"),
+    Rule("data.reward_fn_key", ERROR, allowed=("data_source",),
+         why="posttrain dispatches built-in scorers by the data_source field only"),
+    Rule("data.return_raw_chat", IGNORE, why=_NO_EFFECT),
+    Rule("data.return_raw_input_ids", IGNORE, why=_NO_EFFECT),
+    Rule("data.return_full_prompt", IGNORE, why=_NO_EFFECT),
+    Rule("data.shuffle", IGNORE, why="posttrain always shuffles the training data, seeded by trainer.seed"),
+    Rule("data.validation_shuffle", IGNORE, why=_NO_EFFECT),
+    Rule("data.dataloader_num_workers", IGNORE, why=_NO_EFFECT),
+    Rule("data.filter_overlong_prompts_workers", IGNORE, why=_NO_EFFECT),
+    Rule("data.tokenizer", ERROR, allowed=("None", "null", "none", ""),
+         why="posttrain uses the model's own tokenizer (model.path)"),
+    Rule("data.use_shm", IGNORE, why=_NO_EFFECT),
+    Rule("data.trust_remote_code", IGNORE, why=_NO_EFFECT),
+    Rule("data.image_key", IGNORE, why="posttrain trains text models only"),
+    # --- trainer
+    Rule("trainer.total_training_steps", MAP, "trainer.total_steps"),
+    Rule("trainer.total_epochs", ERROR,
+         why="posttrain counts steps, not epochs: set trainer.total_training_steps (or trainer.total_steps) "
+         "to epochs x training rows / data.train_batch_size"),
+    Rule("trainer.logger", MAP, "trainer.loggers"),
+    Rule("trainer.save_freq", MAP, "trainer.save_freq", convert=_freq, why="verl's -1 (never) is 0"),
+    Rule("trainer.test_freq", MAP, "trainer.test_freq", convert=_freq, why="verl's -1 (never) is 0"),
+    Rule("trainer.critic_warmup", MAP, "critic.warmup_steps"),
+    Rule("trainer.default_local_dir", MAP, "trainer.run_dir"),
+    Rule("trainer.resume_from_path", MAP, "trainer.resume"),
+    Rule("trainer.resume_mode", MAP, "trainer.resume", why="auto and disable are posttrain's too"),
+    Rule("trainer.max_actor_ckpt_to_keep", MAP, "trainer.max_ckpt_to_keep"),
+    Rule("trainer.max_critic_ckpt_to_keep", IGNORE, why="actor and critic checkpoints are kept together"),
+    Rule("trainer.n_gpus_per_node", IGNORE, why=_LAUNCHER),
+    Rule("trainer.nnodes", IGNORE, why=_LAUNCHER),
+    Rule("trainer.project_name", IGNORE, why="posttrain names a run by trainer.run_dir"),
+    Rule("trainer.experiment_name", IGNORE, why="posttrain names a run by trainer.run_dir"),
+    Rule("trainer.val_before_train", IGNORE, allowed=("True", "true"),
+         why="posttrain validates before training whenever trainer.test_freq > 0"),
+    Rule("trainer.use_legacy_worker_impl", IGNORE, why=_NO_EFFECT),
+    Rule("trainer.balance_batch", IGNORE, why="posttrain balances micro-batches by token count itself"),
+    Rule("trainer.log_val_generations", IGNORE, why="posttrain writes validation samples to the run directory"),
+    Rule("trainer.default_hdfs_dir", IGNORE, why=_NO_EFFECT),
+    Rule("trainer.del_local_ckpt_after_load", IGNORE, why=_NO_EFFECT),
+    Rule("trainer.ray_wait_register_center_timeout", IGNORE, why=_NO_EFFECT),
+]  # fmt: skip
+"""Checked in order: exact keys before the prefix that holds them."""
+
+
+@dataclass(frozen=True)
+class Translation:
+    """What became of one verl key: ``ours`` is empty when it was ignored."""
+
+    verl: str
+    ours: str
+    value: Any
+    note: str = ""
+
+
+#: What the last config built in this process translated (``posttrain explain`` prints it); reset by
+#: :func:`posttrain.config.load.build_config`.
+LAST_TRANSLATED: list[Translation] = []
+
+
+def translated_lines(items: list[Translation]) -> list[str]:
+    """One line per translated verl key, for ``posttrain explain``."""
+    return [f"  {t.verl} = {t.value}  ->  {t.ours or 'ignored: ' + t.note}" for t in items]
+
+
+def find_rule(key: str) -> Rule | None:
+    """The first rule for ``key``: an exact one, else the longest prefix written before it."""
+    for rule in RULES:
+        if rule.verl == key or (rule.verl.endswith(".*") and key.startswith(rule.verl[:-1])):
+            return rule
+    return None
+
+
+def translate_verl_keys(
+    values: dict[str, Any], is_ours: Callable[[str], bool]
+) -> tuple[dict[str, Any], list[Translation]]:
+    """``values`` (dotted key -> value, from one YAML file or one override list) with verl's keys replaced
+    by posttrain's, and what was translated. ``is_ours(key)`` says whether a key is a posttrain key; those
+    pass through unless a rule says verl means something else by it (``trainer.save_freq=-1``)."""
+    out: dict[str, Any] = {}
+    done: list[Translation] = []
+    reward_path = reward_name = None
+    for key, value in values.items():
+        rule = find_rule(key)
+        if rule is None or (is_ours(key) and rule.convert is None):
+            out[key] = value
+            continue
+        if rule.verl.startswith("custom_reward_function."):
+            reward_path, reward_name = (value, reward_name) if key.endswith(".path") else (reward_path, value)
+            continue
+        item = _apply(rule, key, value, values, is_ours)
+        if item.ours:
+            out[item.ours] = _convert(rule, value)
+        done.append(item)
+    if reward_path or reward_name:
+        done.append(_reward_function(reward_path, reward_name, out))
+    LAST_TRANSLATED.extend(done)
+    for item in done:
+        log.info("verl key %s=%s -> %s", item.verl, item.value, item.ours or f"ignored ({item.note})")
+    return out, done
+
+
+def _apply(
+    rule: Rule, key: str, value: Any, values: dict[str, Any], is_ours: Callable[[str], bool]
+) -> Translation:
+    harmless = str(value).strip() in rule.allowed
+    if rule.kind == MAP:
+        ours = rule.ours[:-1] + key[len(rule.verl) - 1 :] if rule.verl.endswith(".*") else rule.ours
+        if not is_ours(ours):
+            raise ConfigError(
+                f"verl key '{key}' has no posttrain counterpart: posttrain has no '{ours}'. Remove it, or see "
+                "docs/migrating-from-verl.md for what posttrain has instead"
+            )
+        return Translation(key, ours, value, rule.why)
+    if rule.kind == IGNORE and (harmless or not rule.allowed):
+        log.warning("verl key %s=%s is ignored: %s", key, value, rule.why)
+        return Translation(key, "", value, rule.why)
+    if rule.kind == ERROR and harmless:
+        return Translation(key, "", value, f"{value} is posttrain's behaviour too")
+    if key == "trainer.total_epochs" and "trainer.total_training_steps" in values:
+        log.warning("verl key %s=%s is ignored: trainer.total_training_steps decides", key, value)
+        return Translation(key, "", value, "trainer.total_training_steps decides")
+    shown = f" (accepted: {', '.join(rule.allowed)})" if rule.allowed else ""
+    raise ConfigError(f"verl key '{key}' = {value!r} has no posttrain counterpart{shown}: {rule.why}")
+
+
+def _convert(rule: Rule, value: Any) -> Any:
+    return rule.convert(value) if rule.convert else value
+
+
+def _reward_function(path: Any, name: Any, out: dict[str, Any]) -> Translation:
+    if not path:
+        raise ConfigError(
+            f"verl key 'custom_reward_function.name' = {name!r} needs custom_reward_function.path (the .py file); "
+            "or give posttrain's reward.function=path/to/file.py:function_name"
+        )
+    out["reward.function"] = f"{path}:{name or 'compute_score'}"
+    return Translation("custom_reward_function.path/name", "reward.function", out["reward.function"])
+
+
+def translation_table() -> list[tuple[str, str, str]]:
+    """``(verl key, posttrain key or what happens, note)`` for every rule, for the docs."""
+    rows = []
+    for rule in RULES:
+        if rule.kind == MAP:
+            target = f"`{rule.ours}`"
+        elif rule.kind == IGNORE:
+            target = "ignored, with a warning" + (
+                f" (when {', '.join(rule.allowed)})" if rule.allowed else ""
+            )
+        else:
+            target = "error" + (f" (accepted: {', '.join(rule.allowed)})" if rule.allowed else "")
+        rows.append((f"`{rule.verl}`", target, rule.why))
+    return rows
+
+
+def translation_markdown() -> str:
+    """The rules as a Markdown table (docs/migrating-from-verl.md holds this text)."""
+    lines = ["| verl key | posttrain | note |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in translation_table()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # regenerates the table in docs/migrating-from-verl.md
+    print(translation_markdown(), end="")

@@ -1,0 +1,55 @@
+"""reasoning-gym tasks as built-in data, against the real package: seeded, split without overlap, scored by the
+package's own score_answer."""
+
+import pytest
+
+from posttrain.config.errors import ConfigError
+from posttrain.config.load import build_config
+from posttrain.data.splits import load_splits
+from posttrain.data.tasks import load_task
+from posttrain.rewards.functions import resolve_reward_function
+
+pytest.importorskip("reasoning_gym")
+
+
+def test_generated_from_the_seed_split_without_overlap():
+    train, val = load_task("reasoning_gym:basic_arithmetic", seed=3, n_train=200, n_val=50)
+    assert (len(train), len(val)) == (200, 50)
+    assert not {r.prompt for r in train} & {r.prompt for r in val}
+    again, _ = load_task("reasoning_gym:basic_arithmetic", seed=3, n_train=200, n_val=50)
+    assert [r.prompt for r in again] == [r.prompt for r in train]
+    other, _ = load_task("reasoning_gym:basic_arithmetic", seed=4, n_train=200, n_val=50)
+    assert [r.prompt for r in other] != [r.prompt for r in train]
+
+
+def test_questions_are_distinct():
+    # Generators may repeat a question; the split holds each question once.
+    train, val = load_task("reasoning_gym:basic_arithmetic", seed=0, n_train=30, n_val=10)
+    prompts = [r.prompt for r in train + val]
+    assert len(prompts) == len(set(prompts))
+
+
+def test_scored_by_the_package_score_answer():
+    train, _ = load_task("reasoning_gym:basic_arithmetic", seed=1, n_train=5, n_val=1)
+    fn = resolve_reward_function("reasoning_gym")
+    r = train[0]
+    assert fn(r.prompt, r.ground_truth, r.ground_truth, r.extra) == 1.0
+    assert fn(r.prompt, f"thinking... <answer>{r.ground_truth}</answer>", r.ground_truth, r.extra) == 1.0
+    assert fn(r.prompt, "<answer>not a number</answer>", r.ground_truth, r.extra) == 0.0
+    assert r.extra["data_source"] == "reasoning_gym:basic_arithmetic"
+
+
+def test_config_and_errors():
+    cfg = build_config(
+        overrides=[
+            "data.task=reasoning_gym:basic_arithmetic",
+            "data.num_train_examples=20",
+            "data.num_val_examples=5",
+        ]
+    )
+    splits = load_splits(cfg)
+    assert (len(splits.train), len(splits.val), splits.reward_spec) == (20, 5, "reasoning_gym")
+    with pytest.raises(ConfigError, match="reasoning-gym has no task 'nope'"):
+        load_splits(build_config(overrides=["data.task=reasoning_gym:nope"]))
+    with pytest.raises(ConfigError, match="reasoning_gym:<name>"):
+        build_config(overrides=["data.task=aritmetic"])
