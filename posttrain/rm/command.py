@@ -14,11 +14,10 @@ from pathlib import Path
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import load_tokenizer
-from posttrain.models.lora import apply_lora, hf_model, is_lora_model
 from posttrain.parallel.runtime import select_device
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, validate_pairs
-from posttrain.rm.model import export_reward_model, load_reward_model
+from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.trainable import Trainable
 from posttrain.utils.console import TrainingDisplay
@@ -55,10 +54,7 @@ def _tokenized(cfg, tokenizer, pairs, what: str, quiet: bool):
 
 def _build_model(cfg: PostTrainConfig, path: Path, tokenizer, device):
     model = load_reward_model(path, tokenizer.pad_token_id, cfg.model.dtype, device)
-    model = apply_lora(model, cfg)
-    if is_lora_model(model):
-        hf_model(model).score.requires_grad_(True)  # the new head trains in full beside the adapters
-    return model
+    return add_lora(model, cfg)
 
 
 def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:

@@ -10,7 +10,9 @@ the same whichever side the padding is on (tested), and whatever token the text 
 
 from __future__ import annotations
 
+import copy
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,8 +21,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import check_model_dir, resolve_dtype, save_hf
-from posttrain.models.lora import hf_model, is_lora_model, merged_state
+from posttrain.models.lora import hf_model, is_lora_model, lora_settings
 
 log = logging.getLogger("posttrain.rm")
 
@@ -54,6 +57,32 @@ def load_reward_model(path: str | Path, pad_token_id: int, dtype: str = "fp32", 
     model.config.pad_token_id = pad_token_id  # plain transformers finds the last real token through it
     model.config.use_cache = False
     return model.to(device)
+
+
+def add_lora(model: nn.Module, cfg: PostTrainConfig) -> nn.Module:
+    """LoRA adapters on the decoder (model.lora_rank, lora_alpha, target_modules, lora_dropout) with the
+    scalar head trained in full beside them; ``model`` itself when LoRA is off."""
+    settings = lora_settings(cfg)
+    if settings is None:
+        return model
+    if settings.adapter_path:
+        raise ConfigError(
+            "model.lora_adapter_path is not supported by posttrain rm (a policy's adapter has no reward head); "
+            "set model.lora_adapter_path= to train a fresh adapter"
+        )
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        target_modules=settings.peft_targets,
+        lora_dropout=settings.dropout,
+        bias="none",
+        task_type="SEQ_CLS",  # PEFT then trains the `score` head in full (modules_to_save)
+    )
+    with warnings.catch_warnings():  # peft asks `is_gradient_checkpointing`, deprecated in transformers 5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -107,9 +136,6 @@ def export_reward_model(model: nn.Module, tokenizer, path: str | Path, stats: di
         setattr(hf.config, key, float(value))
     hf.config.architectures = [type(hf).__name__]
     tokenizer.padding_side = "right"  # plain `tokenizer(texts, padding=True)` then matches the scores here
-    if is_lora_model(model):
-        path.mkdir(parents=True, exist_ok=True)
-        hf.save_pretrained(path, state_dict=dict(merged_state(model)))
-        tokenizer.save_pretrained(path)
-        return path
+    if is_lora_model(model):  # a merged copy: the training model keeps its adapters
+        hf = copy.deepcopy(model).merge_and_unload()
     return save_hf(hf, tokenizer, path)

@@ -123,3 +123,23 @@ def test_bad_pairs_exit_2_naming_file_row_and_key(tmp_path, tiny_model_dir, caps
     assert code == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "row 1" in err and "'chosen'" in err and "Traceback" not in err
+
+
+def test_lora_reward_model_exports_merged_and_scores_as_in_training(tmp_path, tiny_model_dir, data_dir):
+    """With LoRA the adapters and the new head train; the export is a plain merged classifier."""
+    args = rm_args(tiny_model_dir, data_dir, tmp_path / "run")
+    cfg = build_config(overrides=[*args, "model.lora_rank=4", "model.lora_alpha=8"])
+    out = run_rm_command(cfg, quiet=True)
+    assert not (out / "adapter_config.json").exists()
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    rows = [json.loads(line) for line in (data_dir / "val.jsonl").read_text().splitlines()]
+    texts = [render(tok, r["prompt"], r[k]) for k in ("chosen", "rejected") for r in rows]
+    with torch.no_grad():
+        scores = model(**tok(texts, padding=True, add_special_tokens=False, return_tensors="pt")).logits[:, 0]
+    last = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert float(scores.mean()) == pytest.approx(last["val/reward_mean"], abs=1e-5)
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    assert not torch.equal(
+        base.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight
+    )
