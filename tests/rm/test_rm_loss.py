@@ -102,7 +102,7 @@ def _right_padded_grads(model, pairs, pad, center=0.05):
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return float(loss), grads
+    return float(loss.detach()), grads
 
 
 def test_gradients_do_not_depend_on_micro_batch_size_or_padding_side(model_and_pairs):
