@@ -24,8 +24,8 @@ from posttrain.config.schema.algorithm import (
 )
 from posttrain.config.schema.model import DataConfig, ModelConfig
 from posttrain.config.schema.names import ADV_ESTIMATORS, DTYPES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-from posttrain.config.schema.rm import RMConfig
 from posttrain.config.schema.rewards import OverlongBufferConfig, RewardConfig, RewardModelConfig
+from posttrain.config.schema.rm import RMConfig
 from posttrain.config.schema.roles import (
     ActorConfig,
     CriticConfig,
