@@ -1,4 +1,4 @@
-"""The `posttrain` command line: train, sft, eval, explain, tune.
+"""The `posttrain` command line: train, sft, rm, eval, explain, tune.
 
 Every subcommand takes optional YAML files and dotted overrides, in any order:
     posttrain train my.yaml actor.ppo_mini_batch_size=16 trainer.total_steps=20
@@ -23,6 +23,7 @@ from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
+from posttrain.rm.command import run_rm_command
 from posttrain.sandbox.build import build_sandbox, probe_line
 from posttrain.sandbox.server import serve
 from posttrain.sft.command import run_sft_command
@@ -31,7 +32,7 @@ from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
 from posttrain.tools.keys import key_lines
 from posttrain.tools.memory import Cluster, estimate_memory
 from posttrain.tools.memory_bytes import WhatIf
-from posttrain.tools.preflight import preflight
+from posttrain.tools.preflight import check_loggers, check_model_path, preflight
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
@@ -215,6 +216,14 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    cfg = _load(args)  # no reward function to check: pairs carry the preference
+    check_model_path(cfg)
+    check_loggers(cfg.trainer.loggers)
+    run_rm_command(cfg)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     run_eval_command(_checked(args, "eval"), model_path=args.model)
     return 0
@@ -239,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         TRAIN_EXAMPLES + KEYS_HINT,
     )
     _add_command(sub, "sft", cmd_sft, "Supervised fine-tuning on prompt/response data.")
+    _add_command(sub, "rm", cmd_rm, "Train a reward model on preference pairs (Bradley-Terry).")
     p = _add_command(
         sub, "eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task."
     )

@@ -16,7 +16,7 @@ LAYERS = [
     {"forward"},
     {"rollout", "rewards", "agents"},
     {"train"},
-    {"sft"},
+    {"sft", "rm"},
     {"rl"},
     {"tools"},
     {"cli", "__main__", "__init__"},

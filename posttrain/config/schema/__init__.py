@@ -25,6 +25,7 @@ from posttrain.config.schema.algorithm import (
 from posttrain.config.schema.model import DataConfig, ModelConfig
 from posttrain.config.schema.names import ADV_ESTIMATORS, DTYPES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from posttrain.config.schema.rewards import OverlongBufferConfig, RewardConfig, RewardModelConfig
+from posttrain.config.schema.rm import RMConfig
 from posttrain.config.schema.roles import (
     ActorConfig,
     CriticConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "POLICY_LOSSES",
     "PostTrainConfig",
     "RefConfig",
+    "RMConfig",
     "RewardConfig",
     "RewardModelConfig",
     "RolloutConfig",
@@ -83,3 +85,4 @@ class PostTrainConfig:
     async_training: AsyncTrainingConfig = section(AsyncTrainingConfig)
     sft: SFTConfig = section(SFTConfig)
     sandbox: SandboxConfig = section(SandboxConfig)
+    rm: RMConfig = section(RMConfig)

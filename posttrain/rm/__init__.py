@@ -1,0 +1,1 @@
+"""Reward-model training (`posttrain rm`): Bradley-Terry loss on preference pairs."""

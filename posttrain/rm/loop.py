@@ -1,0 +1,177 @@
+"""The reward-model training loop: steps over shuffled pairs, validation, checkpoints, resume.
+
+Step s (1-based) of epoch e takes pairs ``order_e[k * B : (k + 1) * B]`` where ``order_e`` is a permutation
+drawn from ``trainer.seed + e`` alone, so a resumed run takes exactly the pairs the uninterrupted run would
+have taken; weights, optimizer, schedule and RNG states come from the checkpoint (posttrain.train.checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from posttrain.algorithms.aggregation import LossNormalizer
+from posttrain.config.errors import ConfigError
+from posttrain.rm.data import TokenizedPair
+from posttrain.rm.loss import pair_batch, pair_micro_rows, rm_loss_fn
+from posttrain.rm.model import score_sequences
+from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.train.trainable import Trainable
+from posttrain.train.update import accumulate_and_step
+from posttrain.utils.crash_hook import crash_if_asked
+from posttrain.utils.signals import RunSignals
+
+
+@dataclass(frozen=True)
+class RMSchedule:
+    """Which pairs each optimizer step takes."""
+
+    num_pairs: int
+    batch_size: int
+    epochs: int
+    max_steps: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_pairs // self.batch_size
+
+    @property
+    def total_steps(self) -> int:
+        total = self.steps_per_epoch * self.epochs
+        return min(total, self.max_steps) if self.max_steps else total
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step - 1, self.steps_per_epoch)
+        order = torch.randperm(self.num_pairs, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+
+
+def rm_step(
+    trainable: Trainable,
+    pairs: list[TokenizedPair],
+    pad_token_id: int,
+    pairs_per_micro: int,
+    center_coef: float = 0.0,
+) -> dict[str, float]:
+    """One optimizer step on ``pairs`` (micro-batches of ``pairs_per_micro``, one global normalisation)."""
+    model = trainable.module
+    mini, margins = pair_batch(pairs, pad_token_id)
+    normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=1.0)
+    rows = pair_micro_rows(len(pairs), pairs_per_micro)
+    m = accumulate_and_step(
+        model,
+        trainable.optimizer,
+        trainable.scheduler,
+        mini,
+        rows,
+        rm_loss_fn(model, margins, center_coef),
+        normalizer,
+        trainable.grad_clip,
+    )
+    out = {"rm/loss": m["loss"], "rm/accuracy": m["rm/accuracy"], "rm/margin": m["rm/margin"]}
+    out.update({"rm/grad_norm": m["grad_norm"], "rm/lr": trainable.lr})
+    if "skipped_steps" in m:
+        out["rm/skipped_steps"] = m["skipped_steps"]
+    return out
+
+
+def validate_pairs(
+    model: nn.Module, pairs: list[TokenizedPair], pad_token_id: int, batch: int
+) -> dict[str, float]:
+    """Held-out accuracy (chosen scored higher), mean margin, and the mean/std of all the scores."""
+    chosen = score_sequences(model, [p.chosen_ids for p in pairs], pad_token_id, batch)
+    rejected = score_sequences(model, [p.rejected_ids for p in pairs], pad_token_id, batch)
+    both = torch.cat([chosen, rejected])
+    return {
+        "val/accuracy": float((chosen > rejected).float().mean()),
+        "val/margin": float((chosen - rejected).mean()),
+        "val/reward_mean": float(both.mean()),
+        "val/reward_std": float(both.std(unbiased=False)),
+    }
+
+
+def check_finite(model: nn.Module) -> None:
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise RuntimeError(f"non-finite weights in {bad[:3]}; the last checkpoint is left as it was")
+
+
+def resume(run_dir: Path, how: str, trainable: Trainable, quiet: bool) -> int:
+    """Restore the latest (or the named) checkpoint; returns its step (0: a fresh run)."""
+    ckpt = find_checkpoint(run_dir, how)
+    if ckpt is None:
+        return 0
+    state = load_checkpoint(
+        ckpt,
+        modules={"rm": trainable.module},
+        optimizers={"rm": trainable.optimizer},
+        schedulers={"rm": trainable.scheduler},
+        verify=False,
+    )
+    if not quiet:
+        print(f"Resumed from {ckpt} (step {state['step']})")
+    return int(state["step"])
+
+
+def save(run_dir: Path, step: int, trainable: Trainable, keep_last: int) -> Path:
+    check_finite(trainable.module)
+    return save_checkpoint(
+        run_dir,
+        step,
+        modules={"rm": trainable.module},
+        optimizers={"rm": trainable.optimizer},
+        schedulers={"rm": trainable.scheduler},
+        trainer_state={"step": step},
+        keep_last=keep_last,
+    )
+
+
+@dataclass
+class LoopSettings:
+    run_dir: Path
+    pad_token_id: int
+    pairs_per_micro: int
+    center_coef: float
+    save_freq: int
+    keep_last: int
+    max_skipped_steps: int
+    save_on_terminate: bool
+
+
+def run_steps(
+    s: LoopSettings,
+    trainable: Trainable,
+    pairs: list[TokenizedPair],
+    schedule: RMSchedule,
+    start: int,
+    on_step: Callable[[int, dict[str, float]], None],
+) -> None:
+    """Steps start+1..total: train, report (``on_step`` validates, logs, displays), checkpoint."""
+    signals = RunSignals(save_at_step_end=s.save_on_terminate).install()
+    skipped = 0
+    try:
+        for step in range(start + 1, schedule.total_steps + 1):
+            crash_if_asked(step, 0)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
+            chunk = [pairs[i] for i in schedule.indices(step)]
+            metrics = rm_step(trainable, chunk, s.pad_token_id, s.pairs_per_micro, s.center_coef)
+            on_step(step, metrics)
+            skipped = skipped + 1 if metrics.get("rm/skipped_steps") else 0
+            if skipped > s.max_skipped_steps:
+                raise ConfigError(
+                    f"{skipped} optimizer steps in a row had a non-finite gradient (trainer.max_skipped_steps="
+                    f"{s.max_skipped_steps}); lower rm.optim.lr or check the data"
+                )
+            saved = (s.save_freq and step % s.save_freq == 0) or step == schedule.total_steps
+            if saved:
+                with signals.critical():
+                    save(s.run_dir, step, trainable, s.keep_last)
+            signals.stop_after_step(
+                step, bool(saved), lambda st=step: save(s.run_dir, st, trainable, s.keep_last), lambda f: f
+            )
+    finally:
+        signals.restore()
