@@ -43,7 +43,7 @@ from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.metrics import MetricsLogger, PhaseTimer
 from posttrain.utils.plots import plot_training_curves
-from posttrain.utils.run_lock import RunDirLock
+from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.signals import RunSignals
 
@@ -136,7 +136,7 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     """
     build_plan(cfg, launched_world_size())  # a config error surfaces before any process group or model
     # One run per run_dir (rank 0 speaks for the job); taken before anything in it is written.
-    lock = RunDirLock(cfg.trainer.run_dir).acquire() if launched_rank() == 0 else None
+    lock = lock_run_dir(cfg.trainer.run_dir, take=launched_rank() == 0)
     seed_everything(cfg.trainer.seed)
     try:
         ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)

@@ -22,6 +22,7 @@ from posttrain.sft.loop import run_sft, sft_records
 from posttrain.sft.validation import SFTValidator, sft_val_records
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
+from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 
 
@@ -53,8 +54,17 @@ def _validation_hook(cfg, model, validator, logger):
 
 
 def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
-    """`posttrain sft`: fine-tune model.path and save it; returns the saved directory."""
+    """`posttrain sft`: fine-tune model.path and save it; returns the saved directory. Holds the run
+    directory's lock (the one `posttrain train` takes) from before anything is written there to the end."""
     device = select_device(cfg)
+    lock = lock_run_dir(cfg.trainer.run_dir)
+    try:
+        return _sft(cfg, device, quiet)
+    finally:
+        lock.release()
+
+
+def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
     check_policy_switches(cfg, device, read_model_config(cfg.model.path))  # before any weights load
     seed_everything(cfg.trainer.seed)
     records, val_records, reward = _data(cfg)  # a bad file or row is reported before any model loads
