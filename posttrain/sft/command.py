@@ -13,8 +13,9 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import load_records
 from posttrain.data.splits import load_splits
 from posttrain.data.tasks import get_task
+from posttrain.models.export import export_policy
 from posttrain.models.hf import load_causal_lm, load_tokenizer
-from posttrain.models.lora import apply_lora, export_policy, is_lora_model, lora_memory_summary
+from posttrain.models.lora import apply_lora, is_lora_model, lora_memory_summary
 from posttrain.models.prepare import check_policy_switches, read_model_config
 from posttrain.parallel.runtime import select_device
 from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
