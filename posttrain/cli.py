@@ -32,6 +32,7 @@ from posttrain.tools.preflight import preflight
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
+from posttrain.utils.storage import storage_problem
 
 EXIT_CONFIG_ERROR = 2
 KEYS_HINT = (
@@ -390,6 +391,17 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as exc:
         print(f"posttrain {args.command}: {exc}; run the same command to resume", file=sys.stderr)
         return EXIT_TERMINATED
+    except Exception as exc:
+        # A full or read-only disk where no write site named its path (e.g. a metrics line): one line too.
+        problem = storage_problem(exc)
+        if problem is None:
+            raise
+        print(
+            f"posttrain {args.command}: error: a write failed: {problem} ({exc}); free space or make the "
+            "filesystem writable, then run the same command again",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:
         print(
             f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr

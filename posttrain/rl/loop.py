@@ -39,7 +39,7 @@ from posttrain.rl.samples import log_validation_samples
 from posttrain.rl.step import train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
-from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.train.checkpoint import checkpoint_root, find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.metrics import MetricsLogger, PhaseTimer
@@ -47,7 +47,7 @@ from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.signals import RunSignals
-from posttrain.utils.storage import atomic_dir, model_dir_complete
+from posttrain.utils.storage import atomic_dir, model_dir_complete, storage_errors
 
 log = logging.getLogger("posttrain")
 
@@ -87,15 +87,17 @@ def save(c: Components, run_dir: Path, step: int, ahead: RolloutAhead | None = N
     state = {"step": step, "sampler": sampler}
     if c.kl_ctrl is not None:
         state["kl_coef"] = float(c.kl_ctrl.value)
-    return save_checkpoint(
-        run_dir,
-        step,
-        modules=modules,
-        optimizers=optims,
-        schedulers=scheds,
-        trainer_state=state,
-        keep_last=c.cfg.trainer.max_ckpt_to_keep,
-    )
+    where = checkpoint_root(run_dir)
+    with storage_errors(where, f"the checkpoint of step {step}", "; the last complete checkpoint is intact"):
+        return save_checkpoint(
+            run_dir,
+            step,
+            modules=modules,
+            optimizers=optims,
+            schedulers=scheds,
+            trainer_state=state,
+            keep_last=c.cfg.trainer.max_ckpt_to_keep,
+        )
 
 
 def maybe_resume(c: Components, run_dir: Path) -> int:

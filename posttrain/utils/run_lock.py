@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from posttrain.config.errors import ConfigError
+from posttrain.utils.storage import storage_errors
 
 LOCK_FILENAME = ".lock"
 log = logging.getLogger("posttrain")
@@ -46,8 +47,9 @@ class RunDirLock:
         """Take the lock or raise ConfigError naming the live holder (pid, host, start time)."""
         if fcntl is None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
+        with storage_errors(self.path.parent, "the run directory's lock file"):  # e.g. a read-only run_dir
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -55,20 +55,29 @@ def storage_problem(exc: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def storage_errors(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """Re-raise a full or read-only filesystem under this block as a StorageError naming ``path``; anything
-    else passes through unchanged."""
+def storage_errors(path: str | os.PathLike, what: str, note: str = "") -> Iterator[None]:
+    """Re-raise a full or read-only filesystem under this block as a StorageError naming ``path`` (and
+    ``note``: e.g. what is still intact); anything else passes through unchanged."""
     try:
         yield
-    except Exception as exc:  # OSError, or the RuntimeError / SafetensorError a writer wraps it in
+    except BaseException as exc:  # OSError, or what a writer wraps it in (DCP: a BaseException)
         problem = storage_problem(exc)
         if problem is None:
             raise
         raise StorageError(
-            f"writing {what} to {path} failed: {problem} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            f"writing {what} to {path} failed: {problem} ({_first_line(exc)}){note}; "
             "free space on that filesystem or make it writable (or choose another trainer.run_dir), then run "
             "the same command again"
         ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else repr(exc)
 
 
 @contextlib.contextmanager
