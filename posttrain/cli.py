@@ -19,6 +19,7 @@ from posttrain import __version__
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
+from posttrain.parallel.runtime import launched_world_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
@@ -137,9 +138,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print("\n".join(key_lines()))
         return 0
     cfg = _load(args)
-    if not args.model_config:  # with --model-config the model need not be here: only its shape is used
-        preflight(cfg, "explain")
     world = _world_size(args, cfg)
+    # The checks train runs; with --model-config the model need not be here: only its shape is used.
+    preflight(cfg, "explain", world_size=world, check_model=not args.model_config)
     plan = build_plan(cfg, world_size=world)
     estimate, advice, shape, point = None, {}, _model_shape(cfg, args.model_config), None
     if shape is not None:
@@ -177,7 +178,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _checked(args: argparse.Namespace, command: str):
     """The config, after the checks every command runs before any model loads (posttrain.tools.preflight)."""
     cfg = _load(args)
-    preflight(cfg, command, model_override=getattr(args, "model", None))
+    world = cfg.trainer.ray_ranks if wants_ray_ranks(cfg) else launched_world_size()
+    preflight(cfg, command, model_override=getattr(args, "model", None), world_size=world)
     return cfg
 
 

@@ -7,7 +7,9 @@ Hugging Face ``datasets``' ``save_to_disk``. Rows are numbered from 0 in error m
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,18 @@ def load_records(
     if not records:
         raise DataError(f"{path}: no rows found; a prompt data file needs at least one row")
     return records
+
+
+def first_records(
+    path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer", rows: int = 8
+) -> list[PromptRecord]:
+    """The first ``rows`` records of a prompt file, read and checked as :func:`load_records` reads them all
+    (`posttrain explain` checks the data keys with them without reading a large file whole)."""
+    path = Path(path)
+    if not path.exists():
+        raise MissingPathError(f"prompt data file not found: {path}")
+    head = itertools.islice(_iter_rows(path), rows)
+    return [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in head]
 
 
 def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -134,6 +148,11 @@ def _iter_saved_dataset(path: Path) -> Iterator[tuple[str, Any]]:
         raise ImportError(
             "reading a saved datasets directory needs the datasets package: pip install 'posttrain[data]'"
         ) from exc
+    if not any((path / name).is_file() for name in ("state.json", "dataset_dict.json")):
+        raise DataError(
+            f"{path} is a directory but not a dataset saved with datasets' save_to_disk (no state.json or "
+            "dataset_dict.json in it); name a .jsonl, .json or .parquet file, or a save_to_disk directory"
+        )
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         splits = ", ".join(str(path / name) for name in loaded)
