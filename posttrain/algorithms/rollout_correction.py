@@ -23,7 +23,6 @@ from posttrain.algorithms.rollout_mismatch import (
     mismatch_metrics,
     rollout_log_ratio,
 )
-from posttrain.config.errors import ConfigError
 
 _SECTION = "algorithm.rollout_correction"
 
@@ -60,10 +59,7 @@ def compute_rollout_correction(
     """
     check_shapes(response_mask, old_log_prob, rollout_log_prob)
     if rollout_rs is not None and rollout_rs_threshold is None:
-        raise ConfigError(
-            f"{_SECTION}.rollout_rs={rollout_rs!r} needs rollout_rs_threshold; set it, e.g. "
-            f"{_SECTION}.rollout_rs_threshold=2.0"
-        )
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold; set it, e.g. 2.0")
     log_ratio = rollout_log_ratio(old_log_prob, rollout_log_prob)
     metrics: dict[str, float] = {}
     weights = None
@@ -107,11 +103,11 @@ def rollout_correction_kwargs(section: Any) -> dict[str, Any]:
 
 
 def _fail(key: str, value: Any, rule: str, fix: str) -> None:
-    raise ConfigError(f"config key '{_SECTION}.{key}' = {value!r}: {rule}; {fix}")
+    raise ValueError(f"config key '{_SECTION}.{key}' = {value!r}: {rule}; {fix}")  # rl/checks.py: ConfigError
 
 
 def check_rollout_correction(section: Any) -> None:
-    """Check the ``algorithm.rollout_correction`` keys together; ConfigError naming key, value, rule and fix.
+    """Check the ``algorithm.rollout_correction`` keys together; ValueError naming key, value, rule and fix.
 
     Rules: ``rollout_is`` in (None, token, sequence) and ``rollout_rs`` in (None, token, sequence, geometric);
     ``rollout_is_threshold >= 1``; with ``rollout_rs`` set, ``rollout_rs_threshold`` is required and ``>= 1``;
