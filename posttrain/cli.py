@@ -178,8 +178,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _checked(args: argparse.Namespace, command: str):
     """The config, after the checks every command runs before any model loads (posttrain.tools.preflight)."""
     cfg = _load(args)
-    world = cfg.trainer.ray_ranks if wants_ray_ranks(cfg) else launched_world_size()
-    preflight(cfg, command, model_override=getattr(args, "model", None), world_size=world)
+    on_ray = wants_ray_ranks(cfg)
+    world = cfg.trainer.ray_ranks if on_ray else launched_world_size()
+    preflight(cfg, command, getattr(args, "model", None), world_size=world, ranks_elsewhere=on_ray)
     return cfg
 
 

@@ -5,13 +5,17 @@ before any model loads, so a typo costs a second, not a model load.
 - every data file named exists; files without a reward are an error for RL (the reward scores them);
 - model.path is a built-in name allowed with this data, a local model directory, or a Hub id that is
   cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
-- the optional packages the configured loggers need are installed.
+- the optional packages the configured loggers need are installed;
+- train and explain: every config-only check of the run (posttrain.rl.build.check_config) and the first rows
+  of each data file, so explain accepts exactly what train accepts.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+import torch
 
 from posttrain.config.errors import ConfigError, DataError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
@@ -33,6 +37,7 @@ def preflight(
     model_override: str | None = None,
     world_size: int = 1,
     check_model: bool = True,
+    ranks_elsewhere: bool = False,
 ) -> None:
     """Raise a ConfigError naming the key and the fix for the first thing that cannot work.
 
@@ -42,7 +47,8 @@ def preflight(
 
     ``model_override``: eval's --model, which replaces model.path when it is a model directory.
     ``world_size``: the ranks the run has (explain: the ones it plans for). ``check_model``: False for explain
-    given --model-config (the model need not be here: only its shape is used).
+    given --model-config (the model need not be here: only its shape is used). ``ranks_elsewhere``: Ray
+    places the ranks on other machines (trainer.ray_ranks), so this one need not have their GPU.
     """
     _check_data_files(cfg, command)
     _check_reward(cfg, command)
@@ -52,7 +58,8 @@ def preflight(
         check_model_path(cfg)
     if command in ("train", "explain"):
         check_loggers(cfg.trainer.loggers)
-        check_config(cfg, world_size, select_device(cfg))
+        elsewhere = ranks_elsewhere and cfg.trainer.device == "cuda"
+        check_config(cfg, world_size, torch.device("cuda") if elsewhere else select_device(cfg))
         _check_data_keys(cfg)
 
 
