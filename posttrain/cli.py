@@ -20,6 +20,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
+from posttrain.parallel.runtime import launched_world_size
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
@@ -36,6 +37,7 @@ from posttrain.tools.preflight import check_loggers, check_model_path, preflight
 from posttrain.tools.shape import ModelShape, shape_for_model_path
 from posttrain.tools.tune import run_tune
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
+from posttrain.utils.storage import storage_problem
 
 EXIT_CONFIG_ERROR = 2
 KEYS_HINT = (
@@ -145,9 +147,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
             "verl keys translated (docs/migrating-from-verl.md):\n"
             + "\n".join(translated_lines(LAST_TRANSLATED))
         )
-    if not args.model_config:  # with --model-config the model need not be here: only its shape is used
-        preflight(cfg, "explain")
     world = _world_size(args, cfg)
+    # The checks train runs; with --model-config the model need not be here: only its shape is used.
+    preflight(cfg, "explain", world_size=world, check_model=not args.model_config)
     plan = build_plan(cfg, world_size=world)
     estimate, advice, shape, point = None, {}, _model_shape(cfg, args.model_config), None
     if shape is not None:
@@ -187,7 +189,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _checked(args: argparse.Namespace, command: str):
     """The config, after the checks every command runs before any model loads (posttrain.tools.preflight)."""
     cfg = _load(args)
-    preflight(cfg, command, model_override=getattr(args, "model", None))
+    on_ray = wants_ray_ranks(cfg)
+    world = cfg.trainer.ray_ranks if on_ray else launched_world_size()
+    preflight(cfg, command, getattr(args, "model", None), world_size=world, ranks_elsewhere=on_ray)
     return cfg
 
 
@@ -424,6 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as exc:
         print(f"posttrain {args.command}: {exc}; run the same command to resume", file=sys.stderr)
         return EXIT_TERMINATED
+    except Exception as exc:
+        # A full or read-only disk where no write site named its path (e.g. a metrics line): one line too.
+        problem = storage_problem(exc)
+        if problem is None:
+            raise
+        print(
+            f"posttrain {args.command}: error: a write failed: {problem} ({exc}); free space or make the "
+            "filesystem writable, then run the same command again",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:
         print(
             f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr

@@ -11,6 +11,7 @@ from posttrain.cli import main
 
 SEED_004 = [
     "data.train_batch_size=1024",
+    "data.num_train_examples=1024",  # the built-in task's prompts: a step draws 1024
     "rollout.n=4",
     "actor.ppo_mini_batch_size=64",
     "actor.ppo_micro_batch_size_per_gpu=1",

@@ -103,7 +103,7 @@ def rollout_correction_kwargs(section: Any) -> dict[str, Any]:
 
 
 def _fail(key: str, value: Any, rule: str, fix: str) -> None:
-    raise ValueError(f"config key '{_SECTION}.{key}' = {value!r}: {rule}; {fix}")
+    raise ValueError(f"config key '{_SECTION}.{key}' = {value!r}: {rule}; {fix}")  # rl/checks.py: ConfigError
 
 
 def check_rollout_correction(section: Any) -> None:

@@ -7,8 +7,10 @@ Hugging Face ``datasets``' ``save_to_disk``. Rows are numbered from 0 in error m
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +50,32 @@ def load_records(
     if not path.exists():
         raise MissingPathError(f"prompt data file not found: {path}")
     rows = list(_iter_rows(path))
-    if answer_key == "answer" and rows and is_verl_row(rows[0][1]) and "answer" not in rows[0][1]:
-        log.info("%s is in verl's layout: the answers are read from %s", path, VERL_ANSWER_KEY)
-        answer_key = VERL_ANSWER_KEY
+    answer_key = _answer_key_for(path, rows, answer_key)
     records = [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in rows]
     if not records:
         raise DataError(f"{path}: no rows found; a prompt data file needs at least one row")
     return records
+
+
+def first_records(
+    path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer", rows: int = 8
+) -> list[PromptRecord]:
+    """The first ``rows`` records of a prompt file, read and checked as :func:`load_records` reads them all
+    (`posttrain explain` checks the data keys with them without reading a large file whole)."""
+    path = Path(path)
+    if not path.exists():
+        raise MissingPathError(f"prompt data file not found: {path}")
+    head = list(itertools.islice(_iter_rows(path), rows))
+    answer_key = _answer_key_for(path, head, answer_key)
+    return [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in head]
+
+
+def _answer_key_for(path: Path, rows: list[tuple[str, Any]], answer_key: str) -> str:
+    """The default answer key, or verl's ``reward_model.ground_truth`` for a file in verl's layout."""
+    if answer_key == "answer" and rows and is_verl_row(rows[0][1]) and "answer" not in rows[0][1]:
+        log.info("%s is in verl's layout: the answers are read from %s", path, VERL_ANSWER_KEY)
+        return VERL_ANSWER_KEY
+    return answer_key
 
 
 def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -145,6 +166,11 @@ def _iter_saved_dataset(path: Path) -> Iterator[tuple[str, Any]]:
         raise ImportError(
             "reading a saved datasets directory needs the datasets package: pip install 'posttrain[data]'"
         ) from exc
+    if not any((path / name).is_file() for name in ("state.json", "dataset_dict.json")):
+        raise DataError(
+            f"{path} is a directory but not a dataset saved with datasets' save_to_disk (no state.json or "
+            "dataset_dict.json in it); name a .jsonl, .json or .parquet file, or a save_to_disk directory"
+        )
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         splits = ", ".join(str(path / name) for name in loaded)

@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import ModelConfig, PostTrainConfig
-from posttrain.models.hf import save_hf
 from posttrain.utils.console import warn_once
 
 ALL_LINEAR = "all-linear"
@@ -415,29 +414,6 @@ def policy_weights(model: nn.Module, mode: str = "merged") -> Iterator[tuple[str
 
 
 # --------------------------------------------------------------------------- checkpoints and export
-
-
-def export_policy(model: nn.Module, tokenizer, path: str | Path, merge: bool = False) -> tuple[Path, str]:
-    """Save the policy for use outside posttrain; returns (directory, how to load it).
-
-    Without LoRA, or with ``merge``: a plain Hugging Face model directory (``AutoModelForCausalLM``); the merged
-    weights come from :func:`merged_state` (the training model is not modified). With LoRA and no merge: the PEFT
-    adapter (adapter_config.json + adapter_model.safetensors) for ``PeftModel.from_pretrained(base, path)``.
-    The tokenizer is saved alongside either way.
-    """
-    path = Path(path)
-    if not is_lora_model(model):
-        return save_hf(model, tokenizer, path), "loads with AutoModelForCausalLM"
-    path.mkdir(parents=True, exist_ok=True)
-    if merge:
-        hf_model(model).save_pretrained(path, state_dict=dict(merged_state(model)))
-        how = "LoRA merged into the base weights; loads with AutoModelForCausalLM"
-    else:
-        model.save_pretrained(path)
-        how = "a PEFT LoRA adapter; loads with peft.PeftModel.from_pretrained(base_model, path)"
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return path, how
 
 
 # --------------------------------------------------------------------------- memory report

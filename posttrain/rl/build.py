@@ -52,6 +52,7 @@ from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.checkpoint import load_module_weights
+from posttrain.train.checkpoint_index import check_resume_setting
 from posttrain.train.trainable import Trainable
 
 log = logging.getLogger("posttrain")
@@ -117,14 +118,37 @@ def _tokenize(
     return train, val
 
 
-def check_run(cfg: PostTrainConfig, world_size: int, device: torch.device) -> tuple[BatchPlan, Splits]:
-    """Every check that needs no weights, in order: the batch plan, the switches of each role, the data files
-    and the reward function. Raises ConfigError before anything heavy loads."""
+def check_config(cfg: PostTrainConfig, world_size: int, device: torch.device) -> BatchPlan:
+    """Every check of an RL run that needs neither weights nor data, in order: the batch plan, the switches of
+    each role, the rollout backend, async training, validation, trainer.resume. `posttrain explain` and
+    `posttrain train` both run it (posttrain.tools.preflight), so explain accepts what train accepts."""
     plan = build_plan(cfg, world_size)
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
     check_rollout_backend(cfg, device, world_size)
     check_async_training(cfg, world_size)
     validation_params(cfg, 0)  # e.g. rollout.val_n > 1 with greedy validation
+    check_resume_setting(cfg.trainer.run_dir, cfg.trainer.resume)
+    _check_generated_task_size(cfg)
+    return plan
+
+
+def _check_generated_task_size(cfg: PostTrainConfig) -> None:
+    """The built-in task generates data.num_train_examples prompts: a step draws data.train_batch_size."""
+    d = cfg.data
+    if d.train_files or d.val_files or d.task == "gsm8k":
+        return
+    if d.num_train_examples < d.train_batch_size:
+        raise ConfigError(
+            f"data.num_train_examples={d.num_train_examples} is fewer than data.train_batch_size="
+            f"{d.train_batch_size}, the prompts one step draws; set data.num_train_examples >= "
+            f"{d.train_batch_size} or lower data.train_batch_size"
+        )
+
+
+def check_run(cfg: PostTrainConfig, world_size: int, device: torch.device) -> tuple[BatchPlan, Splits]:
+    """:func:`check_config`, then the data files and the reward function. Raises ConfigError before anything
+    heavy loads."""
+    plan = check_config(cfg, world_size, device)
     splits = load_splits(cfg)
     return plan, splits
 

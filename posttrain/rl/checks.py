@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.algorithms.rollout_correction import check_rollout_correction
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.forward.passes import check_plain_lm_head
@@ -25,6 +26,10 @@ def check_rl_switches(cfg: PostTrainConfig, device: torch.device, uses_ref: bool
     Raises ValueError naming the key, its value, the rule and the fix.
     """
     a = cfg.actor
+    try:  # the algorithms layer raises ValueError (it sits beside config); here it is a user error
+        check_rollout_correction(cfg.algorithm.rollout_correction)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if a.entropy_checkpointing and not a.entropy_from_logits_with_chunking:
         raise ConfigError(
             "actor.entropy_checkpointing=true recomputes the chunked log-prob head's logits in backward, so it "

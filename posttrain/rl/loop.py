@@ -17,8 +17,9 @@ from safetensors.torch import save_file
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.models.export import export_policy
 from posttrain.models.hf import load_causal_lm, save_hf
-from posttrain.models.lora import adapter_state, export_policy, is_lora_model, policy_weights
+from posttrain.models.lora import adapter_state, is_lora_model, policy_weights
 from posttrain.parallel.runtime import (
     DistContext,
     abort_on_collective_failure,
@@ -38,14 +39,15 @@ from posttrain.rl.samples import log_validation_samples
 from posttrain.rl.step import train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
-from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.train.checkpoint import checkpoint_root, find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.metrics import MetricsLogger, PhaseTimer
 from posttrain.utils.plots import plot_training_curves
-from posttrain.utils.run_lock import RunDirLock
+from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.signals import RunSignals
+from posttrain.utils.storage import atomic_dir, model_dir_complete, storage_errors
 
 log = logging.getLogger("posttrain")
 
@@ -85,15 +87,17 @@ def save(c: Components, run_dir: Path, step: int, ahead: RolloutAhead | None = N
     state = {"step": step, "sampler": sampler}
     if c.kl_ctrl is not None:
         state["kl_coef"] = float(c.kl_ctrl.value)
-    return save_checkpoint(
-        run_dir,
-        step,
-        modules=modules,
-        optimizers=optims,
-        schedulers=scheds,
-        trainer_state=state,
-        keep_last=c.cfg.trainer.max_ckpt_to_keep,
-    )
+    where = checkpoint_root(run_dir)
+    with storage_errors(where, f"the checkpoint of step {step}", "; the last complete checkpoint is intact"):
+        return save_checkpoint(
+            run_dir,
+            step,
+            modules=modules,
+            optimizers=optims,
+            schedulers=scheds,
+            trainer_state=state,
+            keep_last=c.cfg.trainer.max_ckpt_to_keep,
+        )
 
 
 def maybe_resume(c: Components, run_dir: Path) -> int:
@@ -136,7 +140,7 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     """
     build_plan(cfg, launched_world_size())  # a config error surfaces before any process group or model
     # One run per run_dir (rank 0 speaks for the job); taken before anything in it is written.
-    lock = RunDirLock(cfg.trainer.run_dir).acquire() if launched_rank() == 0 else None
+    lock = lock_run_dir(cfg.trainer.run_dir, take=launched_rank() == 0)
     seed_everything(cfg.trainer.seed)
     try:
         ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)
@@ -171,24 +175,20 @@ def _train(
     """Build, resume, train, export; returns the last metrics and the rollout engine (closed by the caller)."""
     c = build_components(cfg, quiet=quiet, dist=ctx)
     run_dir = Path(cfg.trainer.run_dir)
+    t = cfg.trainer
+    began = time.monotonic()
+    start = maybe_resume(c, run_dir)
+    if start >= t.total_steps:  # nothing to train: nothing in run_dir is rewritten
+        c.close()
+        return _finished_run(c, run_dir, start, quiet), c.engine
     if ctx.is_main:
         write_run_metadata(run_dir, cfg, c.plan, c.model_path)
         if not quiet:
             print(
                 f"Model: {c.model_path} (model.path={cfg.model.path}; recorded in {run_dir / 'run_info.yaml'})"
             )
-    t = cfg.trainer
     backends = [b for b in t.loggers if b != "console"]
     logger = MetricsLogger(run_dir, backends=backends, config=None) if ctx.is_main else None
-    began = time.monotonic()
-    start = maybe_resume(c, run_dir)
-    if start >= t.total_steps:
-        c.close()
-        raise ConfigError(
-            f"{run_dir} already holds a finished run (checkpoint at step {start}, trainer.total_steps="
-            f"{t.total_steps}); to train again use a new trainer.run_dir, trainer.resume=disable, or raise "
-            "trainer.total_steps to continue it"
-        )
     display = TrainingDisplay(
         total_steps=t.total_steps,
         keys=HEADLINE,
@@ -214,6 +214,24 @@ def _train(
             f"({time.monotonic() - began:.0f} s of training)"
         )
     return last, c.engine  # None when a rollout worker of its own held the engine
+
+
+def _finished_run(c: Components, run_dir: Path, step: int, quiet: bool) -> dict[str, float]:
+    """A run directory whose last checkpoint is trainer.total_steps: finish its export when a kill or a full
+    disk left final_model/ missing or incomplete (from the checkpoint just restored), else refuse."""
+    t = c.cfg.trainer
+    if t.export_hf and not model_dir_complete(run_dir / "final_model"):
+        if c.dist.is_main and not quiet:
+            print(
+                f"{run_dir} holds a finished run (step {step}) without a complete final_model/: exporting it"
+            )
+        _finish(c, run_dir, quiet)
+        return {}
+    raise ConfigError(
+        f"{run_dir} already holds a finished run (checkpoint at step {step}, trainer.total_steps="
+        f"{t.total_steps}); to train again use a new trainer.run_dir, trainer.resume=disable, or raise "
+        "trainer.total_steps to continue it"
+    )
 
 
 def _run_steps(
@@ -288,16 +306,17 @@ def _export_gathered(c: Components, path: Path) -> tuple[Path, str]:
     if is_lora_model(policy) and not c.cfg.trainer.export_merged:
         adapters = {name: t.detach().cpu().contiguous() for name, t in adapter_state(policy)}
         if c.dist.is_main:
-            path.mkdir(parents=True, exist_ok=True)
-            policy.peft_config["default"].save_pretrained(path)
-            save_file(adapters, str(path / "adapter_model.safetensors"))
-            c.tokenizer.save_pretrained(path)
+            with atomic_dir(path, "the exported model") as tmp:
+                policy.peft_config["default"].save_pretrained(tmp)
+                save_file(adapters, str(tmp / "adapter_model.safetensors"))
+                c.tokenizer.save_pretrained(tmp)
         return path, "a PEFT LoRA adapter; loads with peft.PeftModel.from_pretrained(base_model, path)"
     state = {name: t.detach().cpu() for name, t in policy_weights(policy)}  # a collective: every rank gathers
     if c.dist.is_main:
         model = load_causal_lm(c.model_path, c.cfg.model.dtype, torch.device("cpu"))
         model.load_state_dict(state, strict=False)  # tied weights may appear under one name only
-        save_hf(model, c.tokenizer, path)
+        with atomic_dir(path, "the exported model") as tmp:
+            save_hf(model, c.tokenizer, tmp)
     how = "LoRA merged into the base weights; " if is_lora_model(policy) else ""
     return path, how + "loads with AutoModelForCausalLM"
 

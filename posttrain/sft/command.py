@@ -13,8 +13,9 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import load_records
 from posttrain.data.splits import load_splits
 from posttrain.data.tasks import get_task
+from posttrain.models.export import export_policy
 from posttrain.models.hf import load_causal_lm, load_tokenizer
-from posttrain.models.lora import apply_lora, export_policy, is_lora_model, lora_memory_summary
+from posttrain.models.lora import apply_lora, is_lora_model, lora_memory_summary
 from posttrain.models.prepare import check_policy_switches, read_model_config
 from posttrain.parallel.runtime import select_device
 from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
@@ -22,6 +23,7 @@ from posttrain.sft.loop import run_sft, sft_records
 from posttrain.sft.validation import SFTValidator, sft_val_records
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
+from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 
 
@@ -53,8 +55,17 @@ def _validation_hook(cfg, model, validator, logger):
 
 
 def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
-    """`posttrain sft`: fine-tune model.path and save it; returns the saved directory."""
+    """`posttrain sft`: fine-tune model.path and save it; returns the saved directory. Holds the run
+    directory's lock (the one `posttrain train` takes) from before anything is written there to the end."""
     device = select_device(cfg)
+    lock = lock_run_dir(cfg.trainer.run_dir)
+    try:
+        return _sft(cfg, device, quiet)
+    finally:
+        lock.release()
+
+
+def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
     check_policy_switches(cfg, device, read_model_config(cfg.model.path))  # before any weights load
     seed_everything(cfg.trainer.seed)
     records, val_records, reward = _data(cfg)  # a bad file or row is reported before any model loads

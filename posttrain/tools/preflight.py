@@ -5,7 +5,9 @@ before any model loads, so a typo costs a second, not a model load.
 - every data file named exists; files without a reward are an error for RL (the reward scores them);
 - model.path is a built-in name allowed with this data, a local model directory, or a Hub id that is
   cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
-- the optional packages the configured loggers need are installed.
+- the optional packages the configured loggers need are installed;
+- train and explain: every config-only check of the run (posttrain.rl.build.check_config) and the first rows
+  of each data file, so explain accepts exactly what train accepts.
 """
 
 from __future__ import annotations
@@ -13,33 +15,62 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import torch
+
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.data.datasets import first_records
 from posttrain.data.splits import load_splits
 from posttrain.data.tasks import get_task
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
+from posttrain.parallel.runtime import select_device
 from posttrain.rewards.functions import resolve_reward_function
+from posttrain.rl.build import check_config
 from posttrain.sft.builtin import check_builtin_choice
 
 # logger -> (module it imports, extra that installs it)
 _LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
 
-def preflight(cfg: PostTrainConfig, command: str, model_override: str | None = None) -> None:
+def preflight(
+    cfg: PostTrainConfig,
+    command: str,
+    model_override: str | None = None,
+    world_size: int = 1,
+    check_model: bool = True,
+    ranks_elsewhere: bool = False,
+) -> None:
     """Raise a ConfigError naming the key and the fix for the first thing that cannot work.
 
+    `posttrain train` and `posttrain explain` run the same checks here, in the same order, so explain accepts
+    exactly what train accepts: the ones above, every config-only check of the run
+    (posttrain.rl.build.check_config) and the first rows of each data file with the data keys train reads.
+
     ``model_override``: eval's --model, which replaces model.path when it is a model directory.
+    ``world_size``: the ranks the run has (explain: the ones it plans for). ``check_model``: False for explain
+    given --model-config (the model need not be here: only its shape is used). ``ranks_elsewhere``: Ray
+    places the ranks on other machines (trainer.ray_ranks), so this one need not have their GPU.
     """
     _check_data_files(cfg, command)
     _check_reward(cfg, command)
-    if command == "explain":
-        # explain plans before the model is at hand: a missing model.path only drops the memory estimate
-        # (it says so), but a built-in model that cannot be used with this data is still an error.
-        check_builtin_choice(cfg)
+    if not check_model:
+        check_builtin_choice(cfg)  # a built-in model that cannot be used with this data is still an error
     elif not (model_override and (Path(model_override) / "config.json").exists()):
         check_model_path(cfg)
-    if command == "train":
+    if command in ("train", "explain"):
         check_loggers(cfg.trainer.loggers)
+        elsewhere = ranks_elsewhere and cfg.trainer.device == "cuda"
+        check_config(cfg, world_size, torch.device("cuda") if elsewhere else select_device(cfg))
+        _check_data_keys(cfg)
+
+
+def _check_data_keys(cfg: PostTrainConfig) -> None:
+    """The first rows of each prompt file, read with data.prompt_key / data.answer_key as train reads them."""
+    d = cfg.data
+    if d.task == "gsm8k":
+        return  # GSM8K files have fixed fields, checked when they load
+    for f in [*d.train_files, *d.val_files]:
+        first_records(f, d.prompt_key, d.answer_key)
 
 
 def _check_data_files(cfg: PostTrainConfig, command: str) -> None:

@@ -109,6 +109,7 @@ def _read_latest(root: Path) -> str:
 def _newest_intact(run_dir: str | os.PathLike) -> Path | None:
     """The latest checkpoint whose files all verify, newest first; each damaged one is skipped with a
     warning naming its damaged file (its directory is left alone for inspection)."""
+    _warn_incomplete(checkpoint_root(run_dir))
     newest = latest_checkpoint(run_dir)
     candidates = [newest] if newest is not None else []
     candidates += [p for p in reversed(list_checkpoints(run_dir)) if p != newest]
@@ -128,6 +129,22 @@ def _newest_intact(run_dir: str | os.PathLike) -> Path | None:
             "set trainer.resume=disable to start fresh, or use a new trainer.run_dir"
         )
     return None
+
+
+def _warn_incomplete(root: Path) -> None:
+    """A published ``step_*`` directory is complete when it appears: one without its manifest or COMPLETE
+    marker lost a file afterwards. resume=auto passes over it; say so, naming it and what is missing."""
+    if not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        if not (_STEP_RE.match(entry.name) and entry.is_dir()) or is_complete_checkpoint(entry):
+            continue
+        missing = [n for n in (MANIFEST_FILENAME, COMPLETE_FILENAME) if not (entry / n).is_file()]
+        warnings.warn(
+            f"skipping checkpoint {entry}: {' and '.join(missing)} missing (deleted, or its save never finished); "
+            "resume=auto takes the newest complete one",
+            stacklevel=4,
+        )
 
 
 def find_checkpoint(run_dir: str | os.PathLike, resume: str) -> Path | None:
@@ -160,20 +177,33 @@ def _resolve(run_dir: str | os.PathLike, resume: str) -> Path | None:
         raise CheckpointError(
             f"resume={resume!r} is not valid; use one of {RESUME_MODES} or a checkpoint path"
         )
+    candidate = _resume_target(run_dir, resume)
+    verify_files(candidate, read_manifest(candidate))
+    return candidate
+
+
+def check_resume_setting(run_dir: str | os.PathLike, resume: str) -> None:
+    """trainer.resume, before anything loads: ``auto``, ``disable`` or a complete checkpoint (its files are
+    verified when it is loaded). CheckpointError naming what is available otherwise."""
+    if resume not in RESUME_MODES:
+        _resume_target(run_dir, resume)
+
+
+def _resume_target(run_dir: str | os.PathLike, resume: str) -> Path:
+    """The complete checkpoint ``resume`` names (a path, or a name under run_dir/checkpoints)."""
     candidate = Path(resume).expanduser()
     if not candidate.exists() and not candidate.is_absolute():
         candidate = checkpoint_root(run_dir) / resume
     if is_complete_checkpoint(candidate):
-        verify_files(candidate, read_manifest(candidate))
         return candidate
     reason = (
         "does not exist" if not candidate.exists() else "is not a complete checkpoint (interrupted save?)"
     )
     available = [p.name for p in list_checkpoints(run_dir)] or "none"
     raise CheckpointError(
-        f"resume={resume!r}: {candidate} {reason}. Available checkpoints in "
-        f"{checkpoint_root(run_dir)}: {available}. Use resume=auto for the latest one or "
-        "resume=disable to start fresh."
+        f"trainer.resume={resume!r}: {candidate} {reason}. Available checkpoints in "
+        f"{checkpoint_root(run_dir)}: {available}. Use trainer.resume=auto for the latest one or "
+        "trainer.resume=disable to start fresh."
     )
 
 

@@ -1,4 +1,5 @@
-"""One run per run directory: `posttrain train` holds an exclusive lock on ``trainer.run_dir`` while it runs.
+"""One run per run directory: every command that writes ``trainer.run_dir`` (`posttrain train`, `posttrain sft`)
+holds an exclusive lock on it while it runs, taken through one entry point, :func:`lock_run_dir`.
 
 Two runs writing the same directory would interleave metrics, overwrite each other's config and prune each
 other's checkpoints. The lock is an ``fcntl.flock`` on ``run_dir/.lock``, held through a file descriptor kept
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from posttrain.config.errors import ConfigError
+from posttrain.utils.storage import storage_errors
 
 LOCK_FILENAME = ".lock"
 log = logging.getLogger("posttrain")
@@ -45,8 +47,9 @@ class RunDirLock:
         """Take the lock or raise ConfigError naming the live holder (pid, host, start time)."""
         if fcntl is None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
+        with storage_errors(self.path.parent, "the run directory's lock file"):  # e.g. a read-only run_dir
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -79,6 +82,12 @@ class RunDirLock:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def lock_run_dir(run_dir: str | os.PathLike, take: bool = True) -> RunDirLock | None:
+    """The lock every command that writes a run directory takes, before it writes anything there; ``take``:
+    False on the ranks of a distributed job other than 0 (rank 0 speaks for the job). ConfigError when held."""
+    return RunDirLock(run_dir).acquire() if take else None
 
 
 def _me() -> dict:

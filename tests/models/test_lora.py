@@ -13,13 +13,13 @@ from transformers import AutoModelForCausalLM
 from posttrain.config.load import build_config
 from posttrain.data.batch import build_rollout_batch
 from posttrain.forward.passes import ForwardOptions, policy_logprobs
+from posttrain.models.export import export_policy
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import (
     adapter_parameters,
     adapter_state,
     apply_lora,
     check_lora_config,
-    export_policy,
     hf_model,
     is_lora_model,
     lora_memory,

@@ -100,6 +100,17 @@ def test_auto_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000001", "step_000002"]  # nothing deleted
 
 
+@pytest.mark.parametrize("name", ["manifest.json", "COMPLETE"])
+def test_a_deleted_manifest_or_marker_falls_back_with_a_warning_naming_the_checkpoint(tmp_path, name):
+    """Drill: deleting either file made resume=auto fall back silently; it now says which checkpoint it passed
+    over and what is missing."""
+    older = _save_tiny(tmp_path, 1)
+    newest = _save_tiny(tmp_path, 2)
+    (newest / name).unlink()
+    with pytest.warns(UserWarning, match=f"{newest.name}: {name} missing"):
+        assert find_checkpoint(tmp_path, "auto") == older
+
+
 def test_auto_refuses_when_every_checkpoint_is_damaged(tmp_path):
     ckpt = _save_tiny(tmp_path, 1)
     _overwrite_middle(_largest_shard(ckpt))

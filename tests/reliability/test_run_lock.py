@@ -3,6 +3,7 @@ writes nothing; a lock whose holder died is taken over."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,4 +74,71 @@ def test_a_lock_whose_holder_died_is_taken_over(holder):
     finally:
         lock.release()
     with RunDirLock(run):  # released: free again
+        pass
+
+
+def _sft_args(run: Path, model_dir: Path) -> list[str]:
+    rows = "\n".join(json.dumps({"prompt": f"What is {i} + 1?", "response": str(i + 1)}) for i in range(8))
+    data = run.parent / "sft.jsonl"
+    data.write_text(rows)
+    return [
+        f"model.path={model_dir}",
+        f"trainer.run_dir={run}",
+        f"sft.train_files=[{data}]",
+        "sft.batch_size=4",
+        "sft.micro_batch_size_per_gpu=4",
+        "sft.epochs=1",
+        "trainer.loggers=jsonl",
+    ]
+
+
+@pytest.mark.parametrize("command", ["sft", "train"])
+def test_every_command_that_writes_a_run_dir_takes_the_same_lock(holder, tiny_model_dir, command):
+    """Drill: a second sft (or a train) into a directory another run holds used to run beside it, interleaving
+    metrics.jsonl and overwriting run_info.yaml and the model; it is refused (exit 2) and writes nothing."""
+    run, proc = holder
+    args = (
+        _sft_args(run, tiny_model_dir)
+        if command == "sft"
+        else [
+            f"trainer.run_dir={run}",
+            f"model.path={tiny_model_dir}",
+        ]
+    )
+    before = sorted(p.name for p in run.iterdir())
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", command, *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"pid {proc.pid}" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in run.iterdir()) == before  # no metrics, run_info.yaml or model written
+
+
+def test_sft_holds_the_lock_while_it_runs(tmp_path, tiny_model_dir):
+    """sft takes the lock through the same entry point as train: while it runs, nobody else gets it."""
+    from posttrain.config.load import build_config
+    from posttrain.sft import command
+
+    run = tmp_path / "run"
+    cfg = build_config(overrides=_sft_args(run, tiny_model_dir))
+    seen = []
+    real = command._sft
+
+    def probe(*args, **kwargs):
+        with pytest.raises(ConfigError, match=f"pid {os.getpid()}"):
+            RunDirLock(run).acquire()
+        seen.append(True)
+        return real(*args, **kwargs)
+
+    command._sft = probe
+    try:
+        command.run_sft_command(cfg, quiet=True)
+    finally:
+        command._sft = real
+    assert seen and (run / "sft_model" / "config.json").exists()
+    with RunDirLock(run):  # released at the end
         pass

@@ -70,10 +70,10 @@ def test_missing_sft_response_is_a_data_error_before_loading(tmp_path, no_model_
     assert "sft.jsonl: row 1 (line 2): missing field 'response'" in capsys.readouterr().err
 
 
-def test_explain_checks_data_files_but_plans_without_the_model(data, tmp_path, capsys):
+def test_explain_checks_data_files_and_the_model_as_train_does(data, tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
     assert cli.main(["explain", f"data.train_files=[{missing}]", "reward.function=exact_match"]) == 2
     assert "not found" in capsys.readouterr().err
     args = [f"data.train_files=[{data}]", "reward.function=exact_match", f"model.path={tmp_path / 'later'}"]
-    assert cli.main(["explain", *args]) == 0
-    assert "no memory estimate" in capsys.readouterr().out
+    assert cli.main(["explain", *args]) == 2  # train would refuse it: explain does too
+    assert "model.path=" in capsys.readouterr().err
