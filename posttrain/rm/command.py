@@ -23,7 +23,7 @@ from posttrain.train.trainable import Trainable
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
-from posttrain.utils.run_lock import RunDirLock
+from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 
 HEADLINE = {"rm/loss": "loss", "rm/accuracy": "acc", "val/accuracy": "val acc", "val/margin": "val margin"}
@@ -62,7 +62,7 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     device = select_device(cfg)
     train, val = _read_pairs(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
-    lock = RunDirLock(run_dir).acquire()
+    lock = lock_run_dir(run_dir)
     try:
         return _run(cfg, train, val, run_dir, device, quiet)
     finally:

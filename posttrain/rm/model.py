@@ -24,6 +24,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import check_model_dir, resolve_dtype, save_hf
 from posttrain.models.lora import hf_model, is_lora_model, lora_settings
+from posttrain.utils.storage import atomic_dir
 
 log = logging.getLogger("posttrain.rm")
 
@@ -138,4 +139,6 @@ def export_reward_model(model: nn.Module, tokenizer, path: str | Path, stats: di
     tokenizer.padding_side = "right"  # plain `tokenizer(texts, padding=True)` then matches the scores here
     if is_lora_model(model):  # a merged copy: the training model keeps its adapters
         hf = copy.deepcopy(model).merge_and_unload()
-    return save_hf(hf, tokenizer, path)
+    with atomic_dir(path, "the reward model") as tmp:  # a kill mid-write leaves no half-written export
+        save_hf(hf, tokenizer, tmp)
+    return path

@@ -92,7 +92,17 @@ def _sft_args(run: Path, model_dir: Path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("command", ["sft", "train"])
+def _rm_args(run: Path, model_dir: Path) -> list[str]:
+    rows = "\n".join(
+        json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i)})
+        for i in range(8)
+    )
+    data = run.parent / "pairs.jsonl"
+    data.write_text(rows)
+    return [f"model.path={model_dir}", f"trainer.run_dir={run}", f"data.train_files=[{data}]"]
+
+
+@pytest.mark.parametrize("command", ["sft", "train", "rm"])
 def test_every_command_that_writes_a_run_dir_takes_the_same_lock(holder, tiny_model_dir, command):
     """Drill: a second sft (or a train) into a directory another run holds used to run beside it, interleaving
     metrics.jsonl and overwriting run_info.yaml and the model; it is refused (exit 2) and writes nothing."""
@@ -100,6 +110,8 @@ def test_every_command_that_writes_a_run_dir_takes_the_same_lock(holder, tiny_mo
     args = (
         _sft_args(run, tiny_model_dir)
         if command == "sft"
+        else _rm_args(run, tiny_model_dir)
+        if command == "rm"
         else [
             f"trainer.run_dir={run}",
             f"model.path={tiny_model_dir}",
