@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
+import huggingface_hub.utils
+import transformers.utils.logging
 from rich.console import Console
 
 from posttrain import __version__
@@ -416,8 +419,18 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def quiet_library_progress_bars() -> None:
+    """Turn off transformers' own progress bars ("Loading weights", "Writing model shards"): they redraw over
+    the training display and fill logs with carriage returns. Hub download bars stay (a download of a large
+    model can take minutes) unless HF_HUB_DISABLE_PROGRESS_BARS is set."""
+    transformers.utils.logging.disable_progress_bar()  # also turns the Hub's off
+    if not os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"):
+        huggingface_hub.utils.enable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_library_progress_bars()
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -124,3 +124,19 @@ def test_an_internal_bug_is_not_reported_as_a_config_error(monkeypatch, capsys):
     monkeypatch.setattr(cli, "run_training", user_error)
     assert main(["train"]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_the_cli_hides_the_libraries_own_progress_bars(tiny_model_dir, tmp_path, capfd):
+    """transformers' "Loading weights" / "Writing model shards" bars would break the training display."""
+    import transformers.utils.logging as hf_logging
+    from transformers import AutoModelForCausalLM
+
+    try:
+        assert main(["explain"]) == 0
+        capfd.readouterr()
+        assert not hf_logging.is_progress_bar_enabled()
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "saved")
+        err = capfd.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err, err
+    finally:
+        hf_logging.enable_progress_bar()

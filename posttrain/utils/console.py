@@ -5,6 +5,9 @@ scroll above it. When output is piped (CI logs, ``| tee``) there is no live bar:
 file, so each line carries the progress itself and is printed unwrapped, one line per step::
 
     12:00:41 step 12/100 | reward/mean 0.532 | kl 0.00123 | step 3.41s | elapsed 0:00:41 | eta 0:05:00
+
+The ETA follows the recent pace, not the average since the start: a machine that gets busy (or quiet) in
+the middle of a run, or a slow first step, would otherwise skew it for the rest of the run.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -23,7 +26,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 from rich.text import Text
@@ -54,6 +56,11 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+# Weight of the newest step in the recent seconds-per-step (an exponentially weighted mean): a step's
+# weight halves about every two steps, so a change of pace shows in the ETA within a few steps.
+RECENT_WEIGHT = 0.3
+
+
 class TrainingDisplay:
     """Progress bar and per-step metric lines for a training loop.
 
@@ -69,6 +76,7 @@ class TrainingDisplay:
         console: where to print; default: a new rich Console on stdout.
         disable: print nothing at all (quiet mode, or ranks other than 0).
         every: print a metrics line every this many steps (and at the last step); the bar moves every step.
+        clock: seconds, monotonic (tests pass a fake one).
     """
 
     def __init__(
@@ -81,6 +89,7 @@ class TrainingDisplay:
         disable: bool = False,
         every: int = 1,
         description: str = "train",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if total_steps < 1:
             raise ValueError(f"total_steps={total_steps} must be >= 1")
@@ -97,10 +106,14 @@ class TrainingDisplay:
         self.live = self.console.is_terminal and not self.console.is_dumb_terminal
         self._progress: Progress | None = None
         self._task: Any = None
-        self._started_at = time.monotonic()
+        self._clock = clock
+        self._started_at = clock()
+        self._last = (start_step, self._started_at)  # (step, time) of the last update
+        self._step_seconds: float | None = None  # recent seconds per step
 
     def start(self) -> None:
-        self._started_at = time.monotonic()
+        self._started_at = self._clock()
+        self._last = (self.start_step, self._started_at)
         if self.disable or not self.live or self._progress is not None:
             return
         self._progress = Progress(
@@ -108,12 +121,11 @@ class TrainingDisplay:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
+            TextColumn("eta {task.fields[eta]}"),
             console=self.console,
         )
         self._task = self._progress.add_task(
-            self.description, total=self.total_steps, completed=self.start_step
+            self.description, total=self.total_steps, completed=self.start_step, eta="-:--:--"
         )
         self._progress.start()
 
@@ -131,12 +143,34 @@ class TrainingDisplay:
 
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Record that ``step`` (1-based, of ``total_steps``) finished and print its metrics line."""
+        self._observe(step)
         if self.disable:
             return
         if self._progress is not None:
-            self._progress.update(self._task, completed=step)
+            eta = self.eta_seconds(step)
+            shown = "-:--:--" if eta is None else format_duration(eta)
+            self._progress.update(self._task, completed=step, eta=shown)
         if step % self.every == 0 or step >= self.total_steps:
             self.message(self.format_line(step, metrics or {}))
+
+    def _observe(self, step: int) -> None:
+        """Fold the time since the last update into the recent seconds per step."""
+        now = self._clock()
+        last_step, last_time = self._last
+        if step <= last_step:
+            return
+        seconds = (now - last_time) / (step - last_step)
+        recent = self._step_seconds
+        self._step_seconds = (
+            seconds if recent is None else RECENT_WEIGHT * seconds + (1 - RECENT_WEIGHT) * recent
+        )
+        self._last = (step, now)
+
+    def eta_seconds(self, step: int) -> float | None:
+        """Seconds left after ``step`` at the recent pace; None before the first step or after the last."""
+        if self._step_seconds is None or step >= self.total_steps:
+            return None
+        return self._step_seconds * (self.total_steps - step)
 
     def message(self, text: str) -> None:
         """Print a line (e.g. "saved checkpoint ...") with a timestamp, above the bar if there is one."""
@@ -154,11 +188,10 @@ class TrainingDisplay:
         for key in ("reward/num_failures", "reward/num_timeouts"):  # shown whenever not zero
             if metrics.get(key) and key not in labels:
                 parts.append(f"{key} {format_value(metrics[key])}")
-        elapsed = time.monotonic() - self._started_at
-        done = step - self.start_step
-        parts.append(f"elapsed {format_duration(elapsed)}")
-        if done > 0 and step < self.total_steps:
-            parts.append(f"eta {format_duration(elapsed / done * (self.total_steps - step))}")
+        parts.append(f"elapsed {format_duration(self._clock() - self._started_at)}")
+        eta = self.eta_seconds(step)
+        if eta is not None:
+            parts.append(f"eta {format_duration(eta)}")
         return " | ".join(parts)
 
 

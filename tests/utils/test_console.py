@@ -7,7 +7,7 @@ import re
 
 from rich.console import Console
 
-from posttrain.utils.console import TrainingDisplay, format_value, print_table
+from posttrain.utils.console import TrainingDisplay, format_duration, format_value, print_table
 
 
 def _piped_console() -> tuple[Console, io.StringIO]:
@@ -30,6 +30,47 @@ def test_piped_output_is_one_unwrapped_line_per_step() -> None:
     assert "val_acc" not in lines[0] and "other" not in lines[0]
     assert "\x1b[" not in buffer.getvalue()  # no escape codes in logs
     assert "step 3/3" in lines[2] and "eta" not in lines[2]
+
+
+class FakeClock:
+    """Seconds that move only when a step says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _eta_after(step_seconds: list[float], total: int) -> tuple[float, str]:
+    """Run len(step_seconds) steps of the given durations; the ETA and the last printed line."""
+    clock, (console, buffer) = FakeClock(), _piped_console()
+    with TrainingDisplay(total, console=console, clock=clock) as display:
+        for step, seconds in enumerate(step_seconds, start=1):
+            clock.now += seconds
+            display.update(step, {"loss": 1.0})
+        eta = display.eta_seconds(len(step_seconds))
+    return eta, buffer.getvalue().splitlines()[-1]
+
+
+def test_eta_follows_the_recent_pace_when_the_machine_gets_busy() -> None:
+    # 20 steps of 2 s, then the machine gets busy: 8 s a step. The average since the start (4.4 s after 25
+    # steps) would promise 75 steps x 4.4 s = 5.5 min; at the pace now it takes 75 x 8 s = 10 min.
+    eta, line = _eta_after([2.0] * 20 + [8.0] * 5, total=100)
+    assert 0.8 * 75 * 8 < eta <= 75 * 8, eta
+    eta, line = _eta_after([2.0] * 20 + [8.0] * 12, total=100)
+    assert abs(eta - 68 * 8) < 0.02 * 68 * 8, eta
+    assert line.endswith(f"elapsed 0:02:16 | eta {format_duration(eta)}"), line
+
+
+def test_eta_forgets_a_slow_first_step_and_holds_a_steady_pace() -> None:
+    # A first step of 60 s (warm-up, first validation), then 1 s a step: the ETA comes down to 1 s a step
+    # (29 s left after 21 steps; the average since the start would say 29 x 80 s / 21 = 110 s).
+    eta, _ = _eta_after([60.0] + [1.0] * 20, total=50)
+    assert abs(eta - 29) < 0.1 * 29, eta
+    eta, line = _eta_after([3.0] * 10, total=40)
+    assert abs(eta - 90.0) < 1e-9 and line.endswith(f"eta {format_duration(eta)}"), (eta, line)
+    assert _eta_after([3.0] * 40, total=40)[0] is None  # nothing left
 
 
 def test_every_and_disable() -> None:
