@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
 from posttrain.rl.build import build_components  # noqa: E402
-from posttrain.rl.loop import rollout_ahead  # noqa: E402
 from posttrain.rl.step import train_step  # noqa: E402
+from posttrain.rl.train_command import rollout_ahead  # noqa: E402
 from posttrain.sft.builtin import builtin_model_dir  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 from posttrain.utils.metrics import PhaseTimer  # noqa: E402

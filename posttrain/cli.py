@@ -19,18 +19,18 @@ from posttrain import __version__
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
+from posttrain.planning.advice import advise, starting_point
+from posttrain.planning.explain import advice_lines, estimate_table, plan_tree
+from posttrain.planning.keys import key_lines
+from posttrain.planning.memory import Cluster, estimate_memory
+from posttrain.planning.memory_bytes import WhatIf
+from posttrain.planning.preflight import preflight
+from posttrain.planning.shape import ModelShape, shape_for_model_path
+from posttrain.planning.tune import run_tune
 from posttrain.rl.eval_command import run_eval_command
-from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
+from posttrain.rl.train_command import run_training
 from posttrain.sft.command import run_sft_command
-from posttrain.tools.advice import advise, starting_point
-from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
-from posttrain.tools.keys import key_lines
-from posttrain.tools.memory import Cluster, estimate_memory
-from posttrain.tools.memory_bytes import WhatIf
-from posttrain.tools.preflight import preflight
-from posttrain.tools.shape import ModelShape, shape_for_model_path
-from posttrain.tools.tune import run_tune
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
 
 EXIT_CONFIG_ERROR = 2
@@ -174,7 +174,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _checked(args: argparse.Namespace, command: str):
-    """The config, after the checks every command runs before any model loads (posttrain.tools.preflight)."""
+    """The config, after the checks every command runs before any model loads (posttrain.planning.preflight)."""
     cfg = _load(args)
     preflight(cfg, command, model_override=getattr(args, "model", None))
     return cfg

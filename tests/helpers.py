@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from posttrain.config.load import build_config
-from posttrain.rl import loop as rl
-from posttrain.rl.loop import run_training
+from posttrain.rl import train_command as rl
+from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
 
 REWARD_FILE = """

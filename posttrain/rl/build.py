@@ -44,11 +44,11 @@ from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
-from posttrain.rl.evaluate import validation_params
-from posttrain.rl.rollout_weights import RolloutWeights
+from posttrain.rl.collect.validation import validation_params
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
+from posttrain.rollout.weights import RolloutWeights
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.checkpoint import load_module_weights
 from posttrain.train.trainable import Trainable

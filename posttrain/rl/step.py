@@ -27,10 +27,8 @@ from posttrain.parallel.data_parallel import DataParallel
 from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, SUM, DataShare, ShareMetrics, select_share
 from posttrain.rewards.overlong import overlong_metrics
 from posttrain.rl.build import Components
-from posttrain.rl.dynamic_sampling import ScoredGroups, draw_groups, generation_salt, group_filter
-from posttrain.rl.rollout_ahead import RolloutAhead
-from posttrain.rl.rollout_side import RolloutSide, rollout_side_of
-from posttrain.rl.sampling import (
+from posttrain.rl.collect.context import RolloutSide, rollout_side_of
+from posttrain.rl.collect.generation import (
     Scored,
     Scorer,
     greedy_baselines,
@@ -41,7 +39,9 @@ from posttrain.rl.sampling import (
     step_seed,
     training_params,
 )
-from posttrain.rl.truncation import mask_truncated
+from posttrain.rl.collect.group_filter import ScoredGroups, draw_groups, generation_salt, group_filter
+from posttrain.rl.collect.truncation import mask_truncated
+from posttrain.rl.overlap.queue import RolloutAhead
 from posttrain.rollout.base import SamplingParams
 from posttrain.train.losses import actor_loss_fn, critic_loss_fn
 from posttrain.train.update import forward_in_micro_batches, run_update

@@ -18,7 +18,7 @@ LAYERS = [
     {"train"},
     {"sft"},
     {"rl"},
-    {"tools"},
+    {"planning"},
     {"cli", "__main__", "__init__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

@@ -27,7 +27,7 @@ def update(out: Path, options: dict[str, str]) -> None:
 def train(out: Path, options: dict[str, str]) -> None:
     """`posttrain train` with the given overrides (the run dir is in them)."""
     from posttrain.config.load import build_config
-    from posttrain.rl.loop import run_training
+    from posttrain.rl.train_command import run_training
 
     cfg = build_config([], [f"{k}={v}" for k, v in options.items()])
     metrics = run_training(cfg, quiet=True)
@@ -77,7 +77,7 @@ def _queue_on_ranks(answer, max_staleness: int, shares: bool):
 
     from posttrain.parallel.runtime import DistContext
     from posttrain.parallel.shares import SINGLE_SHARE, data_share
-    from posttrain.rl.rollout_ahead import RolloutAhead
+    from posttrain.rl.overlap.queue import RolloutAhead
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
@@ -108,7 +108,7 @@ def ahead_shares(out: Path, options: dict[str, str]) -> None:
     import torch.distributed as dist
 
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.rl.rollout_side import GeneratedStep
+    from posttrain.rl.collect.context import GeneratedStep
 
     def whole_step(method, *args):
         batch = build_rollout_batch([[5, 6]] * 8, [[7, 8, 9]] * 8, [0, 0, 1, 1, 2, 2, 3, 3], pad_token_id=0)

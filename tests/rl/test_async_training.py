@@ -11,7 +11,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan
 from posttrain.rl.build import check_run
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
 from tests.helpers import read_metrics, small_config
 
@@ -104,9 +104,9 @@ def test_each_row_records_the_version_that_sampled_it():
     import threading
 
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.rl.rollout_ahead import RolloutAhead
-    from posttrain.rl.rollout_hosts import ThreadHost
-    from posttrain.rl.rollout_side import GeneratedStep
+    from posttrain.rl.collect.context import GeneratedStep
+    from posttrain.rl.overlap.hosts import ThreadHost
+    from posttrain.rl.overlap.queue import RolloutAhead
 
     loaded, seen, threads = [], [], set()
 
@@ -146,8 +146,8 @@ def test_each_row_records_the_version_that_sampled_it():
 
 def test_a_failed_weight_load_is_raised_not_lost():
     """Nobody waits on a weight load; its error surfaces at the next take or drain."""
-    from posttrain.rl.rollout_ahead import RolloutAhead
-    from posttrain.rl.rollout_hosts import ThreadHost
+    from posttrain.rl.overlap.hosts import ThreadHost
+    from posttrain.rl.overlap.queue import RolloutAhead
 
     class Worker:
         def load(self, version, weights):

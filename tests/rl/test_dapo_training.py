@@ -11,7 +11,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.models.hf import load_causal_lm, save_hf
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rl import step as rl_step
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.utils.metrics import read_metrics
 from tests.helpers import crash_and_resume, small_config
 

@@ -27,7 +27,7 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import MAX, SINGLE_SHARE, DataShare, ShareMetrics
-from posttrain.rl.sampling import Scorer, sample_and_score
+from posttrain.rl.collect.generation import Scorer, sample_and_score
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 GEN_BATCH_SALT = 1000  # step_seed salts of the extra generation batches start here (0-2 are taken)

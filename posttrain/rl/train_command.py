@@ -29,12 +29,12 @@ from posttrain.parallel.runtime import (
     shutdown_distributed,
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
+from posttrain.rl.collect.context import rollout_side_of
+from posttrain.rl.collect.samples import log_validation_samples
 from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
-from posttrain.rl.rollout_ahead import RolloutAhead
-from posttrain.rl.rollout_hosts import ThreadHost, start_ray_host
-from posttrain.rl.rollout_side import rollout_side_of
-from posttrain.rl.rollout_worker import RolloutWorker, validate_side
-from posttrain.rl.samples import log_validation_samples
+from posttrain.rl.overlap.hosts import ThreadHost, start_ray_host
+from posttrain.rl.overlap.queue import RolloutAhead
+from posttrain.rl.overlap.worker import RolloutWorker, validate_side
 from posttrain.rl.step import train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path

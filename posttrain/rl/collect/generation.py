@@ -19,7 +19,7 @@ from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, S
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rl.evaluate import CORRECT_THRESHOLD
+from posttrain.rl.collect.validation import CORRECT_THRESHOLD
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 

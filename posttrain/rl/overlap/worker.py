@@ -1,7 +1,7 @@
 """The rollout worker: the one owner of a rollout engine while rollouts run ahead of training.
 
 Its calls run one at a time, in the order the trainer made them, on a background thread of the trainer's
-process or in a process of its own (``posttrain.rl.rollout_hosts``); it neither knows nor cares which. It
+process or in a process of its own (``posttrain.rl.overlap.hosts``); it neither knows nor cares which. It
 generates a step's samples (at once, or with partial rollouts in two parts: start and finish), loads a weight
 snapshot, validates, and reports the prompt sampler's state.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from posttrain.config.schema import PostTrainConfig
-from posttrain.rl.evaluate import validate
-from posttrain.rl.partial_rollout import StartedRollout, finish_rollout, start_rollout
-from posttrain.rl.rollout_side import GeneratedStep, RolloutSide, StartedStep, build_rollout_side
-from posttrain.rl.sampling import step_seed
+from posttrain.rl.collect.context import GeneratedStep, RolloutSide, StartedStep, build_rollout_side
+from posttrain.rl.collect.generation import step_seed
+from posttrain.rl.collect.validation import validate
+from posttrain.rl.overlap.partial import StartedRollout, finish_rollout, start_rollout
 from posttrain.rl.step import rollout_phase
 from posttrain.utils.metrics import PhaseTimer
 from posttrain.utils.seed import seed_everything

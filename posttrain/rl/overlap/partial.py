@@ -2,7 +2,7 @@
 rollout ahead, but generates at most ``partial_rollout_tokens`` tokens per response there; the responses left
 unfinished are continued just before the step trains, with the newest weights.
 
-Two calls of the rollout worker make a step's samples, in the queue order of ``posttrain.rl.rollout_ahead``:
+Two calls of the rollout worker make a step's samples, in the queue order of ``posttrain.rl.overlap.queue``:
 
 - *start s* (queued k steps ahead, after the load of version s-1-k): draws the step's prompts and generates
   at most P tokens per response (the step's plain seed; ReMax's greedy baselines are generated here whole);
@@ -25,9 +25,9 @@ import torch
 from posttrain.config.plan import partial_rollout_tokens
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch
-from posttrain.rl.dynamic_sampling import ScoredGroups, generation_salt
-from posttrain.rl.rollout_side import RolloutSide
-from posttrain.rl.sampling import generate_share, score_share, step_seed, training_params
+from posttrain.rl.collect.context import RolloutSide
+from posttrain.rl.collect.generation import generate_share, score_share, step_seed, training_params
+from posttrain.rl.collect.group_filter import ScoredGroups, generation_salt
 from posttrain.rl.step import assemble_rollout, side_baselines, side_scorer
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 from posttrain.utils.metrics import PhaseTimer

@@ -36,7 +36,7 @@ from posttrain.rollout.base import RolloutEngine
 @dataclass
 class RolloutSide:
     """The parts of a run that draw, generate and score a step's samples (``posttrain.rl.step.rollout_phase``)
-    and validate (``posttrain.rl.evaluate.validate``)."""
+    and validate (``posttrain.rl.collect.validation.validate``)."""
 
     cfg: PostTrainConfig
     engine: RolloutEngine

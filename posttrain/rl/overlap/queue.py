@@ -1,10 +1,10 @@
 """Rollouts generated ahead of training (`async_training.max_staleness`): step s's samples are drawn while
 earlier steps train, by a policy at most ``max_staleness`` updates older than the one that trains on them.
 
-One rollout worker (``posttrain.rl.rollout_worker``) owns the rollout engine and runs, in the order they
+One rollout worker (``posttrain.rl.overlap.worker``) owns the rollout engine and runs, in the order they
 were made, two kinds of calls: "generate step s" and "load the weights of version v" (a copy the trainer
 took right after update v). It runs on a background thread of this process or in a process of its own
-(``posttrain.rl.rollout_hosts``). The trainer makes the calls in an order that fixes every sample's policy
+(``posttrain.rl.overlap.hosts``). The trainer makes the calls in an order that fixes every sample's policy
 version, whatever the timing:
 
 - before training step s it makes sure rollouts s .. s+k are queued (k = max_staleness) and waits for s;
@@ -13,7 +13,7 @@ version, whatever the timing:
 So rollout s (s > k + 1) was queued right after "load version s-1-k": it samples with the policy of update
 s-1-k while the trainer is at s-1, a lag of exactly k (rollouts 1 .. k+1 use the initial weights, lag s-1).
 k = 1 is verl's one-step-off-policy schedule; k = 0 is the synchronous loop, run through this machinery.
-With partial rollouts (``posttrain.rl.partial_rollout``) "generate s" is two calls: "start s" where
+With partial rollouts (``posttrain.rl.overlap.partial``) "generate s" is two calls: "start s" where
 "generate s" was queued, and "finish s" queued when the trainer takes step s (after "load version s-1").
 Which version sampled each row is recorded (``batch.policy_versions``); the rollout-correction machinery
 (``algorithm.rollout_correction``) reweights or rejects what the lag made too different.
@@ -37,12 +37,12 @@ from posttrain.data.batch import RolloutBatch
 from posttrain.models.lora import policy_weights
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare, select_share
-from posttrain.rl.rollout_side import GeneratedStep
+from posttrain.rl.collect.context import GeneratedStep
 
 
 class RolloutAhead:
     """The queue of rollouts ahead of training, on a host that runs the rollout worker's calls in order
-    (``posttrain.rl.rollout_hosts``: a thread, or a Ray actor)."""
+    (``posttrain.rl.overlap.hosts``: a thread, or a Ray actor)."""
 
     def __init__(
         self,
