@@ -62,10 +62,10 @@ def crash_and_resume(model_dir, tmp_path, monkeypatch, extra, keys):
     run_training(small_config(model_dir, tmp_path / "full", *extra), quiet=True)
     original = rl.train_step
 
-    def crash_at_3(c, step, timer, ahead=None):
+    def crash_at_3(c, step, timer, source=None):
         if step == 3:
             raise RuntimeError("simulated crash")
-        return original(c, step, timer, ahead)
+        return original(c, step, timer, source)
 
     monkeypatch.setattr(rl, "train_step", crash_at_3)
     cfg = small_config(model_dir, tmp_path / "resumed", *extra)

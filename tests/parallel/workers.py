@@ -70,21 +70,21 @@ class _StandIn:
 
 
 def _queue_on_ranks(answer, max_staleness: int, shares: bool):
-    """(rank, a RolloutAhead over a gloo group of the launched ranks: rank 0 holds a stand-in host)."""
+    """(rank, a RolloutQueue over a gloo group of the launched ranks: rank 0 holds a stand-in host)."""
     import datetime
 
     import torch.distributed as dist
 
     from posttrain.parallel.runtime import DistContext
     from posttrain.parallel.shares import SINGLE_SHARE, data_share
-    from posttrain.rl.overlap.queue import RolloutAhead
+    from posttrain.rl.overlap.queue import RolloutQueue
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     ctx = DistContext(rank=rank, world_size=dist.get_world_size())
     host = _StandIn(answer) if rank == 0 else None
     share = data_share(ctx) if shares else SINGLE_SHARE
-    return rank, RolloutAhead(host, max_staleness, 0, 4, dist=ctx, share=share)
+    return rank, RolloutQueue(host, max_staleness, 0, 4, dist=ctx, share=share)
 
 
 def ahead_failure(out: Path, options: dict[str, str]) -> None:

@@ -14,7 +14,7 @@ from posttrain.rl.checks import check_async_training
 from posttrain.rl.collect.context import GeneratedStep, StartedStep
 from posttrain.rl.overlap.hosts import ThreadHost
 from posttrain.rl.overlap.partial import continue_unfinished, partial_metrics, token_versions
-from posttrain.rl.overlap.queue import RolloutAhead
+from posttrain.rl.overlap.queue import RolloutQueue
 from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import RolloutResult, SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
@@ -55,7 +55,7 @@ def test_start_and_finish_follow_the_queue_order():
         def ready(self):
             return 0
 
-    ahead = RolloutAhead(ThreadHost(Worker()), k, start_step=0, total_steps=5, partial=True)
+    ahead = RolloutQueue(ThreadHost(Worker()), k, start_step=0, total_steps=5, partial=True)
     try:
         for step in range(1, 6):
             _, metrics = ahead.take(step)

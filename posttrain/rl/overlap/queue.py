@@ -38,10 +38,11 @@ from posttrain.models.lora import policy_weights
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare, select_share
 from posttrain.rl.collect.context import GeneratedStep
+from posttrain.utils.metrics import PhaseTimer
 
 
-class RolloutAhead:
-    """The queue of rollouts ahead of training, on a host that runs the rollout worker's calls in order
+class RolloutQueue:
+    """A :class:`~posttrain.rl.collect.source.RolloutSource`: the queue of rollouts ahead of training, on a host that runs the rollout worker's calls in order
     (``posttrain.rl.overlap.hosts``: a thread, or a Ray actor)."""
 
     def __init__(
@@ -63,11 +64,12 @@ class RolloutAhead:
         self._next = start_step + 1  # the next step to queue a rollout for
         self._loads: list[Future] = []  # weight loads not yet seen to have succeeded
 
-    def take(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Step ``step``'s batch (this rank's share of it) and rollout metrics (waits for it; queues the
-        rollouts up to step + k). With partial rollouts its finish is queued first (after the newest weights),
-        then the starts up to step + k."""
-        batch, metrics = self._from_main(self._take_here, step)
+    def take(self, step: int, timer: PhaseTimer | None = None) -> tuple[RolloutBatch, dict[str, float]]:
+        """Step ``step``'s batch (this rank's share of it) and rollout metrics (waits for it, timed as
+        ``rollout_wait``; queues the rollouts up to step + k). With partial rollouts its finish is queued first
+        (after the newest weights), then the starts up to step + k."""
+        with (timer or PhaseTimer()).phase("rollout_wait"):
+            batch, metrics = self._from_main(self._take_here, step)
         return select_share(batch, self.share), metrics
 
     def _take_here(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:

@@ -14,43 +14,17 @@ from pathlib import Path
 import torch
 
 from posttrain.config.schema import PostTrainConfig
-from posttrain.rl.collect.context import GeneratedStep, RolloutSide, StartedStep, build_rollout_side
-from posttrain.rl.collect.generation import step_seed
-from posttrain.rl.collect.validation import validate
+from posttrain.rl.collect.context import GeneratedStep, RolloutContext, StartedStep, build_rollout_context
+from posttrain.rl.collect.rollout import rollout_phase, validate_context
 from posttrain.rl.overlap.partial import StartedRollout, finish_rollout, start_rollout
-from posttrain.rl.step import rollout_phase
 from posttrain.utils.metrics import PhaseTimer
 from posttrain.utils.seed import seed_everything
-
-
-def validate_side(side: RolloutSide, step: int) -> tuple[dict[str, float], list[dict]]:
-    """Generate for the validation prompts and score them (the engine holds its cache memory meanwhile);
-    returns the metrics and one row per sample (prompt, response, ground truth, reward)."""
-    if side.val_prompts is None:
-        return {}, []
-    rows: list[dict] = []
-    side.engine.wake_up()
-    try:
-        seed = step_seed(side.cfg.trainer.seed, step, 2)
-        metrics = validate(
-            side.engine,
-            side.tokenizer,
-            side.val_prompts,
-            side.reward_runner,
-            side.cfg,
-            seed=seed,
-            dist=side.dist,
-            samples=rows,
-        )
-    finally:
-        side.engine.release_memory()
-    return metrics, rows
 
 
 class RolloutWorker:
     """Generates with the weights of update ``version`` until it loads a newer snapshot."""
 
-    def __init__(self, side: RolloutSide, version: int):
+    def __init__(self, side: RolloutContext, version: int):
         self.side = side
         self.version = version
         self._started: dict[int, StartedRollout] = {}  # partial rollouts started, by step
@@ -92,7 +66,7 @@ class RolloutWorker:
         self.version = version
 
     def validate(self, step: int) -> tuple[dict[str, float], list[dict]]:
-        return validate_side(self.side, step)
+        return validate_context(self.side, step)
 
     def sampler_state(self) -> dict:
         return self.side.sampler.state_dict()
@@ -117,6 +91,6 @@ class ProcessRolloutWorker(RolloutWorker):
         torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed)
         device = torch.device("cuda", 0) if gpus > 0 else torch.device("cpu")  # the devices Ray assigned it
-        side = build_rollout_side(cfg, Path(model_path), device)
+        side = build_rollout_context(cfg, Path(model_path), device)
         side.sampler.load_state_dict(sampler_state)
         super().__init__(side, version)
