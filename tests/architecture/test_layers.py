@@ -9,7 +9,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "posttrain"
 
 LAYERS = [
-    {"utils", "algorithms", "config"},
+    {"algorithms"},
+    {"config"},
+    {"utils"},
     {"data"},
     {"batching"},
     {"models", "parallel"},
@@ -97,6 +99,26 @@ def test_imports_only_point_down():
     assert not upward, "\n".join(upward)
 
 
+# Inside rl/: collecting a step's samples (collect/) knows nothing of running it ahead (overlap/), and neither
+# knows the step's training phases or the train command; the step knows the rollouts only as a RolloutSource.
+RL_MUST_NOT_IMPORT = {
+    "posttrain.rl.collect": ("posttrain.rl.overlap", "posttrain.rl.step", "posttrain.rl.train_command"),
+    "posttrain.rl.overlap": ("posttrain.rl.step", "posttrain.rl.train_command", "posttrain.rl.ray_ranks"),
+    "posttrain.rl.step": ("posttrain.rl.overlap", "posttrain.rl.train_command"),
+}
+
+
+def test_rl_subpackages_point_down():
+    wrong = [
+        f"{src} imports {dst} at line {line}"
+        for src, dst, _, line in edges()
+        for low, banned in RL_MUST_NOT_IMPORT.items()
+        if (src == low or src.startswith(low + "."))
+        and any(dst == b or dst.startswith(b + ".") for b in banned)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_package_has_a_layer():
     assert {package(m) for m in modules()} <= set(LAYER_OF)
 
@@ -177,3 +199,37 @@ def test_function_local_imports_only_for_optional_dependencies(name):
                 ):
                     local.append(f"line {node.lineno}: {root}")
     assert not local, f"{name} imports inside functions (hoist them, or list an optional extra): {local}"
+
+
+DOC = ROOT.parent / "docs" / "architecture.md"
+
+
+def documented_packages() -> set[str]:
+    """The first column of docs/architecture.md's package table: `config/`, `rl/collect/`, `cli.py`, ..."""
+    out = set()
+    section = DOC.read_text().split("## What each package owns")[1].split("\n## ")[0]
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            out.add(line.split("`")[1])
+    return out
+
+
+def code_packages() -> set[str]:
+    """Every package directly under posttrain/ and under posttrain/rl/, and the top-level modules (cli.py)."""
+    out = {f"{p.parent.name}/" for p in ROOT.glob("*/__init__.py")}
+    out |= {f"rl/{p.parent.name}/" for p in (ROOT / "rl").glob("*/__init__.py")}
+    out |= {p.name for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    return out
+
+
+def test_architecture_doc_lists_every_package_and_only_real_ones():
+    doc, code = documented_packages(), code_packages()
+    assert not doc - code, f"docs/architecture.md lists packages that do not exist: {sorted(doc - code)}"
+    assert not code - doc, f"docs/architecture.md leaves out: {sorted(code - doc)}"
+
+
+def test_architecture_doc_layers_match_the_test():
+    block = DOC.read_text().split("## Layers (lowest first)")[1].split("```")[1]
+    rows = [line.split("  ")[0].strip() for line in block.splitlines() if line and not line.startswith(" ")]
+    doc_layers = [{name.strip() for name in row.split(",")} for row in rows]
+    assert doc_layers == LAYERS[:-1] + [{"cli"}]
