@@ -5,11 +5,28 @@ import json
 
 import pytest
 import torch
+from transformers import Qwen2Config
 
 from posttrain.config.load import build_config
 from posttrain.rl import train_command as rl
 from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
+
+
+def tiny_qwen2_config(vocab_size: int, **overrides) -> Qwen2Config:
+    """The tiny Qwen2 the unit tests build: hidden 32, MLP 64, 2 layers, 4 heads / 2 KV heads, tied embeddings
+    (``overrides`` change or add any field)."""
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    return Qwen2Config(**{**fields, **overrides})
+
 
 REWARD_FILE = """
 def varied(prompt, response, ground_truth, extra):
