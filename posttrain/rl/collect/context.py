@@ -35,8 +35,8 @@ from posttrain.rollout.base import RolloutEngine
 
 @dataclass
 class RolloutContext:
-    """The parts of a run that draw, generate and score a step's samples (``posttrain.rl.step.rollout_phase``)
-    and validate (``posttrain.rl.collect.validation.validate``)."""
+    """The parts of a run that draw, generate and score a step's samples
+    (``posttrain.rl.collect.rollout.rollout_phase``) and validate (``posttrain.rl.collect.validation.validate``)."""
 
     cfg: PostTrainConfig
     engine: RolloutEngine
