@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
 from posttrain.rl.build import build_components  # noqa: E402
-from posttrain.rl.loop import rollout_ahead  # noqa: E402
 from posttrain.rl.step import train_step  # noqa: E402
+from posttrain.rl.train_command import rollout_source  # noqa: E402
 from posttrain.sft.builtin import builtin_model_dir  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 from posttrain.utils.metrics import PhaseTimer  # noqa: E402
@@ -88,20 +88,19 @@ def run_variant(model_dir: Path, shape: list[str], extra: list[str], threads: in
         )
         seed_everything(cfg.trainer.seed)
         c = build_components(cfg, quiet=True)
-        ahead = rollout_ahead(c, 0)
+        source = rollout_source(c, 0)
         timer, times, phases, samples = PhaseTimer(), [], {}, cfg.data.train_batch_size * cfg.rollout.n
         try:
             for step in range(1, args.steps + 1):
                 start = time.perf_counter()
-                metrics = train_step(c, step, timer, ahead)
+                metrics = train_step(c, step, timer, source)
                 if step > args.warmup:
                     times.append(time.perf_counter() - start)
                     for key, value in metrics.items():
                         if key.startswith("timing/") and key != "timing/step":
                             phases[key] = phases.get(key, 0.0) + value / (args.steps - args.warmup)
         finally:
-            if ahead is not None:
-                ahead.close()
+            source.close()
             c.close()
     phases["samples"] = samples
     return times, phases

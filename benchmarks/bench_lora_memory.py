@@ -3,7 +3,7 @@
 Run: ``python benchmarks/bench_lora_memory.py`` (about three minutes on 2 CPU cores: one child process per row for
 the step measurement).
 
-Setting: the Qwen2 of tests/tools/test_estimator_vs_measured.py (hidden 512, 4 layers, 8 heads / 4 KV heads,
+Setting: the Qwen2 of tests/planning/test_estimator_vs_measured.py (hidden 512, 4 layers, 8 heads / 4 KV heads,
 intermediate 1408, 4,096-token tied vocabulary; random fp32 weights, sdpa), one actor micro-batch of 8 samples of
 128 + 128 tokens, the trainer's own actor loss with a KL term (so a reference policy exists).
 
@@ -15,8 +15,8 @@ Columns:
 * ``reference copy``: bytes of the parameters of the reference policy the trainer builds (``setup.build_components``
   builds a ``deepcopy`` without LoRA, the actor with adapters disabled with LoRA: no parameters of its own).
 * ``step (RSS)``: the working memory of one actor micro-batch, high-water RSS minus the post-setup RSS, in a fresh
-  child (``posttrain.tools.measure``), as tests/tools/test_estimator_vs_measured.py measures it.
-* ``estimated``: ``posttrain.tools.memory.estimate_memory`` for the same config (actor weights + optimizer +
+  child (``posttrain.planning.measure``), as tests/planning/test_estimator_vs_measured.py measures it.
+* ``estimated``: ``posttrain.planning.memory.estimate_memory`` for the same config (actor weights + optimizer +
   reference weights; and the update phase's gradients/activations + head).
 """
 
@@ -37,9 +37,9 @@ from posttrain.batching.micro import micro_batch_rows
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.config.plan import build_plan  # noqa: E402
 from posttrain.models.lora import apply_lora, is_lora_model, reference_policy  # noqa: E402
-from posttrain.tools.measure import TrialSpec, run_trial_in_subprocess, synthetic_batch  # noqa: E402
-from posttrain.tools.memory import estimate_memory  # noqa: E402
-from posttrain.tools.shape import ModelShape  # noqa: E402
+from posttrain.planning.measure import TrialSpec, run_trial_in_subprocess, synthetic_batch  # noqa: E402
+from posttrain.planning.memory import estimate_memory  # noqa: E402
+from posttrain.planning.shape import ModelShape  # noqa: E402
 from posttrain.train.losses import actor_loss_fn
 from posttrain.train.trainable import Trainable
 from posttrain.train.update import accumulate_and_step

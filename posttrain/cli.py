@@ -24,21 +24,21 @@ from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
 from posttrain.parallel.runtime import launched_world_size
+from posttrain.planning.advice import advise, starting_point
+from posttrain.planning.explain import advice_lines, estimate_table, plan_tree
+from posttrain.planning.keys import key_lines
+from posttrain.planning.memory import Cluster, estimate_memory
+from posttrain.planning.memory_bytes import WhatIf
+from posttrain.planning.preflight import check_loggers, check_model_path, preflight
+from posttrain.planning.shape import ModelShape, shape_for_model_path
+from posttrain.planning.tune import run_tune
 from posttrain.rl.eval_command import run_eval_command
-from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
+from posttrain.rl.train_command import run_training
 from posttrain.rm.command import run_rm_command
 from posttrain.sandbox.build import build_sandbox, probe_line
 from posttrain.sandbox.server import serve
 from posttrain.sft.command import run_sft_command
-from posttrain.tools.advice import advise, starting_point
-from posttrain.tools.explain import advice_lines, estimate_table, plan_tree
-from posttrain.tools.keys import key_lines
-from posttrain.tools.memory import Cluster, estimate_memory
-from posttrain.tools.memory_bytes import WhatIf
-from posttrain.tools.preflight import check_loggers, check_model_path, preflight
-from posttrain.tools.shape import ModelShape, shape_for_model_path
-from posttrain.tools.tune import run_tune
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
 from posttrain.utils.storage import storage_problem
 
@@ -190,7 +190,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _checked(args: argparse.Namespace, command: str):
-    """The config, after the checks every command runs before any model loads (posttrain.tools.preflight)."""
+    """The config, after the checks every command runs before any model loads (posttrain.planning.preflight)."""
     cfg = _load(args)
     on_ray = wants_ray_ranks(cfg)
     world = cfg.trainer.ray_ranks if on_ray else launched_world_size()

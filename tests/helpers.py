@@ -5,11 +5,28 @@ import json
 
 import pytest
 import torch
+from transformers import Qwen2Config
 
 from posttrain.config.load import build_config
-from posttrain.rl import loop as rl
-from posttrain.rl.loop import run_training
+from posttrain.rl import train_command as rl
+from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
+
+
+def tiny_qwen2_config(vocab_size: int, **overrides) -> Qwen2Config:
+    """The tiny Qwen2 the unit tests build: hidden 32, MLP 64, 2 layers, 4 heads / 2 KV heads, tied embeddings
+    (``overrides`` change or add any field)."""
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    return Qwen2Config(**{**fields, **overrides})
+
 
 REWARD_FILE = """
 def varied(prompt, response, ground_truth, extra):
@@ -62,10 +79,10 @@ def crash_and_resume(model_dir, tmp_path, monkeypatch, extra, keys):
     run_training(small_config(model_dir, tmp_path / "full", *extra), quiet=True)
     original = rl.train_step
 
-    def crash_at_3(c, step, timer, ahead=None):
+    def crash_at_3(c, step, timer, source=None):
         if step == 3:
             raise RuntimeError("simulated crash")
-        return original(c, step, timer, ahead)
+        return original(c, step, timer, source)
 
     monkeypatch.setattr(rl, "train_step", crash_at_3)
     cfg = small_config(model_dir, tmp_path / "resumed", *extra)

@@ -15,7 +15,7 @@ Every estimator is called as::
 and ignores the arguments it does not need. With rank-local data each rank passes its share of the batch (whole
 prompt groups, so group statistics stay local) and ``batch_sum``: the estimators with batch-wide statistics
 (whitening in ``gae``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``; ``gpg``'s alpha) sum their
-partial sums over the ranks with it, so every rank gets the advantages of one process. The registry below also holds OPO, GPG and GRPO pass@k, which live
+partial sums over the ranks with it, so every rank gets the advantages of one process. The registry (``estimator_registry``: name and needs in one decorator) also holds OPO, GPG and GRPO pass@k, which live
 in :mod:`posttrain.algorithms.outcome_estimators`. Both outputs are ``[B, T]`` in the rewards' dtype and computed
 without gradient. Formulas, epsilons and the unbiased standard deviations match verl's ``core_algos`` (the
 loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberate differences:
@@ -30,22 +30,20 @@ loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberat
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
+from posttrain.algorithms.estimator_registry import (
+    ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_NEEDS,
+    AdvantageFn,
+    EstimatorNeeds,
+    register_advantage_estimator,
+)
 from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats
 from posttrain.algorithms.masked import BatchSum, masked_whiten
-from posttrain.algorithms.outcome_estimators import (
-    compute_gpg_advantages,
-    compute_grpo_passk_advantages,
-    compute_opo_advantages,
-)
-
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+@register_advantage_estimator("gae", critic=True)
 @torch.no_grad()
 def compute_gae_advantages(
     *,
@@ -94,6 +92,7 @@ def compute_gae_advantages(
     return advantages, returns
 
 
+@register_advantage_estimator("grpo", groups=True)
 @torch.no_grad()
 def compute_grpo_advantages(
     *,
@@ -127,6 +126,7 @@ def compute_grpo_advantages(
     return advantages, advantages
 
 
+@register_advantage_estimator("drgrpo", groups=True)
 def compute_drgrpo_advantages(
     *,
     token_level_rewards: torch.Tensor,
@@ -154,6 +154,7 @@ def compute_drgrpo_advantages(
     )
 
 
+@register_advantage_estimator("rloo", groups=True)
 @torch.no_grad()
 def compute_rloo_advantages(
     *,
@@ -196,6 +197,7 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
     return returns
 
 
+@register_advantage_estimator("reinforce_plus_plus")
 @torch.no_grad()
 def compute_reinforce_plus_plus_advantages(
     *,
@@ -221,6 +223,7 @@ def compute_reinforce_plus_plus_advantages(
     return advantages, returns
 
 
+@register_advantage_estimator("reinforce_plus_plus_baseline", groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantages(
     *,
@@ -252,6 +255,7 @@ def compute_reinforce_plus_plus_baseline_advantages(
     return advantages, advantages
 
 
+@register_advantage_estimator("remax", greedy_baseline=True)
 @torch.no_grad()
 def compute_remax_advantages(
     *,
@@ -289,47 +293,8 @@ def compute_remax_advantages(
     return advantages, returns
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
-    "grpo": compute_grpo_advantages,
-    "drgrpo": compute_drgrpo_advantages,
-    "gae": compute_gae_advantages,
-    "rloo": compute_rloo_advantages,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
-    "remax": compute_remax_advantages,
-    "opo": compute_opo_advantages,
-    "gpg": compute_gpg_advantages,
-    "grpo_passk": compute_grpo_passk_advantages,
-}
-"""Every estimator by its config name (`algorithm.adv_estimator`): the single source of the names."""
-
-
-@dataclass(frozen=True)
-class EstimatorNeeds:
-    """What an estimator needs from the rest of the step besides rewards.
-
-    critic: per-token values from a trained value model.
-    groups: several samples of each prompt (rollout.n >= 2): it compares a sample with its group.
-    greedy_baseline: the reward of one greedy response per prompt (ReMax's baseline).
-    """
-
-    critic: bool = False
-    groups: bool = False
-    greedy_baseline: bool = False
-
-
-ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
-    "grpo": EstimatorNeeds(groups=True),
-    "drgrpo": EstimatorNeeds(groups=True),
-    "gae": EstimatorNeeds(critic=True),
-    "rloo": EstimatorNeeds(groups=True),
-    "reinforce_plus_plus": EstimatorNeeds(),
-    "reinforce_plus_plus_baseline": EstimatorNeeds(groups=True),
-    "remax": EstimatorNeeds(greedy_baseline=True),
-    "opo": EstimatorNeeds(groups=True),
-    "gpg": EstimatorNeeds(groups=True),
-    "grpo_passk": EstimatorNeeds(groups=True),
-}
+# OPO, GPG and GRPO pass@k register themselves (after the estimators above: the names keep their order).
+from posttrain.algorithms import outcome_estimators  # noqa: E402, F401
 
 ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.critic)
 GROUP_ESTIMATORS: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.groups)

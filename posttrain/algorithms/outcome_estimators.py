@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.algorithms.estimator_registry import register_advantage_estimator
 from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats, group_sum, num_groups
 from posttrain.algorithms.masked import BatchSum
 
 
+@register_advantage_estimator("opo", groups=True)
 @torch.no_grad()
 def compute_opo_advantages(
     *,
@@ -53,6 +55,7 @@ def compute_opo_advantages(
     return advantages, advantages
 
 
+@register_advantage_estimator("gpg", groups=True)
 @torch.no_grad()
 def compute_gpg_advantages(
     *,
@@ -93,6 +96,7 @@ def compute_gpg_advantages(
     return advantages, advantages
 
 
+@register_advantage_estimator("grpo_passk", groups=True)
 @torch.no_grad()
 def compute_grpo_passk_advantages(
     *,

@@ -124,8 +124,10 @@ def build_rollout_batch(
     response_ids: list[list[int]],
     group_ids: list[int],
     pad_token_id: int,
+    trainable_mask: list[list[int]] | None = None,
 ) -> RolloutBatch:
-    """Assemble rows `prompt + response` in the left/right padded layout above."""
+    """Assemble rows `prompt + response` in the left/right padded layout above. ``trainable_mask`` ([B][L_b], 1 on
+    tokens the policy sampled) becomes ``response_mask``; None: every response token is trained on."""
     if not prompt_ids or len(prompt_ids) != len(response_ids):
         raise ValueError(f"need as many prompts as responses, got {len(prompt_ids)} and {len(response_ids)}")
     width_p = max(len(p) for p in prompt_ids)
@@ -140,7 +142,10 @@ def build_rollout_batch(
         if r:
             input_ids[i, width_p : width_p + len(r)] = torch.tensor(r, dtype=torch.long)
             attention[i, width_p : width_p + len(r)] = 1
-            response_mask[i, : len(r)] = 1.0
+            if trainable_mask is None:
+                response_mask[i, : len(r)] = 1.0
+            else:
+                response_mask[i, : len(r)] = torch.tensor(trainable_mask[i], dtype=torch.float32)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     return RolloutBatch(
         input_ids=input_ids,

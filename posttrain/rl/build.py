@@ -45,11 +45,11 @@ from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
-from posttrain.rl.evaluate import validation_params
-from posttrain.rl.rollout_weights import RolloutWeights
+from posttrain.rl.collect.validation import validation_params
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
+from posttrain.rollout.weights import RolloutWeights
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.checkpoint import load_module_weights
 from posttrain.train.checkpoint_index import check_resume_setting
@@ -121,7 +121,7 @@ def _tokenize(
 def check_config(cfg: PostTrainConfig, world_size: int, device: torch.device) -> BatchPlan:
     """Every check of an RL run that needs neither weights nor data, in order: the batch plan, the switches of
     each role, the rollout backend, async training, validation, trainer.resume. `posttrain explain` and
-    `posttrain train` both run it (posttrain.tools.preflight), so explain accepts what train accepts."""
+    `posttrain train` both run it (posttrain.planning.preflight), so explain accepts what train accepts."""
     plan = build_plan(cfg, world_size)
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
     check_rollout_backend(cfg, device, world_size)

@@ -15,9 +15,9 @@ from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
+from posttrain.rl.collect.validation import validate
 from posttrain.rl.eval_report import report_eval
-from posttrain.rl.evaluate import validate
-from posttrain.rl.rollout_weights import RolloutWeights
+from posttrain.rollout.weights import RolloutWeights
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
 from posttrain.utils.seed import seed_everything

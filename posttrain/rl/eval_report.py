@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from posttrain.config.schema import PostTrainConfig
-from posttrain.rl.samples import samples_table, write_samples
+from posttrain.rl.collect.samples import samples_table, write_samples
 
 EVAL_SAMPLES = "eval_samples.jsonl"
 

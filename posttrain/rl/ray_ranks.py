@@ -32,7 +32,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.parallel.ray_local import loopback_rank_env, start_or_join
 from posttrain.parallel.runtime import launched_world_size
 from posttrain.rl.checks import check_async_training, require_ray
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.utils.run_lock import RunDirLock
 from posttrain.utils.signals import Terminated
 

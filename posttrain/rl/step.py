@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posttrain.algorithms.advantages import estimator_needs, get_advantage_estimator
+from posttrain.algorithms.advantages import get_advantage_estimator
 from posttrain.algorithms.kl import KLController, apply_kl_penalty
 from posttrain.algorithms.rollout_correction import compute_rollout_correction, rollout_correction_kwargs
 from posttrain.config.plan import BatchPlan, ForwardPlan
@@ -24,25 +24,13 @@ from posttrain.data.batch import RolloutBatch
 from posttrain.forward.options import PassOptions
 from posttrain.forward.passes import critic_values, policy_logprobs
 from posttrain.parallel.data_parallel import DataParallel
-from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, SUM, DataShare, ShareMetrics, select_share
-from posttrain.rewards.overlong import overlong_metrics
+from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, DataShare, ShareMetrics
 from posttrain.rl.build import Components
-from posttrain.rl.dynamic_sampling import ScoredGroups, draw_groups, generation_salt, group_filter
-from posttrain.rl.rollout_ahead import RolloutAhead
-from posttrain.rl.rollout_side import RolloutSide, rollout_side_of
-from posttrain.rl.sampling import (
-    Scored,
-    Scorer,
-    greedy_baselines,
-    has_rollout_log_probs,
-    overlong_shaping,
-    rollout_metrics,
-    scored_batch,
+from posttrain.rl.collect.context import rollout_context_of
+from posttrain.rl.collect.generation import (
     step_seed,
-    training_params,
 )
-from posttrain.rl.truncation import mask_truncated
-from posttrain.rollout.base import SamplingParams
+from posttrain.rl.collect.source import InlineRollouts, RolloutSource
 from posttrain.train.losses import actor_loss_fn, critic_loss_fn
 from posttrain.train.update import forward_in_micro_batches, run_update
 from posttrain.utils.metrics import PhaseTimer
@@ -201,82 +189,6 @@ def compute_advantages(
     return metrics
 
 
-def rollout_phase(c: RolloutSide, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
-    """Sample this step's prompts, generate and score this rank's share of them, and lay its samples out as a
-    batch (with several ranks: the share, carrying the step's groups). With DAPO's group filter the whole step
-    is drawn and filtered on every rank, then cut to the share. The engine's cache memory is held for this
-    phase only."""
-    cfg = c.cfg
-    scorer = side_scorer(c)
-    flt = group_filter(cfg)
-    with timer.phase("rollout"):
-        c.engine.wake_up()
-
-        def params(k: int) -> SamplingParams:  # generation batch k (several with algorithm.filter_groups)
-            return training_params(cfg, step_seed(cfg.trainer.seed, step, generation_salt(k)))
-
-        drawn, local = draw_groups(c.engine, scorer, c.train_prompts, c.sampler, params, flt, c.dist, c.share)
-        baselines = side_baselines(c, scorer, drawn.rows)
-        engine_metrics = c.engine.generation_metrics()
-        c.engine.release_memory()  # the forward and update phases need the memory more
-    return assemble_rollout(c, drawn, local, baselines, engine_metrics)
-
-
-def side_scorer(c: RolloutSide) -> Scorer:
-    """The rollout's scorer: the reward function or rule, the reward model, DAPO's overlong shaping."""
-    return Scorer(c.reward_runner, c.reward_model, c.tokenizer, overlong_shaping(c.cfg))
-
-
-def side_baselines(c: RolloutSide, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:
-    """ReMax's greedy-response rewards of the step's prompts, when the estimator needs them (else None)."""
-    if not estimator_needs(c.cfg.algorithm.adv_estimator).greedy_baseline:
-        return None
-    max_tokens = c.cfg.data.max_response_length
-    return greedy_baselines(c.engine, scorer, c.train_prompts, prompt_rows, max_tokens, c.dist, c.share)
-
-
-def assemble_rollout(
-    c: RolloutSide,
-    drawn: ScoredGroups,
-    local: ShareMetrics,
-    baselines: torch.Tensor | None,
-    engine_metrics: dict[str, float],
-) -> tuple[RolloutBatch, dict[str, float]]:
-    """The step's batch and rollout metrics from its scored groups (``local``: the metrics gathered so far)."""
-    cfg = c.cfg
-    flt = group_filter(cfg)
-    prompt_rows, result = drawn.rows, drawn.result
-    step_prompts = [c.train_prompts.prompt_ids[row] for row in prompt_rows]
-    engine_log_probs = has_rollout_log_probs(result) or cfg.algorithm.rollout_correction.bypass_mode
-    batch = scored_batch(
-        Scored(result, drawn.rewards), step_prompts, c.tokenizer.pad_token_id, baselines, engine_log_probs
-    )
-    # Without the filter `drawn` is this share's samples; with it, the whole step's on every rank: the same
-    # step-wide values everywhere (kept as maxima over ranks), cut to the share at the end.
-    whole = flt is not None and c.share.distributed
-    how = {"mean": MAX, "sum": MAX} if whole else {"mean": MEAN, "sum": SUM}
-    weight = len(result)
-    unshaped = drawn.scores if cfg.reward.overlong_buffer.enable else None
-    if whole:
-        step_metrics = ShareMetrics()
-        rollout_metrics(result, drawn.rewards, step_metrics, unshaped=unshaped)
-        local.add(dict(step_metrics.values), MAX)
-    else:
-        rollout_metrics(result, drawn.rewards, local, unshaped=unshaped)
-    if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
-        local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
-    if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts
-        share = SINGLE_SHARE if whole else c.share
-        local.add(mask_truncated(batch, result.finish_reasons, share), how["sum"])
-    if whole:
-        batch = select_share(batch, c.share)
-    elif c.share.distributed:
-        batch.step_groups = torch.arange(len(prompt_rows))
-    metrics = c.share.reduce(local)
-    metrics.update(engine_metrics)  # this rank's engine
-    return batch, metrics
-
-
 def update_phase(
     c: Components, batch: RolloutBatch, step: int, temperature: float, timer: PhaseTimer
 ) -> dict:
@@ -310,16 +222,14 @@ def update_phase(
 
 
 def train_step(
-    c: Components, step: int, timer: PhaseTimer, ahead: RolloutAhead | None = None
+    c: Components, step: int, timer: PhaseTimer, source: RolloutSource | None = None
 ) -> dict[str, float]:
-    """Run one step (1-based `step`) and return its metrics. With ``ahead`` (`async_training.enable`) the
-    samples were generated in the background and the new weights are queued for the engine."""
+    """Run one step (1-based `step`) and return its metrics. The samples come from ``source``: collected now
+    (the default, :class:`InlineRollouts`), or generated ahead of training (`async_training.enable`)."""
     cfg = c.cfg
-    if ahead is None:
-        batch, metrics = rollout_phase(rollout_side_of(c), step, timer)
-    else:
-        with timer.phase("rollout_wait"):
-            batch, metrics = ahead.take(step)
+    if source is None:
+        source = inline_rollouts(c)
+    batch, metrics = source.take(step, timer)
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     critic = c.critic.module if c.critic is not None else None
     passes = ForwardPasses(c.plan, c.forward, c.parallel, c.device)
@@ -329,16 +239,16 @@ def train_step(
         # After the advantages: rejected tokens leave the loss, not the group statistics.
         metrics.update(correct_rollout_mismatch(batch, cfg.algorithm.rollout_correction, c.share))
     metrics.update(update_phase(c, batch, step, temperature, timer))
-    # On one rank the native engine shares the actor's module, so this refresh is free; a sharded actor is
-    # gathered (a collective: every rank calls it) into the engine's own copy.
     with timer.phase("sync_weights"):
-        if ahead is None:
-            metrics.update(c.rollout_weights.push(c.actor.module))
-        else:
-            metrics.update(ahead.push(step, c.actor.module))
+        metrics.update(source.push(step, c.actor.module))
     tokens = c.share.total([float(batch.attention_mask.sum())])[0]
     metrics.update(timer.pop())
     step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))
     metrics["timing/step"] = step_time
     metrics["perf/tokens_per_s"] = tokens / max(step_time, 1e-9)
     return metrics
+
+
+def inline_rollouts(c: Components) -> InlineRollouts:
+    """The run's own rollouts, collected when each step asks (rollout and training alternate)."""
+    return InlineRollouts(rollout_context_of(c), c.rollout_weights)

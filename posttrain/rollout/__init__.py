@@ -1,2 +1,2 @@
-"""Rollout: the engine protocol (`base`: generate, sync weights, release and wake memory) and its backends
-(`native/`; a vLLM backend is one more package beside it)."""
+"""Rollout: the engine protocol (`base`: generate, sync weights, release and wake memory), its backends
+(`native/`, `vllm/`) and what a weight push is for each (`weights`)."""

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-FINISH_REASONS = ("eos", "length")
+FINISH_REASONS = ("eos", "length", "stop")  # "stop": a stop string or a stop token other than eos
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,13 +76,18 @@ class RolloutResult:
     response_logprobs: [S][L_s] log-prob of each sampled token under the temperature-scaled distribution
         ``log_softmax(logits / temperature)`` BEFORE top-p/top-k filtering, i.e. the same quantity the trainer
         recomputes from logits. Greedy sampling reports it at temperature 1.
-    finish_reasons: [S] "eos" (stopped on an eos token) or "length" (hit ``max_tokens``).
+    finish_reasons: [S] "eos" (stopped on an eos token), "length" (hit ``max_tokens``) or "stop" (a stop string
+        or a stop token other than eos: a turn that ended for an agent loop to continue; not truncated).
+    trainable_mask: [S][L_s] 1 on tokens the policy sampled, 0 on tokens put into the response by others (a tool's
+        output, an environment's reply) that the loss must skip; None (single-turn, the default): all are 1.
+        It becomes the batch's ``response_mask``.
     """
 
     prompt_index: list[int] = field(default_factory=list)
     response_ids: list[list[int]] = field(default_factory=list)
     response_logprobs: list[list[float]] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    trainable_mask: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -91,8 +96,34 @@ class RolloutResult:
             len(self.response_logprobs),
             len(self.finish_reasons),
         }
+        if self.trainable_mask is not None:
+            sizes.add(len(self.trainable_mask))
         if len(sizes) != 1:
             raise ValueError(f"RolloutResult fields have different numbers of samples: {sorted(sizes)}")
+        if self.trainable_mask is not None:
+            for s, (ids, mask) in enumerate(zip(self.response_ids, self.trainable_mask)):
+                if len(mask) != len(ids):
+                    raise ValueError(
+                        f"sample {s}: trainable_mask has {len(mask)} entries for {len(ids)} tokens"
+                    )
+
+    def masks(self) -> list[list[int]]:
+        """[S][L_s] the trainable mask of every sample (all ones where the engine gave none)."""
+        if self.trainable_mask is not None:
+            return self.trainable_mask
+        return [[1] * len(r) for r in self.response_ids]
+
+    def subset(self, samples: list[int], prompt_index: list[int] | None = None) -> RolloutResult:
+        """The samples at ``samples`` in that order (``prompt_index``: their new prompt indices, else kept)."""
+        return RolloutResult(
+            prompt_index=list(prompt_index)
+            if prompt_index is not None
+            else [self.prompt_index[s] for s in samples],
+            response_ids=[self.response_ids[s] for s in samples],
+            response_logprobs=[self.response_logprobs[s] for s in samples],
+            finish_reasons=[self.finish_reasons[s] for s in samples],
+            trainable_mask=None if self.trainable_mask is None else [self.trainable_mask[s] for s in samples],
+        )
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -104,6 +135,8 @@ class RolloutResult:
 
     def extend(self, other: RolloutResult) -> None:
         """Append ``other``'s samples (used to join results of prompt chunks, keeping prompt-major order)."""
+        if self.trainable_mask is not None or other.trainable_mask is not None:
+            self.trainable_mask = self.masks() + other.masks()
         self.prompt_index.extend(other.prompt_index)
         self.response_ids.extend(other.response_ids)
         self.response_logprobs.extend(other.response_logprobs)

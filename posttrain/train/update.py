@@ -50,7 +50,7 @@ def accumulate_and_step(
     normalizer: LossNormalizer,
     grad_clip: float,
     dp: DataParallel = SINGLE_RANK,
-    filler: Filler | None = None,
+    even_out: EvenOutCalls | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then clip and take one optimizer step.
 
@@ -58,7 +58,7 @@ def accumulate_and_step(
     `normalizer`), so gradients are summed as they are: never divided by the number of micro-batches.
     Metrics are token-weighted means over micro-batches, except :class:`LossShare` metrics and `loss` (the
     mini-batch loss), which are sums of the micro-batch shares. With several ranks, `micro_rows` are this
-    rank's, ``filler`` adds the calls that even out the ranks' counts, and the metrics are reduced over all ranks.
+    rank's, ``even_out`` adds the calls that even out the ranks' counts, and the metrics are reduced over all ranks.
     """
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -73,8 +73,8 @@ def accumulate_and_step(
         total_tokens += tokens
         _add_metrics(sums, shares, loss, metrics, tokens)
     calls = len(micro_rows)
-    if filler is not None:
-        calls += filler.run_backward(loss_fn, normalizer, sums, shares, device)
+    if even_out is not None:
+        calls += even_out.run_backward(loss_fn, normalizer, sums, shares, device)
     out = _reduce_metrics(sums, shares, total_tokens, normalizer, dp)
     _clip_and_step(module, optimizer, scheduler, grad_clip, out)
     out["micro_batches"] = float(calls)
@@ -84,7 +84,7 @@ def accumulate_and_step(
 def _add_metrics(
     sums: dict[str, float], shares: set[str], loss: torch.Tensor, metrics: dict, tokens: float | None
 ) -> None:
-    """Add one micro-batch's loss and metrics to the sums (``tokens`` None: a filler call, names only)."""
+    """Add one micro-batch's loss and metrics to the sums (``tokens`` None: an even-out call, names only)."""
     counted = tokens is not None
     sums["loss"] = sums.get("loss", 0.0) + (float(loss.detach()) if counted else 0.0)
     for name, value in metrics.items():
@@ -118,7 +118,7 @@ def _clip_and_step(
 
 
 @dataclass(frozen=True)
-class Filler:
+class EvenOutCalls:
     """Calls that even out the ranks' micro-batch counts: ``calls`` forwards (and backwards) of ``row`` (one of
     this rank's samples) whose results are dropped."""
 
@@ -143,13 +143,13 @@ class Filler:
             fn(micro)
 
 
-def filler(batch: RolloutBatch, calls: int, dp: DataParallel) -> Filler | None:
-    """The :class:`Filler` that brings this rank's ``calls`` to the most any rank makes (one collective; None,
+def even_out_calls(batch: RolloutBatch, calls: int, dp: DataParallel) -> EvenOutCalls | None:
+    """The :class:`EvenOutCalls` that brings this rank's ``calls`` to the most any rank makes (one collective; None,
     and no collective, on a single rank)."""
     if dp.grad_ranks == 1:
         return None
     most = int(dp.all_reduce_max([float(calls)])[0])
-    return Filler(batch.select([0]), most - calls)
+    return EvenOutCalls(batch.select([0]), most - calls)
 
 
 def _reduce_metrics(
@@ -159,7 +159,9 @@ def _reduce_metrics(
     (normalizer.dp_size), removed here; SP replicas computed the same shares, counted once."""
     if dp.grad_ranks == 1:
         return {k: (v if k in shares else v / max(tokens, 1.0)) for k, v in sums.items()}
-    names = sorted(sums)  # every rank computes the same metrics (a rank without rows: its filler's names)
+    names = sorted(
+        sums
+    )  # every rank computes the same metrics (a rank without rows: its even-out calls' names)
     reduced = dp.all_reduce_sum([sums[k] for k in names] + [tokens])
     total_tokens = max(reduced[-1], 1.0)
     out = {}
@@ -190,7 +192,7 @@ def forward_in_micro_batches(
         micro = batch.select(rows).trimmed().to(device)
         part = fn(micro).float().cpu()
         out[torch.as_tensor(rows), : part.shape[1]] = part
-    extra = filler(batch, len(micro_rows), dp)
+    extra = even_out_calls(batch, len(micro_rows), dp)
     if extra is not None:
         extra.run_forward(fn, device)
     return out
@@ -234,7 +236,7 @@ def run_update(
                 normalizer,
                 trainable.grad_clip,
                 dp,
-                filler(batch, len(rows), dp),
+                even_out_calls(batch, len(rows), dp),
             )
         )
     keys = {k for m in per_step for k in m}

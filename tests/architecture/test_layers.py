@@ -9,7 +9,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "posttrain"
 
 LAYERS = [
-    {"utils", "algorithms", "config"},
+    {"algorithms"},
+    {"config"},
+    {"utils"},
     {"data"},
     {"batching"},
     {"models", "parallel", "sandbox"},
@@ -18,7 +20,7 @@ LAYERS = [
     {"train"},
     {"sft", "rm"},
     {"rl"},
-    {"tools"},
+    {"planning"},
     {"cli", "__main__", "__init__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
@@ -99,6 +101,26 @@ def test_imports_only_point_down():
         if LAYER_OF[package(dst)] > LAYER_OF[package(src)]
     ]
     assert not upward, "\n".join(upward)
+
+
+# Inside rl/: collecting a step's samples (collect/) knows nothing of running it ahead (overlap/), and neither
+# knows the step's training phases or the train command; the step knows the rollouts only as a RolloutSource.
+RL_MUST_NOT_IMPORT = {
+    "posttrain.rl.collect": ("posttrain.rl.overlap", "posttrain.rl.step", "posttrain.rl.train_command"),
+    "posttrain.rl.overlap": ("posttrain.rl.step", "posttrain.rl.train_command", "posttrain.rl.ray_ranks"),
+    "posttrain.rl.step": ("posttrain.rl.overlap", "posttrain.rl.train_command"),
+}
+
+
+def test_rl_subpackages_point_down():
+    wrong = [
+        f"{src} imports {dst} at line {line}"
+        for src, dst, _, line in edges()
+        for low, banned in RL_MUST_NOT_IMPORT.items()
+        if (src == low or src.startswith(low + "."))
+        and any(dst == b or dst.startswith(b + ".") for b in banned)
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_package_has_a_layer():
@@ -191,3 +213,37 @@ def test_agents_stays_below_the_rollout_and_the_rl_loop():
         if package(src) == "agents" and package(dst) in {"rollout", "rl"}
     ]
     assert not wrong, wrong
+
+
+DOC = ROOT.parent / "docs" / "architecture.md"
+
+
+def documented_packages() -> set[str]:
+    """The first column of docs/architecture.md's package table: `config/`, `rl/collect/`, `cli.py`, ..."""
+    out = set()
+    section = DOC.read_text().split("## What each package owns")[1].split("\n## ")[0]
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            out.add(line.split("`")[1])
+    return out
+
+
+def code_packages() -> set[str]:
+    """Every package directly under posttrain/ and under posttrain/rl/, and the top-level modules (cli.py)."""
+    out = {f"{p.parent.name}/" for p in ROOT.glob("*/__init__.py")}
+    out |= {f"rl/{p.parent.name}/" for p in (ROOT / "rl").glob("*/__init__.py")}
+    out |= {p.name for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    return out
+
+
+def test_architecture_doc_lists_every_package_and_only_real_ones():
+    doc, code = documented_packages(), code_packages()
+    assert not doc - code, f"docs/architecture.md lists packages that do not exist: {sorted(doc - code)}"
+    assert not code - doc, f"docs/architecture.md leaves out: {sorted(code - doc)}"
+
+
+def test_architecture_doc_layers_match_the_test():
+    block = DOC.read_text().split("## Layers (lowest first)")[1].split("```")[1]
+    rows = [line.split("  ")[0].strip() for line in block.splitlines() if line and not line.startswith(" ")]
+    doc_layers = [{name.strip() for name in row.split(",")} for row in rows]
+    assert doc_layers == LAYERS[:-1] + [{"cli"}]

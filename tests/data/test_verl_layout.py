@@ -12,7 +12,7 @@ from posttrain.config.errors import DataError
 from posttrain.data.datasets import load_records
 from posttrain.data.fields import get_path, has_path, is_verl_row
 from posttrain.rewards.functions import resolve_reward_function
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from tests.helpers import read_metrics, small_config
 
 QUESTIONS = [

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from posttrain.batching.packing import pack_sequences
 from posttrain.forward.chunked_head import chunked_logprobs_entropy, naive_logprobs_entropy
 from posttrain.forward.packed import lm_head_parameters, packed_causal_lm_forward
+from tests.helpers import tiny_qwen2_config
 
 pytestmark = pytest.mark.numerics  # runs again under other CPU instruction sets in CI
 
@@ -148,15 +149,7 @@ def test_shape_errors():
 
 def test_packed_hidden_states_through_chunked_head_match_model_logits():
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=120,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen2_config(120)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(1, 120, (n,), generator=g) for n in (5, 9, 2, 7)]

@@ -5,32 +5,24 @@ body run matmuls of other shapes, which sum in another order; bit-exact is not t
 
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModel, AutoModelForCausalLM
 
 from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from posttrain.data.batch import build_rollout_batch
 from posttrain.forward.passes import critic_values, policy_logprobs, response_hidden_states
 from posttrain.models.critic import CriticModel
-from tests.helpers import assert_fp32_close
+from tests.helpers import assert_fp32_close, tiny_qwen2_config
 
 pytestmark = pytest.mark.numerics  # runs again under other CPU instruction sets in CI
 
-CONFIG = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
+VOCAB = 97
 
 
 def _batch():
     g = torch.Generator().manual_seed(3)
 
     def ids(n):
-        return torch.randint(1, CONFIG["vocab_size"], (n,), generator=g).tolist()
+        return torch.randint(1, VOCAB, (n,), generator=g).tolist()
 
     # ragged prompts (left padding) and responses (right padding), one empty response, one row full width
     prompts = [ids(n) for n in (5, 2, 7, 7, 3)]
@@ -57,7 +49,7 @@ def _grads(module):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_policy_logprobs_equal_the_full_width_forward(temperature):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float()
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(VOCAB), attn_implementation="sdpa").float()
     batch = _batch()
     mask = batch.response_mask
 
@@ -81,7 +73,7 @@ def test_policy_logprobs_equal_the_full_width_forward(temperature):
 def test_critic_values_equal_the_full_width_forward():
     torch.manual_seed(0)
     critic = CriticModel(
-        AutoModel.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float(), init_std=0.1
+        AutoModel.from_config(tiny_qwen2_config(VOCAB), attn_implementation="sdpa").float(), init_std=0.1
     )
     batch = _batch()
     values = critic_values(critic, batch)
@@ -107,7 +99,7 @@ def _mlp_widths(model):
 
 def test_the_last_mlp_runs_on_the_predicting_columns_only_and_its_hooks_leave():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float()
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(VOCAB), attn_implementation="sdpa").float()
     batch = _batch()
     widths, spy, mlp = _mlp_widths(model)
     response_hidden_states(model, batch)
@@ -130,7 +122,7 @@ def test_the_last_mlp_runs_on_the_predicting_columns_only_and_its_hooks_leave():
 def test_with_gradient_checkpointing_the_last_mlp_is_left_whole():
     """Checkpointing re-runs the layer in backward outside the context: the narrowing must not happen then."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), attn_implementation="sdpa").float()
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(VOCAB), attn_implementation="sdpa").float()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     batch = _batch()

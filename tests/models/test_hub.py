@@ -7,8 +7,8 @@ import pytest
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.models.hf import load_causal_lm
+from posttrain.planning.preflight import check_model_path
 from posttrain.sft.builtin import resolve_model_path
-from posttrain.tools.preflight import check_model_path
 
 
 @pytest.fixture

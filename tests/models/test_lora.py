@@ -28,9 +28,9 @@ from posttrain.models.lora import (
     reference_policy,
 )
 from posttrain.models.prepare import enable_gradient_checkpointing, read_model_config
+from posttrain.planning.shape import ModelShape
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
-from posttrain.tools.shape import ModelShape
 from posttrain.train.checkpoint import load_checkpoint, save_checkpoint
 from posttrain.train.trainable import Trainable
 

@@ -22,18 +22,12 @@ STEPS, LR, ROWS, SEQ, VOCAB = 3, 1e-2, 4, 8, 96
 
 
 def build_base():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from tests.helpers import tiny_qwen2_config
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen2_config(VOCAB)
     return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
 
 

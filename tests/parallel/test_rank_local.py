@@ -62,7 +62,9 @@ def test_bytes_crossing_ranks_do_not_grow_with_the_batch(tmp_path, tiny_model_di
     assert small == large
     for counts in small:
         step = {k: v for k, v in counts.items() if not k.startswith(CHECKPOINT_CALLERS)}
-        assert not any(k.startswith("posttrain.rl.sampling:") for k in step), step  # no rollout gather
+        assert not any(k.startswith("posttrain.rl.collect.generation:") for k in step), (
+            step
+        )  # no rollout gather
         assert "posttrain.train.update:forward_in_micro_batches" not in step, step  # no forward gather
         assert 0 < sum(step.values()) <= 1024, step
 

@@ -14,8 +14,8 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.config.errors import ConfigError
-from posttrain.rl.loop import run_training
 from posttrain.rl.ray_ranks import rank_envs, run_on_ray
+from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
 from posttrain.utils.crash_hook import VARIABLE as CRASH
 from tests.helpers import read_metrics, small_config, small_overrides

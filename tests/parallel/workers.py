@@ -27,7 +27,7 @@ def update(out: Path, options: dict[str, str]) -> None:
 def train(out: Path, options: dict[str, str]) -> None:
     """`posttrain train` with the given overrides (the run dir is in them)."""
     from posttrain.config.load import build_config
-    from posttrain.rl.loop import run_training
+    from posttrain.rl.train_command import run_training
 
     cfg = build_config([], [f"{k}={v}" for k, v in options.items()])
     metrics = run_training(cfg, quiet=True)
@@ -70,21 +70,21 @@ class _StandIn:
 
 
 def _queue_on_ranks(answer, max_staleness: int, shares: bool):
-    """(rank, a RolloutAhead over a gloo group of the launched ranks: rank 0 holds a stand-in host)."""
+    """(rank, a RolloutQueue over a gloo group of the launched ranks: rank 0 holds a stand-in host)."""
     import datetime
 
     import torch.distributed as dist
 
     from posttrain.parallel.runtime import DistContext
     from posttrain.parallel.shares import SINGLE_SHARE, data_share
-    from posttrain.rl.rollout_ahead import RolloutAhead
+    from posttrain.rl.overlap.queue import RolloutQueue
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     ctx = DistContext(rank=rank, world_size=dist.get_world_size())
     host = _StandIn(answer) if rank == 0 else None
     share = data_share(ctx) if shares else SINGLE_SHARE
-    return rank, RolloutAhead(host, max_staleness, 0, 4, dist=ctx, share=share)
+    return rank, RolloutQueue(host, max_staleness, 0, 4, dist=ctx, share=share)
 
 
 def ahead_failure(out: Path, options: dict[str, str]) -> None:
@@ -108,7 +108,7 @@ def ahead_shares(out: Path, options: dict[str, str]) -> None:
     import torch.distributed as dist
 
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.rl.rollout_side import GeneratedStep
+    from posttrain.rl.collect.context import GeneratedStep
 
     def whole_step(method, *args):
         batch = build_rollout_batch([[5, 6]] * 8, [[7, 8, 9]] * 8, [0, 0, 1, 1, 2, 2, 3, 3], pad_token_id=0)

@@ -12,7 +12,7 @@ from torch import nn
 
 from posttrain.cli import main
 from posttrain.config.errors import CheckpointError
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import (
     find_checkpoint,
     list_checkpoints,

@@ -1,6 +1,6 @@
 """Drill: `posttrain explain` accepted configs that `posttrain train` then rejected (or that the docs call
 invalid). One table of bad configs goes through both commands: each exits 2 with the same one-line message,
-because both run the same checks (posttrain.tools.preflight.check_before_run)."""
+because both run the same checks (posttrain.planning.preflight.preflight)."""
 
 from __future__ import annotations
 

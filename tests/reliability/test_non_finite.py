@@ -12,7 +12,7 @@ from posttrain.cli import main
 from posttrain.parallel.runtime import DistContext
 from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rl.guards import NonFiniteError, SkippedStepGuard, check_finite_weights
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from tests.helpers import read_metrics, small_config
 
 

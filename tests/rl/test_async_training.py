@@ -11,7 +11,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan
 from posttrain.rl.build import check_run
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
 from tests.helpers import read_metrics, small_config
 
@@ -104,9 +104,9 @@ def test_each_row_records_the_version_that_sampled_it():
     import threading
 
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.rl.rollout_ahead import RolloutAhead
-    from posttrain.rl.rollout_hosts import ThreadHost
-    from posttrain.rl.rollout_side import GeneratedStep
+    from posttrain.rl.collect.context import GeneratedStep
+    from posttrain.rl.overlap.hosts import ThreadHost
+    from posttrain.rl.overlap.queue import RolloutQueue
 
     loaded, seen, threads = [], [], set()
 
@@ -128,7 +128,7 @@ def test_each_row_records_the_version_that_sampled_it():
             return 0
 
     k, policy = 2, torch.nn.Linear(2, 2)
-    ahead = RolloutAhead(ThreadHost(Worker()), k, start_step=0, total_steps=6)
+    ahead = RolloutQueue(ThreadHost(Worker()), k, start_step=0, total_steps=6)
     try:
         for step in range(1, 7):
             batch, metrics = ahead.take(step)
@@ -146,8 +146,8 @@ def test_each_row_records_the_version_that_sampled_it():
 
 def test_a_failed_weight_load_is_raised_not_lost():
     """Nobody waits on a weight load; its error surfaces at the next take or drain."""
-    from posttrain.rl.rollout_ahead import RolloutAhead
-    from posttrain.rl.rollout_hosts import ThreadHost
+    from posttrain.rl.overlap.hosts import ThreadHost
+    from posttrain.rl.overlap.queue import RolloutQueue
 
     class Worker:
         def load(self, version, weights):
@@ -156,7 +156,7 @@ def test_a_failed_weight_load_is_raised_not_lost():
         def ready(self):
             return 0
 
-    ahead = RolloutAhead(ThreadHost(Worker()), 1, start_step=0, total_steps=2)
+    ahead = RolloutQueue(ThreadHost(Worker()), 1, start_step=0, total_steps=2)
     try:
         ahead.push(1, torch.nn.Linear(2, 2))
         with pytest.raises(RuntimeError, match="cannot load version 1"):

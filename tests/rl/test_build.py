@@ -5,11 +5,11 @@ import pytest
 
 from posttrain.config.plan import build_plan
 from posttrain.parallel.runtime import DistContext
+from posttrain.planning.memory import estimate_memory
+from posttrain.planning.shape import ModelShape
 from posttrain.rl import build, step
 from posttrain.rl.build import build_components
 from posttrain.rl.eval_command import run_eval_command
-from posttrain.tools.memory import estimate_memory
-from posttrain.tools.shape import ModelShape
 from posttrain.utils.metrics import PhaseTimer
 from tests.helpers import small_config
 

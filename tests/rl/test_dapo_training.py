@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 from posttrain.config.errors import ConfigError
 from posttrain.models.hf import load_causal_lm, save_hf
 from posttrain.rewards.overlong import OverlongBuffer
-from posttrain.rl import step as rl_step
-from posttrain.rl.loop import run_training
+from posttrain.rl.collect import source as rollout_source
+from posttrain.rl.train_command import run_training
 from posttrain.utils.metrics import read_metrics
 from tests.helpers import crash_and_resume, small_config
 
@@ -41,14 +41,14 @@ def reward(tmp_path):
 def batches(monkeypatch):
     """Every step's batch as the rollout phase built it (response mask copied before later phases run)."""
     seen = []
-    original = rl_step.rollout_phase
+    original = rollout_source.rollout_phase
 
     def capture(c, step, timer):
         batch, metrics = original(c, step, timer)
         seen.append((batch, batch.response_mask.clone(), metrics))
         return batch, metrics
 
-    monkeypatch.setattr(rl_step, "rollout_phase", capture)
+    monkeypatch.setattr(rollout_source, "rollout_phase", capture)
     return seen
 
 

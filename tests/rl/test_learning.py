@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posttrain.config.load import build_config
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.utils.metrics import read_metrics
 
 

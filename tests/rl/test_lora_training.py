@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.models.hf import load_causal_lm
 from posttrain.models.lora import AdaptersDisabled, adapter_parameters, is_lora_model
-from posttrain.rl import loop as rl
+from posttrain.rl import train_command as rl
 from posttrain.rl.eval_command import run_eval_command
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.train.checkpoint import list_checkpoints
 from tests.helpers import crash_and_resume, read_metrics, sft_config, small_config

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from posttrain.rl import step as rl_step
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from tests.helpers import read_metrics, small_config
 
 RUNS = {

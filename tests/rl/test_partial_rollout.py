@@ -11,11 +11,11 @@ from posttrain.config.load import build_config
 from posttrain.data.batch import build_rollout_batch
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 from posttrain.rl.checks import check_async_training
-from posttrain.rl.loop import run_training
-from posttrain.rl.partial_rollout import continue_unfinished, partial_metrics, token_versions
-from posttrain.rl.rollout_ahead import RolloutAhead
-from posttrain.rl.rollout_hosts import ThreadHost
-from posttrain.rl.rollout_side import GeneratedStep, StartedStep
+from posttrain.rl.collect.context import GeneratedStep, StartedStep
+from posttrain.rl.overlap.hosts import ThreadHost
+from posttrain.rl.overlap.partial import continue_unfinished, partial_metrics, token_versions
+from posttrain.rl.overlap.queue import RolloutQueue
+from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import RolloutResult, SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
 from tests.helpers import read_metrics, small_config
@@ -56,7 +56,7 @@ def test_start_and_finish_follow_the_queue_order():
         def ready(self):
             return 0
 
-    ahead = RolloutAhead(ThreadHost(Worker()), k, start_step=0, total_steps=5, partial=True)
+    ahead = RolloutQueue(ThreadHost(Worker()), k, start_step=0, total_steps=5, partial=True)
     try:
         for step in range(1, 6):
             _, metrics = ahead.take(step)
@@ -259,7 +259,7 @@ def test_the_plan_and_explain_give_the_tokens_generated_ahead():
     from rich.console import Console
 
     from posttrain.config.plan import build_plan
-    from posttrain.tools.explain import plan_tree
+    from posttrain.planning.explain import plan_tree
 
     on = ("async_training.enable=true", "async_training.partial_rollout=true", "data.max_response_length=9")
     assert build_plan(build_config(overrides=list(on))).partial_rollout_tokens == 4  # half, rounded down

@@ -17,7 +17,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.data.sampler import PromptSampler
 from posttrain.rl.build import check_run
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
 from tests.helpers import read_metrics, small_config
 from tests.local_ray import local_ray
@@ -66,7 +66,7 @@ def test_a_ray_worker_samples_what_the_rollout_thread_samples(ray_instance, tiny
 
 
 def test_the_worker_runs_in_another_process(ray_instance, tiny_model_dir, tmp_path):
-    from posttrain.rl.rollout_hosts import start_ray_host
+    from posttrain.rl.overlap.hosts import start_ray_host
 
     cfg = small_config(tiny_model_dir, tmp_path / "run", *RAY)
     host = start_ray_host(cfg, tiny_model_dir, 0, _fresh_sampler(cfg))
@@ -95,7 +95,7 @@ def test_a_resumed_run_starts_the_worker_from_the_checkpoint(ray_instance, tiny_
 
 
 def test_a_dead_worker_stops_the_run_with_what_is_safe(ray_instance, tiny_model_dir, tmp_path):
-    from posttrain.rl.rollout_hosts import RolloutWorkerLost, start_ray_host
+    from posttrain.rl.overlap.hosts import RolloutWorkerLost, start_ray_host
 
     cfg = small_config(tiny_model_dir, tmp_path / "run", *RAY)
     host = start_ray_host(cfg, tiny_model_dir, 0, _fresh_sampler(cfg))
@@ -110,7 +110,7 @@ def test_a_dead_worker_stops_the_run_with_what_is_safe(ray_instance, tiny_model_
 def test_a_worker_that_cannot_be_built_says_so_and_leaves_nothing_behind(
     ray_instance, tiny_model_dir, tmp_path
 ):
-    from posttrain.rl.rollout_hosts import RolloutWorkerLost, start_ray_host
+    from posttrain.rl.overlap.hosts import RolloutWorkerLost, start_ray_host
 
     cfg = small_config(tiny_model_dir, tmp_path / "run", *RAY)
     with pytest.raises(
@@ -137,7 +137,7 @@ def test_explain_says_where_the_rollout_worker_runs():
     from rich.console import Console
 
     from posttrain.config.plan import build_plan
-    from posttrain.tools.explain import plan_tree
+    from posttrain.planning.explain import plan_tree
 
     def text(*extra, world_size=1):
         cfg = build_config(overrides=["async_training.enable=true", *extra])

@@ -7,7 +7,7 @@ import yaml
 
 from posttrain.config.load import build_config
 from posttrain.rl.eval_command import run_eval_command
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.utils.plots import plot_training_curves
 from tests.helpers import read_metrics, sft_config, small_config

@@ -25,7 +25,7 @@ from posttrain.models.critic import CriticModel
 from posttrain.models.prepare import enable_gradient_checkpointing
 from posttrain.train.losses import actor_loss_fn, critic_loss_fn
 from posttrain.train.update import accumulate_and_step, forward_in_micro_batches
-from tests.helpers import GradCapture, assert_grads_equal
+from tests.helpers import GradCapture, assert_grads_equal, tiny_qwen2_config
 
 VOCAB = 96
 PROMPT_LENS = [5, 9, 3, 12, 7, 4, 10, 6]
@@ -47,16 +47,7 @@ CRITIC_CFG = CriticConfig(cliprange_value=0.2)
 
 
 def tiny_config() -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    return tiny_qwen2_config(VOCAB, max_position_embeddings=128)
 
 
 def tiny_policy() -> Qwen2ForCausalLM:

@@ -12,7 +12,7 @@ from posttrain.forward.passes import activation_offload_context
 from posttrain.forward.prefix_grouper import check_prefix_grouper
 from posttrain.rl import build as setup
 from posttrain.rl.checks import check_rl_switches
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.sft.loop import run_sft
 from posttrain.utils import console
@@ -124,7 +124,7 @@ def test_prefix_grouper_and_bypass_mode_match_plain(tiny_model_dir, tmp_path):
 
 def test_bypass_mode_places_the_engine_log_probs_and_names_missing_ones():
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.rl.sampling import rollout_log_probs
+    from posttrain.rl.collect.generation import rollout_log_probs
     from posttrain.rollout.base import RolloutResult
 
     result = RolloutResult([0, 0], [[5, 6, 7], [8]], [[-0.5, -1.0, -1.5], [-2.0]], ["length", "eos"])

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.models.hf import load_causal_lm
-from posttrain.rl import loop as rl
-from posttrain.rl.loop import run_training
+from posttrain.rl import train_command as rl
+from posttrain.rl.train_command import run_training
 from tests.helpers import crash_and_resume, read_metrics, small_config
 
 

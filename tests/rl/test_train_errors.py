@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from posttrain.rewards.runner import RewardFunctionError
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from tests.helpers import read_metrics, small_config
 
 

@@ -5,8 +5,8 @@ import torch
 
 from posttrain.config.errors import ConfigError
 from posttrain.data.batch import build_rollout_batch
-from posttrain.rl.sampling import place_scores
-from posttrain.rl.truncation import mask_truncated
+from posttrain.rl.collect.generation import place_scores
+from posttrain.rl.collect.truncation import mask_truncated
 
 
 def batch_of(lengths):

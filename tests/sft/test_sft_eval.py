@@ -8,7 +8,7 @@ from posttrain.data.batch import build_rollout_batch
 from posttrain.forward.passes import policy_logprobs
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.rl.eval_command import run_eval_command
-from posttrain.rl.loop import run_training
+from posttrain.rl.train_command import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.sft.loop import make_examples
 from tests.helpers import sft_config, small_config

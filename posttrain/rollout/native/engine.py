@@ -7,7 +7,7 @@ token per running sample plus prefill chunks of waiting prompts, bounded by ``ma
 take their slots. Other architectures run a simpler path through the model's own forward: prompts are
 left-padded, prefilled once, the cache repeated n times and decoded in lockstep.
 
-Both paths draw tokens with ``posttrain.rollout.native.sampling``: a sample's randomness depends only on
+Both paths draw tokens with ``posttrain.rollout.native.token_sampling``: a sample's randomness depends only on
 (seed, global sample id, token index), so results do not depend on batching, scheduling or how prompts are
 split between calls or data-parallel ranks (``prompt_offset``).
 """
@@ -30,8 +30,8 @@ from posttrain.rollout.native.decoder import (
     forward_step,
 )
 from posttrain.rollout.native.graphs import StaticDecoder, bucket
-from posttrain.rollout.native.sampling import filter_top_k_top_p, sample_tokens
 from posttrain.rollout.native.scheduler import Plan, Scheduler
+from posttrain.rollout.native.token_sampling import filter_top_k_top_p, sample_tokens
 
 __all__ = ["NativeEngine", "filter_top_k_top_p", "left_pad"]
 

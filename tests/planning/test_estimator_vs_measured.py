@@ -1,6 +1,6 @@
 """The estimator against measured peak memory on CPU (within 15%), on models where activations dominate.
 
-What is compared: a fresh child process per setting (posttrain.tools.measure) builds the model, runs a
+What is compared: a fresh child process per setting (posttrain.planning.measure) builds the model, runs a
 one-token warm-up step (AdamW states exist afterwards), records RSS (the post-setup baseline), resets the
 high-water mark and runs one real step of the trainer's code (``accumulate_and_step`` + ``actor_loss_fn``, or
 ``forward_in_micro_batches`` + ``policy_logprobs``) on max-length samples. Measured = high-water mark - baseline.
@@ -16,9 +16,9 @@ from transformers import Qwen2Config
 
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan
-from posttrain.tools.measure import TrialSpec, run_trial_in_subprocess
-from posttrain.tools.memory import estimate_memory
-from posttrain.tools.shape import ModelShape
+from posttrain.planning.measure import TrialSpec, run_trial_in_subprocess
+from posttrain.planning.memory import estimate_memory
+from posttrain.planning.shape import ModelShape
 
 PROMPT, RESPONSE = 128, 128
 MODEL = Qwen2Config(

@@ -17,10 +17,10 @@ from posttrain.config.load import apply_values, build_config, flatten, to_dict
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hub import cached_snapshot, looks_like_hub_id
-from posttrain.tools.advice import starting_point
-from posttrain.tools.autotune import Target, TuneResult, autotune, tune_targets
-from posttrain.tools.memory import Cluster, estimate_memory
-from posttrain.tools.shape import GIB, ModelShape, builtin_tiny_hf_config
+from posttrain.planning.advice import starting_point
+from posttrain.planning.autotune import Target, TuneResult, autotune, tune_targets
+from posttrain.planning.memory import Cluster, estimate_memory
+from posttrain.planning.shape import GIB, ModelShape, builtin_tiny_hf_config
 
 _PHASE = {
     "actor": "actor_update",

@@ -30,13 +30,14 @@ from posttrain.parallel.runtime import (
     shutdown_distributed,
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
+from posttrain.rl.collect.context import rollout_context_of
+from posttrain.rl.collect.samples import log_validation_samples
+from posttrain.rl.collect.source import RolloutSource
 from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
-from posttrain.rl.rollout_ahead import RolloutAhead
-from posttrain.rl.rollout_hosts import ThreadHost, start_ray_host
-from posttrain.rl.rollout_side import rollout_side_of
-from posttrain.rl.rollout_worker import RolloutWorker, validate_side
-from posttrain.rl.samples import log_validation_samples
-from posttrain.rl.step import train_step
+from posttrain.rl.overlap.hosts import ThreadHost, start_ray_host
+from posttrain.rl.overlap.queue import RolloutQueue
+from posttrain.rl.overlap.worker import RolloutWorker
+from posttrain.rl.step import inline_rollouts, train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import checkpoint_root, find_checkpoint, load_checkpoint, save_checkpoint
@@ -79,11 +80,11 @@ def _modules(c: Components) -> tuple[dict, dict, dict]:
     return modules, optims, scheds
 
 
-def save(c: Components, run_dir: Path, step: int, ahead: RolloutAhead | None = None) -> Path:
+def save(c: Components, run_dir: Path, step: int, source: RolloutSource | None = None) -> Path:
     modules, optims, scheds = _modules(c)
     check_finite_weights(modules, c.dist)  # the last checkpoint stays a good one
     # Rollouts generated ahead have drawn prompts past `step`: save where the synchronous loop would be.
-    sampler = c.sampler.state_dict() if ahead is None else ahead.sampler_state_after(step)
+    sampler = (source or inline_rollouts(c)).sampler_state_after(step)
     state = {"step": step, "sampler": sampler}
     if c.kl_ctrl is not None:
         state["kl_coef"] = float(c.kl_ctrl.value)
@@ -118,16 +119,13 @@ def maybe_resume(c: Components, run_dir: Path) -> int:
     return int(state["step"])
 
 
-def run_validation(c: Components, step: int, quiet: bool = True, ahead: RolloutAhead | None = None) -> dict:
+def run_validation(c: Components, step: int, quiet: bool = True, source: RolloutSource | None = None) -> dict:
     """Generate for the validation prompts and score them (the engine holds its cache memory only meanwhile),
     here or, with rollouts ahead, on the rollout worker after what is queued; rank 0 logs what the model
     answered (samples.jsonl, a few on the console)."""
     if c.val_prompts is None:
         return {}
-    if ahead is not None:
-        metrics, rows = ahead.validate(step)
-    else:
-        metrics, rows = validate_side(rollout_side_of(c), step)
+    metrics, rows = (source or inline_rollouts(c)).validate(step)
     if c.dist.is_main:
         log_validation_samples(Path(c.cfg.trainer.run_dir), step, rows, console=not quiet)
     return metrics
@@ -243,56 +241,55 @@ def _run_steps(
     last: dict[str, float] = {}
     first_val: dict[str, float] = {}
     skipped = SkippedStepGuard(t.max_skipped_steps)
-    ahead = rollout_ahead(c, start)
+    source = rollout_source(c, start)
     try:
         if start == 0 and t.test_freq > 0:
-            last = first_val = run_validation(c, 0, quiet, ahead)
+            last = first_val = run_validation(c, 0, quiet, source)
             if logger is not None:
                 logger.log(last, step=0)
             display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
             crash_if_asked(step, c.dist.rank)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
-            metrics = train_step(c, step, timer, ahead)
+            metrics = train_step(c, step, timer, source)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
                 # With rollouts ahead: after this step's weights reach the worker, before later rollouts.
-                metrics.update(run_validation(c, step, quiet, ahead))
+                metrics.update(run_validation(c, step, quiet, source))
             if logger is not None:
                 logger.log(metrics, step=step)
             skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
             display.update(step, metrics)
             last = metrics
             saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
-            save_now = functools.partial(save, c, run_dir, step, ahead)
+            save_now = functools.partial(save, c, run_dir, step, source)
             if saved:
                 with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
                     save_now()
             signals.stop_after_step(step, saved, save_now, c.dist.any_rank)
     finally:
-        if ahead is not None:
-            ahead.close()
+        source.close()
     return first_val, last
 
 
-def rollout_ahead(c: Components, start: int) -> RolloutAhead | None:
-    """The rollouts-ahead queue of `async_training` on its worker: a thread sharing this process's engine, or
-    a Ray-placed process that builds its own and starts from this process's weights and prompt order (None
-    when rollout and training alternate)."""
+def rollout_source(c: Components, start: int) -> RolloutSource:
+    """Where the steps' samples come from: collected inline when rollout and training alternate; else the
+    rollouts-ahead queue of `async_training` on its worker: a thread sharing this process's engine, or a
+    Ray-placed process that builds its own and starts from this process's weights and prompt order."""
     a = c.cfg.async_training
     if not a.enable:
-        return None
+        return inline_rollouts(c)
     if a.rollout_worker == "ray":
         # With several trainer ranks, rank 0 alone talks to the worker (it generates whole steps).
         host = start_ray_host(c.cfg, c.model_path, start, c.sampler.state_dict()) if c.dist.is_main else None
         remote = True
     else:
-        host, remote = ThreadHost(RolloutWorker(rollout_side_of(c), start)), False
+        host, remote = ThreadHost(RolloutWorker(rollout_context_of(c), start)), False
     total = c.cfg.trainer.total_steps
-    ahead = RolloutAhead(
+    queue = RolloutQueue(
         host, a.max_staleness, start, total, partial=a.partial_rollout, dist=c.dist, share=c.share
     )
     if remote:  # it loaded the weights from disk: the actor's (resumed, LoRA merged) come first
-        ahead.push(start, c.actor.module)
-    return ahead
+        queue.push(start, c.actor.module)
+    return queue
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -1,7 +1,7 @@
 """The rollout worker: the one owner of a rollout engine while rollouts run ahead of training.
 
 Its calls run one at a time, in the order the trainer made them, on a background thread of the trainer's
-process or in a process of its own (``posttrain.rl.rollout_hosts``); it neither knows nor cares which. It
+process or in a process of its own (``posttrain.rl.overlap.hosts``); it neither knows nor cares which. It
 generates a step's samples (at once, or with partial rollouts in two parts: start and finish), loads a weight
 snapshot, validates, and reports the prompt sampler's state.
 """
@@ -14,44 +14,18 @@ from pathlib import Path
 import torch
 
 from posttrain.config.schema import PostTrainConfig
-from posttrain.rl.evaluate import validate
-from posttrain.rl.partial_rollout import StartedRollout, finish_rollout, start_rollout
-from posttrain.rl.rollout_side import GeneratedStep, RolloutSide, StartedStep, build_rollout_side
-from posttrain.rl.sampling import step_seed
-from posttrain.rl.step import rollout_phase
+from posttrain.rl.collect.context import GeneratedStep, RolloutContext, StartedStep, build_rollout_context
+from posttrain.rl.collect.rollout import rollout_phase, validate_context
+from posttrain.rl.overlap.partial import StartedRollout, finish_rollout, start_rollout
 from posttrain.utils.metrics import PhaseTimer
 from posttrain.utils.seed import seed_everything
-
-
-def validate_side(side: RolloutSide, step: int) -> tuple[dict[str, float], list[dict]]:
-    """Generate for the validation prompts and score them (the engine holds its cache memory meanwhile);
-    returns the metrics and one row per sample (prompt, response, ground truth, reward)."""
-    if side.val_prompts is None:
-        return {}, []
-    rows: list[dict] = []
-    side.engine.wake_up()
-    try:
-        seed = step_seed(side.cfg.trainer.seed, step, 2)
-        metrics = validate(
-            side.engine,
-            side.tokenizer,
-            side.val_prompts,
-            side.reward_runner,
-            side.cfg,
-            seed=seed,
-            dist=side.dist,
-            samples=rows,
-        )
-    finally:
-        side.engine.release_memory()
-    return metrics, rows
 
 
 class RolloutWorker:
     """Generates with the weights of update ``version`` until it loads a newer snapshot."""
 
-    def __init__(self, side: RolloutSide, version: int):
-        self.side = side
+    def __init__(self, context: RolloutContext, version: int):
+        self.context = context
         self.version = version
         self._started: dict[int, StartedRollout] = {}  # partial rollouts started, by step
 
@@ -60,9 +34,9 @@ class RolloutWorker:
         return os.getpid()
 
     def generate(self, step: int) -> GeneratedStep:
-        before = self.side.sampler.state_dict()
+        before = self.context.sampler.state_dict()
         timer = PhaseTimer(prefix="async/")  # background seconds: not part of the trainer's step time
-        batch, metrics = rollout_phase(self.side, step, timer)
+        batch, metrics = rollout_phase(self.context, step, timer)
         batch.policy_versions = torch.full((batch.num_rows,), self.version, dtype=torch.long)
         metrics.update(timer.pop())
         metrics["async/policy_version"] = float(self.version)
@@ -71,7 +45,7 @@ class RolloutWorker:
     def start(self, step: int) -> StartedStep:
         """A partial rollout's first part (`async_training.partial_rollout`): the step's prompts and the
         first tokens of each response, kept here until :meth:`finish`."""
-        started = start_rollout(self.side, step, self.version, PhaseTimer(prefix="async/"))
+        started = start_rollout(self.context, step, self.version, PhaseTimer(prefix="async/"))
         self._started[step] = started
         return StartedStep(started.sampler_before)
 
@@ -79,7 +53,7 @@ class RolloutWorker:
         """The rest of the responses :meth:`start` left unfinished, with the weights loaded since, scored."""
         started = self._started.pop(step)
         timer = PhaseTimer(prefix="async/")
-        batch, metrics = finish_rollout(self.side, started, step, self.version, timer)
+        batch, metrics = finish_rollout(self.context, started, step, self.version, timer)
         batch.policy_versions = torch.full((batch.num_rows,), started.version, dtype=torch.long)
         metrics.update(started.metrics)
         metrics.update(timer.pop())
@@ -88,17 +62,17 @@ class RolloutWorker:
 
     def load(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Put the snapshot taken after update ``version`` into the engine."""
-        self.side.engine.sync_weights(weights)
+        self.context.engine.sync_weights(weights)
         self.version = version
 
     def validate(self, step: int) -> tuple[dict[str, float], list[dict]]:
-        return validate_side(self.side, step)
+        return validate_context(self.context, step)
 
     def sampler_state(self) -> dict:
-        return self.side.sampler.state_dict()
+        return self.context.sampler.state_dict()
 
     def close(self) -> None:
-        self.side.close()
+        self.context.close()
 
 
 class ProcessRolloutWorker(RolloutWorker):
@@ -117,6 +91,6 @@ class ProcessRolloutWorker(RolloutWorker):
         torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed)
         device = torch.device("cuda", 0) if gpus > 0 else torch.device("cpu")  # the devices Ray assigned it
-        side = build_rollout_side(cfg, Path(model_path), device)
-        side.sampler.load_state_dict(sampler_state)
-        super().__init__(side, version)
+        context = build_rollout_context(cfg, Path(model_path), device)
+        context.sampler.load_state_dict(sampler_state)
+        super().__init__(context, version)

@@ -2,7 +2,7 @@
 setting that fits under a memory cap.
 
 For each role (actor update, old-log-prob forward; critic update and values forward when the config trains a
-critic) the candidates are tried smallest first, each in a fresh process (:mod:`posttrain.tools.measure`):
+critic) the candidates are tried smallest first, each in a fresh process (:mod:`posttrain.planning.measure`):
 every trial processes the same samples (one mini-batch per rank, capped by ``rows``), so tokens/s compare
 like for like. The search stops growing a role at the first out-of-memory / over-cap trial, after
 ``PLATEAU_TRIALS`` trials without a ``PLATEAU_GAIN`` improvement, or when its share of the trials (the remaining
@@ -20,8 +20,8 @@ from functools import partial
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import BatchPlan
 from posttrain.config.schema import PostTrainConfig
-from posttrain.tools.measure import TrialResult, TrialSpec, run_trial_in_subprocess
-from posttrain.tools.shape import GIB
+from posttrain.planning.measure import TrialResult, TrialSpec, run_trial_in_subprocess
+from posttrain.planning.shape import GIB
 
 PLATEAU_GAIN = 0.03  # a larger setting must be at least 3% faster to count as an improvement
 PLATEAU_TRIALS = 2

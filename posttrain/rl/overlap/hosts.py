@@ -4,7 +4,7 @@ process, or a process of its own placed by Ray, on its own CPUs or GPUs and poss
 A host runs the worker's calls one at a time, in the order they were made, and answers each with a
 ``concurrent.futures.Future``: a one-thread pool does that for the thread; a Ray actor does it for a process
 (Ray runs the calls one caller makes on a one-at-a-time actor in submission order). That order is what makes
-the rollouts-ahead schedule exact (``posttrain.rl.rollout_ahead``), whichever host runs it.
+the rollouts-ahead schedule exact (``posttrain.rl.overlap.queue``), whichever host runs it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.parallel.ray_local import start_or_join
 from posttrain.rl.checks import require_ray
-from posttrain.rl.rollout_worker import ProcessRolloutWorker, RolloutWorker
+from posttrain.rl.overlap.worker import ProcessRolloutWorker, RolloutWorker
 
 log = logging.getLogger("posttrain")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain.rollout.native.sampling import (
+from posttrain.rollout.native.token_sampling import (
     exponential_noise,
     filter_top_k_top_p,
     mix64,

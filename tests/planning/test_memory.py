@@ -10,10 +10,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from posttrain.cli import main
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan
-from posttrain.tools.advice import advise, check_starting_point, starting_point
-from posttrain.tools.memory import Cluster, estimate_memory
-from posttrain.tools.memory_bytes import WhatIf
-from posttrain.tools.shape import GIB, ModelShape
+from posttrain.planning.advice import advise, check_starting_point, starting_point
+from posttrain.planning.memory import Cluster, estimate_memory
+from posttrain.planning.memory_bytes import WhatIf
+from posttrain.planning.shape import GIB, ModelShape
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
 QWEN_72B = str(CONFIGS / "qwen2.5-72b")

@@ -1,10 +1,10 @@
 """Rollouts generated ahead of training (`async_training.max_staleness`): step s's samples are drawn while
 earlier steps train, by a policy at most ``max_staleness`` updates older than the one that trains on them.
 
-One rollout worker (``posttrain.rl.rollout_worker``) owns the rollout engine and runs, in the order they
+One rollout worker (``posttrain.rl.overlap.worker``) owns the rollout engine and runs, in the order they
 were made, two kinds of calls: "generate step s" and "load the weights of version v" (a copy the trainer
 took right after update v). It runs on a background thread of this process or in a process of its own
-(``posttrain.rl.rollout_hosts``). The trainer makes the calls in an order that fixes every sample's policy
+(``posttrain.rl.overlap.hosts``). The trainer makes the calls in an order that fixes every sample's policy
 version, whatever the timing:
 
 - before training step s it makes sure rollouts s .. s+k are queued (k = max_staleness) and waits for s;
@@ -13,7 +13,7 @@ version, whatever the timing:
 So rollout s (s > k + 1) was queued right after "load version s-1-k": it samples with the policy of update
 s-1-k while the trainer is at s-1, a lag of exactly k (rollouts 1 .. k+1 use the initial weights, lag s-1).
 k = 1 is verl's one-step-off-policy schedule; k = 0 is the synchronous loop, run through this machinery.
-With partial rollouts (``posttrain.rl.partial_rollout``) "generate s" is two calls: "start s" where
+With partial rollouts (``posttrain.rl.overlap.partial``) "generate s" is two calls: "start s" where
 "generate s" was queued, and "finish s" queued when the trainer takes step s (after "load version s-1").
 Which version sampled each row is recorded (``batch.policy_versions``); the rollout-correction machinery
 (``algorithm.rollout_correction``) reweights or rejects what the lag made too different.
@@ -37,12 +37,13 @@ from posttrain.data.batch import RolloutBatch
 from posttrain.models.lora import policy_weights
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare, select_share
-from posttrain.rl.rollout_side import GeneratedStep
+from posttrain.rl.collect.context import GeneratedStep
+from posttrain.utils.metrics import PhaseTimer
 
 
-class RolloutAhead:
-    """The queue of rollouts ahead of training, on a host that runs the rollout worker's calls in order
-    (``posttrain.rl.rollout_hosts``: a thread, or a Ray actor)."""
+class RolloutQueue:
+    """A :class:`~posttrain.rl.collect.source.RolloutSource`: the queue of rollouts ahead of training, on a host that runs the rollout worker's calls in order
+    (``posttrain.rl.overlap.hosts``: a thread, or a Ray actor)."""
 
     def __init__(
         self,
@@ -63,11 +64,12 @@ class RolloutAhead:
         self._next = start_step + 1  # the next step to queue a rollout for
         self._loads: list[Future] = []  # weight loads not yet seen to have succeeded
 
-    def take(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Step ``step``'s batch (this rank's share of it) and rollout metrics (waits for it; queues the
-        rollouts up to step + k). With partial rollouts its finish is queued first (after the newest weights),
-        then the starts up to step + k."""
-        batch, metrics = self._from_main(self._take_here, step)
+    def take(self, step: int, timer: PhaseTimer | None = None) -> tuple[RolloutBatch, dict[str, float]]:
+        """Step ``step``'s batch (this rank's share of it) and rollout metrics (waits for it, timed as
+        ``rollout_wait``; queues the rollouts up to step + k). With partial rollouts its finish is queued first
+        (after the newest weights), then the starts up to step + k."""
+        with (timer or PhaseTimer()).phase("rollout_wait"):
+            batch, metrics = self._from_main(self._take_here, step)
         return select_share(batch, self.share), metrics
 
     def _take_here(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:

@@ -6,8 +6,8 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.config.load import build_config
-from posttrain.tools.advice import check_starting_point, starting_point
-from posttrain.tools.shape import ModelShape, builtin_tiny_hf_config
+from posttrain.planning.advice import check_starting_point, starting_point
+from posttrain.planning.shape import ModelShape, builtin_tiny_hf_config
 
 
 def test_a_tiny_model_gets_the_cpu_demo_starting_point_and_a_valid_plan():

@@ -2,7 +2,7 @@
 rollout ahead, but generates at most ``partial_rollout_tokens`` tokens per response there; the responses left
 unfinished are continued just before the step trains, with the newest weights.
 
-Two calls of the rollout worker make a step's samples, in the queue order of ``posttrain.rl.rollout_ahead``:
+Two calls of the rollout worker make a step's samples, in the queue order of ``posttrain.rl.overlap.queue``:
 
 - *start s* (queued k steps ahead, after the load of version s-1-k): draws the step's prompts and generates
   at most P tokens per response (the step's plain seed; ReMax's greedy baselines are generated here whole);
@@ -25,10 +25,10 @@ import torch
 from posttrain.config.plan import partial_rollout_tokens
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch
-from posttrain.rl.dynamic_sampling import ScoredGroups, generation_salt
-from posttrain.rl.rollout_side import RolloutSide
-from posttrain.rl.sampling import generate_share, score_share, step_seed, training_params
-from posttrain.rl.step import assemble_rollout, side_baselines, side_scorer
+from posttrain.rl.collect.context import RolloutContext
+from posttrain.rl.collect.generation import generate_share, score_share, step_seed, training_params
+from posttrain.rl.collect.group_filter import ScoredGroups, generation_salt
+from posttrain.rl.collect.rollout import assemble_rollout, context_baselines, context_scorer
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 from posttrain.utils.metrics import PhaseTimer
 
@@ -59,7 +59,7 @@ def continue_params(cfg: PostTrainConfig, step: int) -> SamplingParams:
     return replace(training_params(cfg, step_seed(cfg.trainer.seed, step, CONTINUE_SALT)), n=1)
 
 
-def start_rollout(c: RolloutSide, step: int, version: int, timer: PhaseTimer) -> StartedRollout:
+def start_rollout(c: RolloutContext, step: int, version: int, timer: PhaseTimer) -> StartedRollout:
     """Draw step ``step``'s prompts and generate the first P tokens of each response (one process: async
     training is refused on several ranks)."""
     before = c.sampler.state_dict()
@@ -67,7 +67,7 @@ def start_rollout(c: RolloutSide, step: int, version: int, timer: PhaseTimer) ->
         c.engine.wake_up()
         rows = c.sampler.next_batch()
         _, result = generate_share(c.engine, c.train_prompts, rows, start_params(c.cfg, step), c.dist)
-        baselines = side_baselines(c, side_scorer(c), rows)
+        baselines = context_baselines(c, context_scorer(c), rows)
         engine_metrics = c.engine.generation_metrics()
         c.engine.release_memory()
     return StartedRollout(rows, result, version, baselines, engine_metrics, timer.pop(), before)
@@ -111,7 +111,7 @@ def continue_unfinished(
 
 
 def finish_rollout(
-    c: RolloutSide, started: StartedRollout, step: int, version: int, timer: PhaseTimer
+    c: RolloutContext, started: StartedRollout, step: int, version: int, timer: PhaseTimer
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Continue step ``step``'s unfinished responses with the weights of ``version``, score the step and lay
     it out as a batch; records which version sampled each token and the partial-rollout metrics."""
@@ -123,7 +123,7 @@ def finish_rollout(
             c.engine, prompt_ids, started.result, cfg.data.max_response_length, continue_params(cfg, step)
         )
         c.engine.release_memory()
-    scorer = side_scorer(c)
+    scorer = context_scorer(c)
     scored, local = score_share(scorer, c.train_prompts, started.rows, 0, result, c.share)
     drawn = ScoredGroups(started.rows, scored.result, scored.scores, scorer.penalties(scored.result))
     batch, metrics = assemble_rollout(c, drawn, local, started.baselines, started.engine_metrics)

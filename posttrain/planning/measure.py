@@ -255,7 +255,7 @@ def run_trial_in_subprocess(spec: TrialSpec, timeout_s: float = 600.0) -> TrialR
     )
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "posttrain.tools.measure"],
+            [sys.executable, "-m", "posttrain.planning.measure"],
             input=json.dumps(dataclasses.asdict(spec)),
             capture_output=True,
             text=True,

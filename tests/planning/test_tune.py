@@ -9,9 +9,9 @@ import yaml
 from posttrain.cli import main
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan
-from posttrain.tools.autotune import Target, autotune, tune_targets
-from posttrain.tools.measure import TrialSpec, run_trial_in_subprocess
-from posttrain.tools.shape import builtin_tiny_hf_config
+from posttrain.planning.autotune import Target, autotune, tune_targets
+from posttrain.planning.measure import TrialSpec, run_trial_in_subprocess
+from posttrain.planning.shape import builtin_tiny_hf_config
 
 OVERRIDES = [
     "data.max_prompt_length=32",
@@ -73,7 +73,7 @@ def test_tune_picks_within_10_percent_of_the_brute_force_best(tmp_path):
 def test_a_trial_over_the_cap_does_not_fit_and_stops_the_role():
     cfg = build_config(overrides=OVERRIDES)
     target = Target("actor", "actor.ppo_micro_batch_size_per_gpu", (1, 2, 4), False, rows=4)
-    from posttrain.tools.measure import TrialResult
+    from posttrain.planning.measure import TrialResult
 
     def fake(spec):  # memory grows with the micro-batch; the cap admits 1 and 2
         return TrialResult(

@@ -19,7 +19,7 @@ from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, S
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rl.evaluate import CORRECT_THRESHOLD
+from posttrain.rl.collect.validation import CORRECT_THRESHOLD
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 
@@ -202,7 +202,11 @@ def scored_batch(
     groups, say), which `posttrain.parallel.shares.select_share` then cuts to the share."""
     result = scored.result
     batch = build_rollout_batch(
-        [prompt_ids[p] for p in result.prompt_index], result.response_ids, result.prompt_index, pad_token_id
+        [prompt_ids[p] for p in result.prompt_index],
+        result.response_ids,
+        result.prompt_index,
+        pad_token_id,
+        result.trainable_mask,
     )
     batch.token_level_scores = place_scores(batch, scored.scores)
     if baselines is not None:
@@ -213,9 +217,10 @@ def scored_batch(
 
 
 def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
-    """[B, R] token-level scores: each sample's reward on its last response token."""
+    """[B, R] token-level scores: each sample's reward on its last trained response token."""
     out = torch.zeros_like(batch.response_mask)
-    last = (batch.response_mask.sum(-1).long() - 1).clamp(min=0)
+    width = batch.response_mask.shape[1]
+    last = width - 1 - batch.response_mask.flip(-1).argmax(-1)  # single-turn: the response's last token
     out[torch.arange(batch.num_rows), last] = scores
     return out * batch.response_mask
 

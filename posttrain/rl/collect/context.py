@@ -1,8 +1,8 @@
 """What a rollout needs, and nothing the trainer needs: the engine, the prompts and their sampler, the reward.
 
 The synchronous loop and the rollout thread take these from the trainer's :class:`Components`
-(:func:`rollout_side_of`); a rollout worker in its own process builds them from the config alone
-(:func:`build_rollout_side`), without the actor, the critic or an optimizer.
+(:func:`rollout_context_of`); a rollout worker in its own process builds them from the config alone
+(:func:`build_rollout_context`), without the actor, the critic or an optimizer.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from posttrain.rollout.base import RolloutEngine
 
 
 @dataclass
-class RolloutSide:
-    """The parts of a run that draw, generate and score a step's samples (``posttrain.rl.step.rollout_phase``)
-    and validate (``posttrain.rl.evaluate.validate``)."""
+class RolloutContext:
+    """The parts of a run that draw, generate and score a step's samples
+    (``posttrain.rl.collect.rollout.rollout_phase``) and validate (``posttrain.rl.collect.validation.validate``)."""
 
     cfg: PostTrainConfig
     engine: RolloutEngine
@@ -70,9 +70,9 @@ class StartedStep:
     sampler_before: dict
 
 
-def rollout_side_of(c: Components) -> RolloutSide:
+def rollout_context_of(c: Components) -> RolloutContext:
     """The trainer's own rollout parts (one process, or this rank's share with several)."""
-    return RolloutSide(
+    return RolloutContext(
         cfg=c.cfg,
         engine=c.engine,
         tokenizer=c.tokenizer,
@@ -86,7 +86,7 @@ def rollout_side_of(c: Components) -> RolloutSide:
     )
 
 
-def build_rollout_side(cfg: PostTrainConfig, model_path: Path, device: torch.device) -> RolloutSide:
+def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.device) -> RolloutContext:
     """Everything a rollout worker process needs, from the config and the model directory the trainer
     resolved (``model_path``): the same checks, data, sampler and reward as the trainer's, and an engine over
     a fresh copy of the weights (the trainer pushes its current ones before the first rollout)."""
@@ -100,7 +100,7 @@ def build_rollout_side(cfg: PostTrainConfig, model_path: Path, device: torch.dev
         grouped = cfg.actor.use_prefix_grouper or (plan.ref is not None and cfg.ref.use_prefix_grouper)
         attn = attn_implementation(cfg.model.use_remove_padding, device, grouped)
         model = load_causal_lm(model_path, cfg.model.dtype, device, attn).eval().requires_grad_(False)
-    return RolloutSide(
+    return RolloutContext(
         cfg=cfg,
         engine=build_engine(cfg, model, tokenizer, device, model_path),
         tokenizer=tokenizer,

@@ -27,7 +27,7 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import MAX, SINGLE_SHARE, DataShare, ShareMetrics
-from posttrain.rl.sampling import Scorer, sample_and_score
+from posttrain.rl.collect.generation import Scorer, sample_and_score
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 GEN_BATCH_SALT = 1000  # step_seed salts of the extra generation batches start here (0-2 are taken)
@@ -88,12 +88,7 @@ class ScoredGroups:
         r = self.result
         keep = sorted((position[p], s) for s, p in enumerate(r.prompt_index) if p in position)
         samples = [s for _, s in keep]
-        result = RolloutResult(
-            prompt_index=[i for i, _ in keep],
-            response_ids=[r.response_ids[s] for s in samples],
-            response_logprobs=[r.response_logprobs[s] for s in samples],
-            finish_reasons=[r.finish_reasons[s] for s in samples],
-        )
+        result = r.subset(samples, prompt_index=[i for i, _ in keep])
         idx = torch.tensor(samples, dtype=torch.long)
         return ScoredGroups([self.rows[g] for g in groups], result, self.scores[idx], self.penalties[idx])
 
@@ -101,14 +96,7 @@ class ScoredGroups:
         """Append ``other``'s groups after these."""
         offset, o = len(self.rows), other.result
         self.rows = self.rows + other.rows
-        self.result.extend(
-            RolloutResult(
-                prompt_index=[p + offset for p in o.prompt_index],
-                response_ids=o.response_ids,
-                response_logprobs=o.response_logprobs,
-                finish_reasons=o.finish_reasons,
-            )
-        )
+        self.result.extend(o.subset(list(range(len(o))), prompt_index=[p + offset for p in o.prompt_index]))
         self.scores = torch.cat([self.scores, other.scores])
         self.penalties = torch.cat([self.penalties, other.penalties])
 

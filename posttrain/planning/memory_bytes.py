@@ -1,6 +1,6 @@
 """Byte counts of each piece of a training step's memory: model states (weights, gradients, optimizer moments),
 activations of an update or a forward pass, the logits head, and the rollout engine's cache. Formulas only;
-`posttrain.tools.memory` assembles them into per-phase estimates."""
+`posttrain.planning.memory` assembles them into per-phase estimates."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.lora import lora_settings
-from posttrain.tools.shape import ModelShape
+from posttrain.planning.shape import ModelShape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan, fsdp_group_size
 from posttrain.config.schema import PostTrainConfig
-from posttrain.tools.memory_bytes import (
+from posttrain.planning.memory_bytes import (
     DTYPE_BYTES,
     FP32,
     FULL,
@@ -49,7 +49,7 @@ from posttrain.tools.memory_bytes import (
     update_step_bytes,
     vllm_rollout,
 )
-from posttrain.tools.shape import GIB, ModelShape
+from posttrain.planning.shape import GIB, ModelShape
 
 
 @dataclass(frozen=True)

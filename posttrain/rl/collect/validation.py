@@ -51,7 +51,7 @@ def validate(
 
     With several ranks each validates a contiguous share of the prompts and the results are gathered.
     ``samples``, when given, receives one dict per sample of this rank's share (prompt, response,
-    ground_truth, reward), for the sample logs of posttrain.rl.samples.
+    ground_truth, reward), for the sample logs of posttrain.rl.collect.samples.
     """
     params = validation_params(cfg, seed)
     rewards: list[float] = []

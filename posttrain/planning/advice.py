@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from posttrain.config.load import all_keys, apply_values
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
-from posttrain.tools.memory import Cluster, MemoryEstimate, estimate_memory
-from posttrain.tools.memory_bytes import WhatIf
-from posttrain.tools.shape import GIB, ModelShape
+from posttrain.planning.memory import Cluster, MemoryEstimate, estimate_memory
+from posttrain.planning.memory_bytes import WhatIf
+from posttrain.planning.shape import GIB, ModelShape
 
 LONG_CONTEXT_TOKENS = 8192  # max_seq_len from which sequence parallelism is the first remedy (verl: > 8k-32k)
 

@@ -13,7 +13,8 @@ from posttrain.data.records import PromptRecord
 from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.rewards.overlong import OverlongBuffer
-from posttrain.rl.dynamic_sampling import (
+from posttrain.rl.collect.generation import Scorer, step_seed
+from posttrain.rl.collect.group_filter import (
     GroupFilter,
     ScoredGroups,
     draw_groups,
@@ -21,7 +22,6 @@ from posttrain.rl.dynamic_sampling import (
     merge_batch_metrics,
     varied_groups,
 )
-from posttrain.rl.sampling import Scorer, step_seed
 from posttrain.rollout.base import RolloutResult, SamplingParams
 
 MAX_TOKENS = 6
