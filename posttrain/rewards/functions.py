@@ -26,8 +26,8 @@ from posttrain.config.errors import ConfigError
 from posttrain.data.scorers import gsm8k_flexible, gsm8k_strict, math_verify_score, score_by_data_source
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
-from posttrain.rewards.code import code_reward
 from posttrain.data.tasks.reasoning_gym import reasoning_gym_reward
+from posttrain.rewards.code import code_reward
 
 RewardFn = Callable[[str, str, "str | None", dict[str, Any]], float]
 

@@ -94,6 +94,7 @@ def test_import_error_names_spec(tmp_path):
 
 def test_unknown_name():
     with pytest.raises(
-        ValueError, match=r"neither a built-in \(\['arithmetic', 'code', 'data_source', 'exact_match', 'gsm8k', "
+        ValueError,
+        match=r"neither a built-in \(\['arithmetic', 'code', 'data_source', 'exact_match', 'gsm8k', ",
     ):
         resolve_reward_function("exactmatch")
