@@ -117,6 +117,23 @@ def sft_config(model_dir, tmp_path, *extra):
     )
 
 
+def sft_cli_args(run, model_dir, rows: int = 8) -> list[str]:
+    """`posttrain sft` arguments for a short run into ``run`` (its data file written beside it)."""
+    data = run.parent / "sft.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"prompt": f"What is {i} + 1?", "response": str(i + 1)}) for i in range(rows))
+    )
+    return [
+        f"model.path={model_dir}",
+        f"trainer.run_dir={run}",
+        f"sft.train_files=[{data}]",
+        "sft.batch_size=4",
+        "sft.micro_batch_size_per_gpu=4",
+        "sft.epochs=1",
+        "trainer.loggers=jsonl",
+    ]
+
+
 class GradCapture(torch.optim.Optimizer):
     """An optimizer whose step records the accumulated gradient (and leaves the weights alone)."""
 

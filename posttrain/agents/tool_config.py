@@ -16,19 +16,17 @@ ConfigError naming the config file, the tool and the fix, raised before any mode
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import yaml
 
 from posttrain.agents.tools import Tool, ToolSet, make_tool
 from posttrain.config.errors import ConfigError, MissingPathError
+from posttrain.utils.user_code import function_of, import_file
 
 _KEYS = {"path", "schema", "tool_schema", "timeout_s"}
 
@@ -84,7 +82,7 @@ def resolve_function(spec: str, base: Path, where: str) -> Any:
             raise ConfigError(
                 f"{where}: file {target!r} not found (looked beside the config and in the working directory)"
             )
-        module = _load_file(file, where)
+        module = import_file(file, where)
     else:
         try:
             module = importlib.import_module(target)
@@ -92,33 +90,4 @@ def resolve_function(spec: str, base: Path, where: str) -> Any:
             raise ConfigError(
                 f"{where}: cannot import module {target!r}: {exc}; is it installed or on PYTHONPATH?"
             ) from exc
-    if not hasattr(module, name):
-        defined = sorted(
-            n
-            for n, v in vars(module).items()
-            if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
-        )
-        raise ConfigError(f"{where}: {target} defines no {name!r}; callables defined there: {defined}")
-    obj = getattr(module, name)
-    if not callable(obj):
-        raise ConfigError(f"{where}: {name!r} is a {type(obj).__name__}, not a function")
-    return obj
-
-
-def _load_file(file: Path, where: str) -> ModuleType:
-    resolved = file.resolve()
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
-    name = f"posttrain_user_agents_{resolved.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, resolved)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{where}: cannot import {str(file)!r}; is it a .py file?")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ConfigError(f"{where}: importing {str(file)!r} failed: {exc!r}") from exc
-    return module
+    return function_of(module, name, where, what="callables")

@@ -238,7 +238,7 @@ def apply_lora(model: nn.Module, cfg: PostTrainConfig) -> nn.Module:
     settings = lora_settings(cfg)
     if settings is None:
         return model
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
     with warnings.catch_warnings():
         # peft asks the model `is_gradient_checkpointing`, which transformers 5 deprecates: not ours to fix.
@@ -246,21 +246,28 @@ def apply_lora(model: nn.Module, cfg: PostTrainConfig) -> nn.Module:
         if settings.adapter_path:
             policy = PeftModel.from_pretrained(model, settings.adapter_path, is_trainable=True)
         else:
-            config = LoraConfig(
-                r=settings.rank,
-                lora_alpha=settings.alpha,
-                target_modules=settings.peft_targets,
-                lora_dropout=settings.dropout,
-                bias="none",
-                task_type="CAUSAL_LM",
-            )
-            policy = get_peft_model(model, config)
+            policy = get_peft_model(model, lora_config(settings, "CAUSAL_LM"))
     if hasattr(policy.get_output_embeddings(), "get_base_layer"):  # e.g. an adapter's targets named the head
         raise ConfigError(
             "the LoRA targets include the LM head, whose weight posttrain reads directly (chunked log-prob head, "
             "tied embeddings); adapt the decoder's linear layers only: model.target_modules=all-linear"
         )
     return policy
+
+
+def lora_config(settings: LoraSettings, task_type: str):
+    """The ``peft.LoraConfig`` of these settings for a model of ``task_type`` ("CAUSAL_LM" for a policy;
+    "SEQ_CLS" for a reward model, whose score head PEFT then trains in full)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        target_modules=settings.peft_targets,
+        lora_dropout=settings.dropout,
+        bias="none",
+        task_type=task_type,
+    )
 
 
 def is_lora_model(model: nn.Module) -> bool:

@@ -14,10 +14,7 @@ every caller sees the signature above.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
 from posttrain.data.tasks.reasoning_gym import reasoning_gym_reward
 from posttrain.rewards.code import code_reward
+from posttrain.utils.user_code import function_of, import_file
 
 RewardFn = Callable[[str, str, "str | None", dict[str, Any]], float]
 
@@ -70,45 +68,9 @@ def resolve_reward_function(spec: str | RewardFn, data_source: str = "") -> Rewa
         )
     # rsplit: the path part may itself contain ':' (a Windows drive letter).
     file_part, fn_name = spec.rsplit(":", 1)
-    module = _load_module(Path(file_part), spec)
-    if not hasattr(module, fn_name):
-        callables = sorted(
-            name
-            for name, value in vars(module).items()
-            if callable(value)
-            and not name.startswith("_")
-            and getattr(value, "__module__", None) == module.__name__
-        )
-        raise ConfigError(
-            f"reward function {spec!r}: {file_part} defines no {fn_name!r}; functions defined there: {callables}"
-        )
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise ConfigError(f"reward function {spec!r}: {fn_name!r} is a {type(fn).__name__}, not a function")
+    where = f"reward function {spec!r}"
+    fn = function_of(import_file(Path(file_part), where), fn_name, where)
     return adapt_signature(fn, spec, data_source)
-
-
-def _load_module(path: Path, spec: str) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"reward function {spec!r}: file {str(path)!r} not found")
-    resolved = path.resolve()
-    # A unique, stable module name per file, registered in sys.modules so that dataclasses, pickling
-    # and repeated resolution of the same file behave as for a normal import.
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
-    name = f"posttrain_user_reward_{resolved.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"reward function {spec!r}: cannot import {str(path)!r}; is it a .py file?")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ConfigError(f"reward function {spec!r}: importing {str(path)!r} failed: {exc!r}") from exc
-    return module
 
 
 _OURS = ("prompt", "response", "ground_truth", "extra")

@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import check_model_dir, resolve_dtype, save_hf
-from posttrain.models.lora import hf_model, is_lora_model, lora_settings
+from posttrain.models.lora import hf_model, is_lora_model, lora_config, lora_settings
 from posttrain.utils.storage import atomic_dir
 
 log = logging.getLogger("posttrain.rm")
@@ -71,16 +71,9 @@ def add_lora(model: nn.Module, cfg: PostTrainConfig) -> nn.Module:
             "model.lora_adapter_path is not supported by posttrain rm (a policy's adapter has no reward head); "
             "set model.lora_adapter_path= to train a fresh adapter"
         )
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=settings.rank,
-        lora_alpha=settings.alpha,
-        target_modules=settings.peft_targets,
-        lora_dropout=settings.dropout,
-        bias="none",
-        task_type="SEQ_CLS",  # PEFT then trains the `score` head in full (modules_to_save)
-    )
+    config = lora_config(settings, "SEQ_CLS")  # PEFT then trains the `score` head in full
     with warnings.catch_warnings():  # peft asks `is_gradient_checkpointing`, deprecated in transformers 5
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, config)

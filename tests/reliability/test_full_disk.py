@@ -13,7 +13,7 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.train.checkpoint import find_checkpoint, list_checkpoints
-from tests.helpers import small_overrides
+from tests.helpers import sft_cli_args, small_overrides
 
 
 def _mount_tmpfs(path: Path, size: str = "64m") -> None:
@@ -51,20 +51,6 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _sft_args(run: Path, model_dir: Path) -> list[str]:
-    data = run.parent / "sft.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"{i} + 1?", "response": str(i + 1)}) for i in range(8)))
-    return [
-        f"model.path={model_dir}",
-        f"trainer.run_dir={run}",
-        f"sft.train_files=[{data}]",
-        "sft.batch_size=4",
-        "sft.micro_batch_size_per_gpu=4",
-        "sft.epochs=1",
-        "trainer.loggers=jsonl",
-    ]
-
-
 def test_a_full_disk_during_a_checkpoint_exits_2_and_keeps_the_last_one(
     mounts, tmp_path, tiny_model_dir, capsys
 ):
@@ -91,7 +77,7 @@ def test_a_full_disk_during_the_sft_export_leaves_no_sft_model(mounts, tmp_path,
     """Drill: `SafetensorError ... No space left on device` was a traceback and left a half-written sft_model/."""
     disk = mounts(tmp_path / "disk")
     run = disk / "run"
-    args = _sft_args(tmp_path / "run", tiny_model_dir)
+    args = sft_cli_args(tmp_path / "run", tiny_model_dir)
     args[1] = f"trainer.run_dir={run}"
     _fill_leaving(disk, _size(tiny_model_dir) // 2)
     assert main(["sft", *args]) == 2
@@ -105,7 +91,7 @@ def test_a_read_only_run_dir_exits_2_naming_it(mounts, tmp_path, tiny_model_dir,
     """Drill: a read-only run directory ended in a traceback."""
     run = mounts(tmp_path / "ro")
     subprocess.run(["mount", "-o", "remount,ro", str(run)], check=True)
-    args = _sft_args(run, tiny_model_dir) if command == "sft" else small_overrides(tiny_model_dir, run)
+    args = sft_cli_args(run, tiny_model_dir) if command == "sft" else small_overrides(tiny_model_dir, run)
     if command == "sft":
         (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1 + 1?", "response": "2"}) + "\n")
     assert main([command, *args]) == 2

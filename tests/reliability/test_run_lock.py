@@ -15,6 +15,7 @@ import pytest
 
 from posttrain.config.errors import ConfigError
 from posttrain.utils.run_lock import RunDirLock
+from tests.helpers import sft_cli_args
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLD = "import sys, time\nfrom posttrain.utils.run_lock import RunDirLock\nlock = RunDirLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(120)\n"
@@ -77,21 +78,6 @@ def test_a_lock_whose_holder_died_is_taken_over(holder):
         pass
 
 
-def _sft_args(run: Path, model_dir: Path) -> list[str]:
-    rows = "\n".join(json.dumps({"prompt": f"What is {i} + 1?", "response": str(i + 1)}) for i in range(8))
-    data = run.parent / "sft.jsonl"
-    data.write_text(rows)
-    return [
-        f"model.path={model_dir}",
-        f"trainer.run_dir={run}",
-        f"sft.train_files=[{data}]",
-        "sft.batch_size=4",
-        "sft.micro_batch_size_per_gpu=4",
-        "sft.epochs=1",
-        "trainer.loggers=jsonl",
-    ]
-
-
 def _rm_args(run: Path, model_dir: Path) -> list[str]:
     rows = "\n".join(
         json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i)})
@@ -108,7 +94,7 @@ def test_every_command_that_writes_a_run_dir_takes_the_same_lock(holder, tiny_mo
     metrics.jsonl and overwriting run_info.yaml and the model; it is refused (exit 2) and writes nothing."""
     run, proc = holder
     args = (
-        _sft_args(run, tiny_model_dir)
+        sft_cli_args(run, tiny_model_dir)
         if command == "sft"
         else _rm_args(run, tiny_model_dir)
         if command == "rm"
@@ -136,7 +122,7 @@ def test_sft_holds_the_lock_while_it_runs(tmp_path, tiny_model_dir):
     from posttrain.sft import command
 
     run = tmp_path / "run"
-    cfg = build_config(overrides=_sft_args(run, tiny_model_dir))
+    cfg = build_config(overrides=sft_cli_args(run, tiny_model_dir))
     seen = []
     real = command._sft
 
