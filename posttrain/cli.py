@@ -48,7 +48,7 @@ KEYS_HINT = (
     "(also docs/config.md). Check a config before running it: posttrain explain CONFIG.yaml [key=value ...]."
 )
 TRAIN_EXAMPLES = """examples:
-  posttrain train                                      # GRPO on the built-in arithmetic demo, CPU, ~5 min
+  posttrain train                                      # GRPO on the built-in arithmetic demo, CPU, ~3 min (2 quiet cores)
   posttrain train trainer.total_steps=10 rollout.n=4   # dotted overrides, any number
   posttrain train examples/gsm8k_grpo_qwen2.5_0.5b.yaml model.path=Qwen/Qwen2.5-0.5B-Instruct \\
       data.train_files=[gsm8k/train.jsonl] data.val_files=[gsm8k/test.jsonl]
