@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posttrain.algorithms.advantages import get_advantage_estimator
+from posttrain.algorithms.advantages import AdvantageInputs, get_advantage_estimator
 from posttrain.algorithms.kl import KLController, apply_kl_penalty
 from posttrain.algorithms.rollout_correction import compute_rollout_correction, rollout_correction_kwargs
 from posttrain.config.plan import BatchPlan, ForwardPlan
@@ -174,7 +174,7 @@ def compute_advantages(
         metrics.update(kl_metrics)
     else:
         batch.token_level_rewards = batch.token_level_scores
-    batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(
+    inputs = AdvantageInputs(
         token_level_rewards=batch.token_level_rewards,
         response_mask=batch.response_mask,
         group_ids=batch.group_ids,
@@ -185,6 +185,7 @@ def compute_advantages(
         norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
         batch_sum=share.batch_sum if share.distributed else None,
     )
+    batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(inputs)
     return metrics
 
 
