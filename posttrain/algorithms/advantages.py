@@ -1,4 +1,4 @@
-"""Advantage estimators, one small function each, behind one uniform keyword-only signature.
+"""Advantage estimators, one small function each of one :class:`AdvantageInputs`.
 
 Every estimator is called with one :class:`AdvantageInputs`::
 

@@ -152,8 +152,8 @@ def compute_policy_loss_gspo(inputs: PolicyLossInputs) -> tuple[torch.Tensor, di
     The sequence ratio is the geometric mean of token ratios over the valid tokens,
     ``s_i = exp(mean_t(log_prob - old_log_prob))``. Each token uses ``sg[s_i] * p_t / sg[p_t]`` (same value
     ``s_i``; the gradient flows through its own log-prob), clamped at ``exp(10)``, in the usual
-    ``max(-A * s, -A * clamp(s, 1 - low, 1 + high))``. There is no dual-clip (``clip_ratio_c`` is accepted
-    for the uniform signature and ignored).
+    ``max(-A * s, -A * clamp(s, 1 - low, 1 + high))``. There is no dual-clip (``clip_ratio_c`` is
+    ignored).
 
     Difference from verl: verl always aggregates GSPO with ``seq-mean-token-mean`` and ignores the configured
     mode; here ``loss_agg_mode`` is honoured, so set ``seq-mean-token-mean`` in the config for the paper's loss.
@@ -190,7 +190,7 @@ def compute_policy_loss_gspo(inputs: PolicyLossInputs) -> tuple[torch.Tensor, di
 def compute_policy_loss_gpg(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPG's plain policy gradient, as verl's ``gpg`` policy loss: ``-A * log_prob`` per token, no ratio.
 
-    There is no importance ratio and no clipping (``clip_ratio_*`` are accepted for the uniform signature and
+    There is no importance ratio and no clipping (``clip_ratio_*`` are checked and
     ignored; ``old_log_prob`` only feeds the ``ppo_kl`` metric). On-policy (the first mini-batch of a step) its
     gradient equals the unclipped PPO gradient; later mini-batches of the same step are not corrected for the
     policy having moved, so GPG is usually run with one mini-batch per step. ``rollout_is_weights`` (optional
