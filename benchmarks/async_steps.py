@@ -87,13 +87,13 @@ def run_variant(model_dir: Path, shape: list[str], extra: list[str], threads: in
             ]
         )
         seed_everything(cfg.trainer.seed)
-        c = build_components(cfg, quiet=True)
-        source = rollout_source(c, 0)
+        run = build_components(cfg, quiet=True)
+        source = rollout_source(run, 0)
         timer, times, phases, samples = PhaseTimer(), [], {}, cfg.data.train_batch_size * cfg.rollout.n
         try:
             for step in range(1, args.steps + 1):
                 start = time.perf_counter()
-                metrics = train_step(c, step, timer, source)
+                metrics = train_step(run, step, timer, source)
                 if step > args.warmup:
                     times.append(time.perf_counter() - start)
                     for key, value in metrics.items():
@@ -101,7 +101,7 @@ def run_variant(model_dir: Path, shape: list[str], extra: list[str], threads: in
                             phases[key] = phases.get(key, 0.0) + value / (args.steps - args.warmup)
         finally:
             source.close()
-            c.close()
+            run.close()
     phases["samples"] = samples
     return times, phases
 

@@ -132,13 +132,13 @@ def run_posttrain(
         cfg = posttrain_config(args, model_dir, Path(run_dir), extra)
         cfg.trainer.seed = seed
         seed_everything(seed)
-        c = build_components(cfg, quiet=True)
+        run = build_components(cfg, quiet=True)
         timer = PhaseTimer()
         times, phases, lengths = [], {}, []
         try:
             for step in range(1, args.steps + 2):
                 start, cpu = time.perf_counter(), time.process_time()
-                metrics = train_step(c, step, timer)
+                metrics = train_step(run, step, timer)
                 elapsed = (time.perf_counter() - start, time.process_time() - cpu)
                 if step == 1:
                     continue
@@ -148,7 +148,7 @@ def run_posttrain(
                     if key.startswith("timing/") and key != "timing/step":
                         phases[key] = phases.get(key, 0.0) + value / args.steps
         finally:
-            c.close()
+            run.close()
     phases["response_length/mean"] = statistics.mean(lengths)
     return times, phases
 

@@ -8,6 +8,7 @@ from posttrain.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATORS_NEEDING_CRITIC,
     RECOMMENDED_LOSS_AGG_MODE,
+    AdvantageInputs,
     compute_drgrpo_advantages,
     compute_gae_advantages,
     compute_grpo_advantages,
@@ -45,6 +46,7 @@ from posttrain.algorithms.outcome_estimators import (
 )
 from posttrain.algorithms.policy_loss import (
     POLICY_LOSSES,
+    PolicyLossInputs,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
     compute_policy_loss_vanilla,
@@ -65,6 +67,8 @@ from posttrain.algorithms.value_loss import compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "AdvantageInputs",
+    "PolicyLossInputs",
     "ESTIMATORS_NEEDING_CRITIC",
     "KL_CONTROLLER_KINDS",
     "KL_ESTIMATORS",

@@ -1,18 +1,20 @@
-"""Advantage estimators, one small function each, behind one uniform keyword-only signature.
+"""Advantage estimators, one small function each of one :class:`AdvantageInputs`.
 
-Every estimator is called as::
+Every estimator is called with one :class:`AdvantageInputs`::
 
     advantages, returns = ADVANTAGE_ESTIMATORS[name](
-        token_level_rewards=...,   # [B, T] float
-        response_mask=...,         # [B, T] bool or float
-        group_ids=...,             # [B] any hashable per sample (prompt uid); groups need not be contiguous
-        values=...,                # [B, T] critic values, or None
-        reward_baselines=...,      # [B] ReMax greedy-rollout reward, or None
-        gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
-        batch_sum=None,            # rank-local data: sums partial sums over the ranks' shares (masked.BatchSum)
+        AdvantageInputs(
+            token_level_rewards=...,   # [B, T] float
+            response_mask=...,         # [B, T] bool or float
+            group_ids=...,             # [B] any hashable per sample (prompt uid); groups need not be contiguous
+            values=...,                # [B, T] critic values, or None
+            reward_baselines=...,      # [B] ReMax greedy-rollout reward, or None
+            gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
+            batch_sum=None,            # rank-local data: sums partial sums over the ranks' shares (BatchSum)
+        )
     )
 
-and ignores the arguments it does not need. With rank-local data each rank passes its share of the batch (whole
+and ignores the fields it does not need. With rank-local data each rank passes its share of the batch (whole
 prompt groups, so group statistics stay local) and ``batch_sum``: the estimators with batch-wide statistics
 (whitening in ``gae``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``; ``gpg``'s alpha) sum their
 partial sums over the ranks with it, so every rank gets the advantages of one process. The registry (``estimator_registry``: name and needs in one decorator) also holds OPO, GPG and GRPO pass@k, which live
@@ -30,34 +32,25 @@ loop-based ``grpo``/``rloo`` estimators registered under these names). Deliberat
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from posttrain.algorithms.estimator_registry import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATOR_NEEDS,
     AdvantageFn,
+    AdvantageInputs,
     EstimatorNeeds,
     register_advantage_estimator,
 )
-from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats
-from posttrain.algorithms.masked import BatchSum, masked_whiten
+from posttrain.algorithms.groups import float_mask, group_index, group_stats
+from posttrain.algorithms.masked import masked_whiten
 
 
 @register_advantage_estimator("gae", critic=True)
 @torch.no_grad()
-def compute_gae_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (PPO with a critic), as verl's ``gae``.
 
     Masked positions are skipped: the TD error uses the value of the next *valid* token, so observation spans
@@ -70,7 +63,8 @@ def compute_gae_advantages(
     Returns:
         ``(advantages [B, T] whitened, returns [B, T])``, both 0 outside the mask.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards, values, gamma = inputs.token_level_rewards, inputs.values, inputs.gamma
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values; got values=None")
     if values.shape != token_level_rewards.shape:
@@ -84,29 +78,17 @@ def compute_gae_advantages(
     for t in reversed(range(token_level_rewards.shape[1])):
         m = mask[:, t]
         delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
-        running = m * (delta + gamma * lam * running) + (1 - m) * running
+        running = m * (delta + gamma * inputs.lam * running) + (1 - m) * running
         next_value = m * values[:, t] + (1 - m) * next_value
         gaes[:, t] = running
     returns = (gaes + values) * mask
-    advantages = masked_whiten(gaes, mask, batch_sum=batch_sum) * mask
+    advantages = masked_whiten(gaes, mask, batch_sum=inputs.batch_sum) * mask
     return advantages, returns
 
 
 @register_advantage_estimator("grpo", groups=True)
 @torch.no_grad()
-def compute_grpo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage, as verl's ``grpo``: ``(r_i - mean_g) / (std_g + epsilon)`` per group.
 
     ``r_i`` is the row sum of ``token_level_rewards``; ``std_g`` is the unbiased (``torch.std``) group std.
@@ -116,59 +98,30 @@ def compute_grpo_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice: the scalar broadcast over the mask.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards = inputs.token_level_rewards
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     scores = token_level_rewards.sum(dim=-1)
-    index = group_index(group_ids, scores.shape[0], scores.device)
+    index = group_index(inputs.group_ids, scores.shape[0], scores.device)
     mean, std, _count = group_stats(scores, index)
     centred = scores - mean
-    scalars = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    scalars = centred / (std + inputs.epsilon) if inputs.norm_adv_by_std_in_grpo else centred
     advantages = scalars.unsqueeze(-1) * mask
     return advantages, advantages
 
 
 @register_advantage_estimator("drgrpo", groups=True)
-def compute_drgrpo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_drgrpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: :func:`compute_grpo_advantages` with ``norm_adv_by_std_in_grpo`` forced to False.
 
     The other half of Dr.GRPO is the loss aggregation ``seq-mean-token-sum-norm``; see
     :data:`RECOMMENDED_LOSS_AGG_MODE`. In verl this is ``grpo`` plus ``norm_adv_by_std_in_grpo=False``.
     """
-    return compute_grpo_advantages(
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        group_ids=group_ids,
-        norm_adv_by_std_in_grpo=False,
-        epsilon=epsilon,
-    )
+    return compute_grpo_advantages(dataclasses.replace(inputs, norm_adv_by_std_in_grpo=False))
 
 
 @register_advantage_estimator("rloo", groups=True)
 @torch.no_grad()
-def compute_rloo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO, as verl's ``rloo``: ``r_i - mean(r_j, j != i)`` = ``n / (n - 1) * (r_i - mean_g)``.
 
     A group of one sample keeps its raw score (verl's loop implementation; its ``rloo_vectorized`` gives 0).
@@ -176,9 +129,10 @@ def compute_rloo_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards = inputs.token_level_rewards
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     scores = token_level_rewards.sum(dim=-1)
-    index = group_index(group_ids, scores.shape[0], scores.device)
+    index = group_index(inputs.group_ids, scores.shape[0], scores.device)
     mean, _std, count = group_stats(scores, index)
     loo = (scores - mean) * count / (count - 1).clamp(min=1)
     scalars = torch.where(count > 1, loo, scores)
@@ -199,44 +153,23 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
 
 @register_advantage_estimator("reinforce_plus_plus")
 @torch.no_grad()
-def compute_reinforce_plus_plus_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++, as verl's ``reinforce_plus_plus``: discounted returns whitened over the whole batch.
 
     Returns:
         ``(advantages [B, T], returns [B, T])``; returns are the un-whitened discounted reward-to-go.
     """
-    mask = float_mask(token_level_rewards, response_mask)
-    returns = _discounted_returns(token_level_rewards, mask, gamma)
-    advantages = masked_whiten(returns, mask, batch_sum=batch_sum) * mask
+    token_level_rewards = inputs.token_level_rewards
+    mask = float_mask(token_level_rewards, inputs.response_mask)
+    returns = _discounted_returns(token_level_rewards, mask, inputs.gamma)
+    advantages = masked_whiten(returns, mask, batch_sum=inputs.batch_sum) * mask
     return advantages, returns
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline", groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
+    inputs: AdvantageInputs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline, as verl's ``reinforce_plus_plus_baseline``.
 
@@ -246,30 +179,19 @@ def compute_reinforce_plus_plus_baseline_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards = inputs.token_level_rewards
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     scores = token_level_rewards.sum(dim=-1)
-    index = group_index(group_ids, scores.shape[0], scores.device)
+    index = group_index(inputs.group_ids, scores.shape[0], scores.device)
     mean, _std, _count = group_stats(scores, index)
     centred = (scores - mean).unsqueeze(-1) * mask
-    advantages = masked_whiten(centred, mask, batch_sum=batch_sum) * mask
+    advantages = masked_whiten(centred, mask, batch_sum=inputs.batch_sum) * mask
     return advantages, advantages
 
 
 @register_advantage_estimator("remax", greedy_baseline=True)
 @torch.no_grad()
-def compute_remax_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax, as verl's ``remax``: undiscounted reward-to-go minus the greedy rollout's reward.
 
     Args:
@@ -278,7 +200,8 @@ def compute_remax_advantages(
     Returns:
         ``(advantages [B, T], returns [B, T])``.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards, reward_baselines = inputs.token_level_rewards, inputs.reward_baselines
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     if reward_baselines is None:
         raise ValueError("advantage estimator 'remax' needs reward_baselines (greedy rewards [B]); got None")
     baselines = torch.as_tensor(

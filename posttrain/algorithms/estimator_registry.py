@@ -1,5 +1,6 @@
 """The advantage estimators' registry: each estimator registers its config name and what it needs in one place,
-``@register_advantage_estimator(name, groups=True)``, and a name registered twice is refused."""
+``@register_advantage_estimator(name, groups=True)``, and a name registered twice is refused. Every estimator is
+a function of one :class:`AdvantageInputs`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,33 @@ from dataclasses import dataclass
 
 import torch
 
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+from posttrain.algorithms.groups import GroupIds
+from posttrain.algorithms.masked import BatchSum
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every advantage estimator reads; each one ignores the fields it does not need.
+
+    token_level_rewards: ``[B, T]`` float. response_mask: ``[B, T]`` bool or float. group_ids: ``[B]`` any
+    hashable per sample (the prompt's uid); groups need not be contiguous. values: ``[B, T]`` critic values.
+    reward_baselines: ``[B]`` the greedy response's reward (ReMax). batch_sum: with rank-local data, sums partial
+    sums over the ranks' shares (:class:`posttrain.algorithms.masked.BatchSum`).
+    """
+
+    token_level_rewards: torch.Tensor
+    response_mask: torch.Tensor
+    group_ids: GroupIds = None
+    values: torch.Tensor | None = None
+    reward_baselines: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    epsilon: float = 1e-6
+    batch_sum: BatchSum | None = None
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)

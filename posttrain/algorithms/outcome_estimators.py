@@ -1,7 +1,7 @@
 """Further outcome (group) advantage estimators: OPO, GPG and GRPO pass@k, under verl's registered names.
 
-Same uniform keyword-only signature as :mod:`posttrain.algorithms.advantages` (arguments an estimator does not
-need are accepted and ignored). Each one reduces a sample to its outcome score ``r_i`` (the row sum of
+Each takes one :class:`~posttrain.algorithms.estimator_registry.AdvantageInputs`, as the estimators of
+:mod:`posttrain.algorithms.advantages` do (fields it does not need are ignored). Each one reduces a sample to its outcome score ``r_i`` (the row sum of
 ``token_level_rewards``), turns the scores of a prompt group into one scalar per sample, and broadcasts that
 scalar over the sample's response tokens; it is exactly 0 outside ``response_mask``. ``returns`` is the same
 tensor as ``advantages``, as for verl's other outcome estimators.
@@ -11,26 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.algorithms.estimator_registry import register_advantage_estimator
-from posttrain.algorithms.groups import GroupIds, float_mask, group_index, group_stats, group_sum, num_groups
-from posttrain.algorithms.masked import BatchSum
+from posttrain.algorithms.estimator_registry import AdvantageInputs, register_advantage_estimator
+from posttrain.algorithms.groups import float_mask, group_index, group_stats, group_sum, num_groups
 
 
 @register_advantage_estimator("opo", groups=True)
 @torch.no_grad()
-def compute_opo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_opo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (On-Policy RL with Optimal reward baseline), as verl's ``opo``: a length-weighted group baseline.
 
     With ``l_i`` the number of valid response tokens of sample ``i``, the baseline of group ``g`` is
@@ -42,10 +29,11 @@ def compute_opo_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards = inputs.token_level_rewards
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     scores = token_level_rewards.sum(dim=-1)
     lengths = mask.sum(dim=-1)
-    index = group_index(group_ids, scores.shape[0], scores.device)
+    index = group_index(inputs.group_ids, scores.shape[0], scores.device)
     count = group_sum(torch.ones_like(scores), index)
     total_length = group_sum(lengths, index)
     weighted = group_sum(lengths * scores, index)
@@ -57,19 +45,7 @@ def compute_opo_advantages(
 
 @register_advantage_estimator("gpg", groups=True)
 @torch.no_grad()
-def compute_gpg_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gpg_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Group Policy Gradient), as verl's ``gpg``: the group-centred score, scaled up by ``alpha``.
 
     ``A_i = alpha * (r_i - mean_g)`` with ``alpha = B / max(M, 1)``, where ``B`` is the number of samples in the
@@ -84,9 +60,10 @@ def compute_gpg_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards, batch_sum = inputs.token_level_rewards, inputs.batch_sum
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     scores = token_level_rewards.sum(dim=-1)
-    index = group_index(group_ids, scores.shape[0], scores.device)
+    index = group_index(inputs.group_ids, scores.shape[0], scores.device)
     mean, _std, _count = group_stats(scores, index)
     samples, nonzero = scores.shape[0], int(torch.count_nonzero(scores).item())
     if batch_sum is not None:  # alpha counts over the whole batch
@@ -98,19 +75,7 @@ def compute_gpg_advantages(
 
 @register_advantage_estimator("grpo_passk", groups=True)
 @torch.no_grad()
-def compute_grpo_passk_advantages(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds = None,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    batch_sum: BatchSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_passk_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO for pass@k, as verl's ``grpo_passk``: only the best sample of each group is credited.
 
     In each group the sample with the highest score gets ``r_max - r_second`` (the margin over the runner-up),
@@ -122,10 +87,11 @@ def compute_grpo_passk_advantages(
     Returns:
         ``(advantages, returns)``, the same ``[B, T]`` tensor twice.
     """
-    mask = float_mask(token_level_rewards, response_mask)
+    token_level_rewards = inputs.token_level_rewards
+    mask = float_mask(token_level_rewards, inputs.response_mask)
     scores = token_level_rewards.sum(dim=-1)
     batch = scores.shape[0]
-    index = group_index(group_ids, batch, scores.device)
+    index = group_index(inputs.group_ids, batch, scores.device)
     _mean, std, count = group_stats(scores, index)
     if bool((count < 2).any()):
         row = int(torch.nonzero(count < 2)[0].item())
@@ -141,8 +107,8 @@ def compute_grpo_passk_advantages(
     is_best = rows == first_best[index]
     runner_up = no_score.scatter_reduce(0, index, scores.masked_fill(is_best, float("-inf")), reduce="amax")
     margin = (best - runner_up)[index]
-    if norm_adv_by_std_in_grpo:
-        margin = margin / (std + epsilon)
+    if inputs.norm_adv_by_std_in_grpo:
+        margin = margin / (std + inputs.epsilon)
     scalars = torch.where(is_best, margin, torch.zeros_like(margin))
     advantages = scalars.unsqueeze(-1) * mask
     return advantages, advantages

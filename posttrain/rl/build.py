@@ -39,12 +39,13 @@ from posttrain.parallel import ulysses
 from posttrain.parallel.data_parallel import DataParallel, data_parallel
 from posttrain.parallel.fsdp import offload_optimizer_state, shard_model
 from posttrain.parallel.runtime import DistContext, select_device
-from posttrain.parallel.shares import SINGLE_SHARE, DataShare, data_share
+from posttrain.parallel.shares import data_share
 from posttrain.rewards.code import configure_code_reward
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
+from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.validation import validation_params
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
@@ -63,13 +64,15 @@ def load_checkpoint_policy(ckpt: Path, model: nn.Module) -> None:
     load_module_weights(ckpt, "actor", model)
 
 
-@dataclass
-class Components:
-    cfg: PostTrainConfig
+@dataclass(kw_only=True)
+class Components(RolloutContext):
+    """The run's parts: its rollout context (config, engine, tokenizer, prompts, sampler, rewards, ranks and
+    share) and the trainer's own parts below. The synchronous step and the rollout thread collect with it as
+    it is; a rollout worker process builds a context of its own (:func:`build_rollout_context`)."""
+
     plan: BatchPlan
     device: torch.device
     model_path: Path
-    tokenizer: object
     actor: Trainable
     ref: nn.Module | None
     critic: Trainable | None
@@ -78,22 +81,16 @@ class Components:
     )  # None: a rollout worker process holds it (async_training.rollout_worker=ray)
     # Pushes the actor's weights into the engine (a no-op when it shares them); None without a local engine.
     rollout_weights: RolloutWeights | None
-    train_prompts: TokenizedPrompts
-    val_prompts: TokenizedPrompts | None
-    sampler: PromptSampler
-    reward_runner: RewardRunner
-    reward_model: RewardModelScorer | None
     kl_ctrl: KLController | None
     forward: PassOptions  # how each pass runs (packing, chunked head, offload): posttrain.models.prepare
-    dist: DistContext = DistContext()
     parallel: dict[str, DataParallel] | None = None  # per pass: how its samples spread over ranks
-    share: DataShare = SINGLE_SHARE  # which share of each step's samples this rank holds (rank-local data)
 
     def dp(self, role: str) -> DataParallel:
         """The data-parallel view of a pass ("actor", "old_log_prob", "ref", "critic", "values")."""
         return self.parallel[role] if self.parallel else DataParallel()
 
     def close(self) -> None:
+        """The reward runner only: the train command closes the engine after the ranks' last collective."""
         self.reward_runner.close()
 
 
@@ -420,3 +417,29 @@ def write_run_metadata(
     if model_path is not None:
         write_run_info(run_dir, cfg, model_path)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+
+
+def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.device) -> RolloutContext:
+    """Everything a rollout worker process needs, from the config and the model directory the trainer
+    resolved (``model_path``): the same checks, data, sampler and reward as the trainer's, and an engine over
+    a fresh copy of the weights (the trainer pushes its current ones before the first rollout)."""
+    plan, splits = check_run(cfg, 1, device)
+    runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source)
+    tokenizer = load_tokenizer(model_path)
+    train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
+    # vLLM loads the weights itself; the native engine decodes with a plain module of its own.
+    model = None
+    if cfg.rollout.name != "vllm":  # the attention the trainer's copy would use: the same samples
+        grouped = cfg.actor.use_prefix_grouper or (plan.ref is not None and cfg.ref.use_prefix_grouper)
+        attn = attn_implementation(cfg.model.use_remove_padding, device, grouped)
+        model = load_causal_lm(model_path, cfg.model.dtype, device, attn).eval().requires_grad_(False)
+    return RolloutContext(
+        cfg=cfg,
+        engine=build_engine(cfg, model, tokenizer, device, model_path),
+        tokenizer=tokenizer,
+        train_prompts=train_prompts,
+        val_prompts=val_prompts,
+        sampler=sampler,
+        reward_runner=runner,
+        reward_model=build_reward_model(cfg, plan, device),
+    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posttrain.algorithms.advantages import get_advantage_estimator
+from posttrain.algorithms.advantages import AdvantageInputs, get_advantage_estimator
 from posttrain.algorithms.kl import KLController, apply_kl_penalty
 from posttrain.algorithms.rollout_correction import compute_rollout_correction, rollout_correction_kwargs
 from posttrain.config.plan import BatchPlan, ForwardPlan
@@ -26,7 +26,6 @@ from posttrain.forward.passes import critic_values, policy_logprobs
 from posttrain.parallel.data_parallel import DataParallel
 from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, DataShare, ShareMetrics
 from posttrain.rl.build import Components
-from posttrain.rl.collect.context import rollout_context_of
 from posttrain.rl.collect.generation import (
     step_seed,
 )
@@ -175,7 +174,7 @@ def compute_advantages(
         metrics.update(kl_metrics)
     else:
         batch.token_level_rewards = batch.token_level_scores
-    batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(
+    inputs = AdvantageInputs(
         token_level_rewards=batch.token_level_rewards,
         response_mask=batch.response_mask,
         group_ids=batch.group_ids,
@@ -186,22 +185,25 @@ def compute_advantages(
         norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
         batch_sum=share.batch_sum if share.distributed else None,
     )
+    batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(inputs)
     return metrics
 
 
 def update_phase(
-    c: Components, batch: RolloutBatch, step: int, temperature: float, timer: PhaseTimer
+    run: Components, batch: RolloutBatch, step: int, temperature: float, timer: PhaseTimer
 ) -> dict:
     """The critic's update (when there is one), then the actor's (after the critic's warm-up steps). Both draw
     their mini-batch shuffles from one per-step generator, in that order."""
-    cfg, metrics = c.cfg, {}
+    cfg, metrics = run.cfg, {}
     gen = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, salt=1))
     roles = []
-    if c.critic is not None:
-        roles.append(("critic", c.critic, critic_loss_fn(c.critic.module, cfg.critic, c.forward.critic)))
-    if c.critic is None or step > cfg.critic.warmup_steps:
+    if run.critic is not None:
         roles.append(
-            ("actor", c.actor, actor_loss_fn(c.actor.module, cfg.actor, temperature, c.forward.actor))
+            ("critic", run.critic, critic_loss_fn(run.critic.module, cfg.critic, run.forward.critic))
+        )
+    if run.critic is None or step > cfg.critic.warmup_steps:
+        roles.append(
+            ("actor", run.actor, actor_loss_fn(run.actor.module, cfg.actor, temperature, run.forward.actor))
         )
     for role, trainable, loss_fn in roles:
         with timer.phase(f"update_{role}"):
@@ -209,39 +211,39 @@ def update_phase(
                 run_update(
                     trainable,
                     batch,
-                    getattr(c.plan, role),
+                    getattr(run.plan, role),
                     loss_fn,
                     shuffle=getattr(cfg, role).shuffle,
                     norm_constant=float(cfg.data.max_response_length),
                     generator=gen,
                     prefix=role,
-                    dp=c.dp(role),
+                    dp=run.dp(role),
                 )
             )
     return metrics
 
 
 def train_step(
-    c: Components, step: int, timer: PhaseTimer, source: RolloutSource | None = None
+    run: Components, step: int, timer: PhaseTimer, source: RolloutSource | None = None
 ) -> dict[str, float]:
     """Run one step (1-based `step`) and return its metrics. The samples come from ``source``: collected now
     (the default, :class:`InlineRollouts`), or generated ahead of training (`async_training.enable`)."""
-    cfg = c.cfg
+    cfg = run.cfg
     if source is None:
-        source = inline_rollouts(c)
+        source = inline_rollouts(run)
     batch, metrics = source.take(step, timer)
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    critic = c.critic.module if c.critic is not None else None
-    passes = ForwardPasses(c.plan, c.forward, c.parallel, c.device)
-    fill_forward_passes(batch, c.actor.module, c.ref, critic, passes, temperature, timer)
+    critic = run.critic.module if run.critic is not None else None
+    passes = ForwardPasses(run.plan, run.forward, run.parallel, run.device)
+    fill_forward_passes(batch, run.actor.module, run.ref, critic, passes, temperature, timer)
     with timer.phase("advantage"):
-        metrics.update(compute_advantages(batch, cfg.algorithm, c.kl_ctrl, c.share))
+        metrics.update(compute_advantages(batch, cfg.algorithm, run.kl_ctrl, run.share))
         # After the advantages: rejected tokens leave the loss, not the group statistics.
-        metrics.update(correct_rollout_mismatch(batch, cfg.algorithm.rollout_correction, c.share))
-    metrics.update(update_phase(c, batch, step, temperature, timer))
+        metrics.update(correct_rollout_mismatch(batch, cfg.algorithm.rollout_correction, run.share))
+    metrics.update(update_phase(run, batch, step, temperature, timer))
     with timer.phase("sync_weights"):
-        metrics.update(source.push(step, c.actor.module))
-    tokens = c.share.total([float(batch.attention_mask.sum())])[0]
+        metrics.update(source.push(step, run.actor.module))
+    tokens = run.share.total([float(batch.attention_mask.sum())])[0]
     metrics.update(timer.pop())
     step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))
     metrics["timing/step"] = step_time
@@ -249,6 +251,6 @@ def train_step(
     return metrics
 
 
-def inline_rollouts(c: Components) -> InlineRollouts:
+def inline_rollouts(run: Components) -> InlineRollouts:
     """The run's own rollouts, collected when each step asks (rollout and training alternate)."""
-    return InlineRollouts(rollout_context_of(c), c.rollout_weights)
+    return InlineRollouts(run, run.rollout_weights)

@@ -30,7 +30,6 @@ from posttrain.parallel.runtime import (
     shutdown_distributed,
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
-from posttrain.rl.collect.context import rollout_context_of
 from posttrain.rl.collect.samples import log_validation_samples
 from posttrain.rl.collect.source import RolloutSource
 from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
@@ -64,30 +63,30 @@ HEADLINE = (
 )
 
 
-def _modules(c: Components) -> tuple[dict, dict, dict]:
+def _modules(run: Components) -> tuple[dict, dict, dict]:
     # A LoRA actor's checkpoint holds its adapters only: frozen weights are not stored (engine/sharded_state.py).
     modules, optims, scheds = (
-        {"actor": c.actor.module},
-        {"actor": c.actor.optimizer},
-        {"actor": c.actor.scheduler},
+        {"actor": run.actor.module},
+        {"actor": run.actor.optimizer},
+        {"actor": run.actor.scheduler},
     )
-    if c.critic is not None:
+    if run.critic is not None:
         modules["critic"], optims["critic"], scheds["critic"] = (
-            c.critic.module,
-            c.critic.optimizer,
-            c.critic.scheduler,
+            run.critic.module,
+            run.critic.optimizer,
+            run.critic.scheduler,
         )
     return modules, optims, scheds
 
 
-def save(c: Components, run_dir: Path, step: int, source: RolloutSource | None = None) -> Path:
-    modules, optims, scheds = _modules(c)
-    check_finite_weights(modules, c.dist)  # the last checkpoint stays a good one
+def save(run: Components, run_dir: Path, step: int, source: RolloutSource | None = None) -> Path:
+    modules, optims, scheds = _modules(run)
+    check_finite_weights(modules, run.dist)  # the last checkpoint stays a good one
     # Rollouts generated ahead have drawn prompts past `step`: save where the synchronous loop would be.
-    sampler = (source or inline_rollouts(c)).sampler_state_after(step)
+    sampler = (source or inline_rollouts(run)).sampler_state_after(step)
     state = {"step": step, "sampler": sampler}
-    if c.kl_ctrl is not None:
-        state["kl_coef"] = float(c.kl_ctrl.value)
+    if run.kl_ctrl is not None:
+        state["kl_coef"] = float(run.kl_ctrl.value)
     where = checkpoint_root(run_dir)
     with storage_errors(where, f"the checkpoint of step {step}", "; the last complete checkpoint is intact"):
         return save_checkpoint(
@@ -97,37 +96,39 @@ def save(c: Components, run_dir: Path, step: int, source: RolloutSource | None =
             optimizers=optims,
             schedulers=scheds,
             trainer_state=state,
-            keep_last=c.cfg.trainer.max_ckpt_to_keep,
+            keep_last=run.cfg.trainer.max_ckpt_to_keep,
         )
 
 
-def maybe_resume(c: Components, run_dir: Path) -> int:
+def maybe_resume(run: Components, run_dir: Path) -> int:
     """Restore the latest (or the named) checkpoint; returns the last completed step (0: fresh)."""
-    ckpt = find_checkpoint(run_dir, c.cfg.trainer.resume)
+    ckpt = find_checkpoint(run_dir, run.cfg.trainer.resume)
     if ckpt is None:
         return 0
-    modules, optims, scheds = _modules(c)
+    modules, optims, scheds = _modules(run)
     # find_checkpoint verified every file (rank 0 read them), so the load does not hash them again.
     state = load_checkpoint(ckpt, modules=modules, optimizers=optims, schedulers=scheds, verify=False)
-    c.sampler.load_state_dict(state["sampler"])
-    if c.kl_ctrl is not None and "kl_coef" in state:
-        c.kl_ctrl.value = state["kl_coef"]
-    if c.rollout_weights is not None:  # a rollout worker of its own gets them when it starts
-        c.rollout_weights.push(c.actor.module)  # the engine's own copy must see the restored weights
-    if c.dist.is_main:
+    run.sampler.load_state_dict(state["sampler"])
+    if run.kl_ctrl is not None and "kl_coef" in state:
+        run.kl_ctrl.value = state["kl_coef"]
+    if run.rollout_weights is not None:  # a rollout worker of its own gets them when it starts
+        run.rollout_weights.push(run.actor.module)  # the engine's own copy must see the restored weights
+    if run.dist.is_main:
         print(f"Resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
 
-def run_validation(c: Components, step: int, quiet: bool = True, source: RolloutSource | None = None) -> dict:
+def run_validation(
+    run: Components, step: int, quiet: bool = True, source: RolloutSource | None = None
+) -> dict:
     """Generate for the validation prompts and score them (the engine holds its cache memory only meanwhile),
     here or, with rollouts ahead, on the rollout worker after what is queued; rank 0 logs what the model
     answered (samples.jsonl, a few on the console)."""
-    if c.val_prompts is None:
+    if run.val_prompts is None:
         return {}
-    metrics, rows = (source or inline_rollouts(c)).validate(step)
-    if c.dist.is_main:
-        log_validation_samples(Path(c.cfg.trainer.run_dir), step, rows, console=not quiet)
+    metrics, rows = (source or inline_rollouts(run)).validate(step)
+    if run.dist.is_main:
+        log_validation_samples(Path(run.cfg.trainer.run_dir), step, rows, console=not quiet)
     return metrics
 
 
@@ -171,19 +172,19 @@ def _train(
     cfg: PostTrainConfig, ctx: DistContext, quiet: bool
 ) -> tuple[dict[str, float], RolloutEngine | None]:
     """Build, resume, train, export; returns the last metrics and the rollout engine (closed by the caller)."""
-    c = build_components(cfg, quiet=quiet, dist=ctx)
+    run = build_components(cfg, quiet=quiet, dist=ctx)
     run_dir = Path(cfg.trainer.run_dir)
     t = cfg.trainer
     began = time.monotonic()
-    start = maybe_resume(c, run_dir)
+    start = maybe_resume(run, run_dir)
     if start >= t.total_steps:  # nothing to train: nothing in run_dir is rewritten
-        c.close()
-        return _finished_run(c, run_dir, start, quiet), c.engine
+        run.close()
+        return _finished_run(run, run_dir, start, quiet), run.engine
     if ctx.is_main:
-        write_run_metadata(run_dir, cfg, c.plan, c.model_path)
+        write_run_metadata(run_dir, cfg, run.plan, run.model_path)
         if not quiet:
             print(
-                f"Model: {c.model_path} (model.path={cfg.model.path}; recorded in {run_dir / 'run_info.yaml'})"
+                f"Model: {run.model_path} (model.path={cfg.model.path}; recorded in {run_dir / 'run_info.yaml'})"
             )
     backends = [b for b in t.loggers if b != "console"]
     logger = MetricsLogger(run_dir, backends=backends, config=None) if ctx.is_main else None
@@ -197,33 +198,33 @@ def _train(
     display.start()
     signals = RunSignals(save_at_step_end=t.save_on_terminate).install()
     try:
-        first_val, last = _run_steps(c, run_dir, start, logger, display, signals, quiet)
+        first_val, last = _run_steps(run, run_dir, start, logger, display, signals, quiet)
     finally:
         signals.restore()
         display.stop()
         if logger is not None:
             logger.close()
-        c.close()
-    _finish(c, run_dir, quiet)
+        run.close()
+    _finish(run, run_dir, quiet)
     if not quiet and "val/accuracy" in last:
         before = f"{first_val['val/accuracy']:.1%} → " if first_val else ""
         print(
             f"Validation accuracy {before}{last['val/accuracy']:.1%} after {t.total_steps} steps "
             f"({time.monotonic() - began:.0f} s of training)"
         )
-    return last, c.engine  # None when a rollout worker of its own held the engine
+    return last, run.engine  # None when a rollout worker of its own held the engine
 
 
-def _finished_run(c: Components, run_dir: Path, step: int, quiet: bool) -> dict[str, float]:
+def _finished_run(run: Components, run_dir: Path, step: int, quiet: bool) -> dict[str, float]:
     """A run directory whose last checkpoint is trainer.total_steps: finish its export when a kill or a full
     disk left final_model/ missing or incomplete (from the checkpoint just restored), else refuse."""
-    t = c.cfg.trainer
+    t = run.cfg.trainer
     if t.export_hf and not model_dir_complete(run_dir / "final_model"):
-        if c.dist.is_main and not quiet:
+        if run.dist.is_main and not quiet:
             print(
                 f"{run_dir} holds a finished run (step {step}) without a complete final_model/: exporting it"
             )
-        _finish(c, run_dir, quiet)
+        _finish(run, run_dir, quiet)
         return {}
     raise ConfigError(
         f"{run_dir} already holds a finished run (checkpoint at step {step}, trainer.total_steps="
@@ -233,62 +234,66 @@ def _finished_run(c: Components, run_dir: Path, step: int, quiet: bool) -> dict[
 
 
 def _run_steps(
-    c: Components, run_dir: Path, start: int, logger, display, signals: RunSignals, quiet: bool
+    run: Components, run_dir: Path, start: int, logger, display, signals: RunSignals, quiet: bool
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Validate first (a fresh run), then steps start+1..total_steps: train, validate every test_freq, log,
     checkpoint every save_freq; returns (the first validation, the last step's metrics)."""
-    t, timer = c.cfg.trainer, PhaseTimer()
+    t, timer = run.cfg.trainer, PhaseTimer()
     last: dict[str, float] = {}
     first_val: dict[str, float] = {}
     skipped = SkippedStepGuard(t.max_skipped_steps)
-    source = rollout_source(c, start)
+    source = rollout_source(run, start)
     try:
         if start == 0 and t.test_freq > 0:
-            last = first_val = run_validation(c, 0, quiet, source)
+            last = first_val = run_validation(run, 0, quiet, source)
             if logger is not None:
                 logger.log(last, step=0)
             display.message(f"initial validation: {_fmt(last)}")
         for step in range(start + 1, t.total_steps + 1):
-            crash_if_asked(step, c.dist.rank)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
-            metrics = train_step(c, step, timer, source)
+            crash_if_asked(step, run.dist.rank)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
+            metrics = train_step(run, step, timer, source)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
                 # With rollouts ahead: after this step's weights reach the worker, before later rollouts.
-                metrics.update(run_validation(c, step, quiet, source))
+                metrics.update(run_validation(run, step, quiet, source))
             if logger is not None:
                 logger.log(metrics, step=step)
             skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
             display.update(step, metrics)
             last = metrics
             saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
-            save_now = functools.partial(save, c, run_dir, step, source)
+            save_now = functools.partial(save, run, run_dir, step, source)
             if saved:
                 with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
                     save_now()
-            signals.stop_after_step(step, saved, save_now, c.dist.any_rank)
+            signals.stop_after_step(step, saved, save_now, run.dist.any_rank)
     finally:
         source.close()
     return first_val, last
 
 
-def rollout_source(c: Components, start: int) -> RolloutSource:
+def rollout_source(run: Components, start: int) -> RolloutSource:
     """Where the steps' samples come from: collected inline when rollout and training alternate; else the
     rollouts-ahead queue of `async_training` on its worker: a thread sharing this process's engine, or a
     Ray-placed process that builds its own and starts from this process's weights and prompt order."""
-    a = c.cfg.async_training
+    a = run.cfg.async_training
     if not a.enable:
-        return inline_rollouts(c)
+        return inline_rollouts(run)
     if a.rollout_worker == "ray":
         # With several trainer ranks, rank 0 alone talks to the worker (it generates whole steps).
-        host = start_ray_host(c.cfg, c.model_path, start, c.sampler.state_dict()) if c.dist.is_main else None
+        host = (
+            start_ray_host(run.cfg, run.model_path, start, run.sampler.state_dict())
+            if run.dist.is_main
+            else None
+        )
         remote = True
     else:
-        host, remote = ThreadHost(RolloutWorker(rollout_context_of(c), start)), False
-    total = c.cfg.trainer.total_steps
+        host, remote = ThreadHost(RolloutWorker(run, start)), False
+    total = run.cfg.trainer.total_steps
     queue = RolloutQueue(
-        host, a.max_staleness, start, total, partial=a.partial_rollout, dist=c.dist, share=c.share
+        host, a.max_staleness, start, total, partial=a.partial_rollout, dist=run.dist, share=run.share
     )
     if remote:  # it loaded the weights from disk: the actor's (resumed, LoRA merged) come first
-        queue.push(start, c.actor.module)
+        queue.push(start, run.actor.module)
     return queue
 
 
@@ -296,41 +301,41 @@ def _fmt(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
 
 
-def _export_gathered(c: Components, path: Path) -> tuple[Path, str]:
+def _export_gathered(run: Components, path: Path) -> tuple[Path, str]:
     """The final export of a sharded actor: the full (merged) weights are gathered, or, for a LoRA adapter
     export, the adapter tensors alone; rank 0 writes them (into a plain copy of the model read from disk)."""
-    policy = c.actor.module
-    if is_lora_model(policy) and not c.cfg.trainer.export_merged:
+    policy = run.actor.module
+    if is_lora_model(policy) and not run.cfg.trainer.export_merged:
         adapters = {name: t.detach().cpu().contiguous() for name, t in adapter_state(policy)}
-        if c.dist.is_main:
+        if run.dist.is_main:
             with atomic_dir(path, "the exported model") as tmp:
                 policy.peft_config["default"].save_pretrained(tmp)
                 save_file(adapters, str(tmp / "adapter_model.safetensors"))
-                c.tokenizer.save_pretrained(tmp)
+                run.tokenizer.save_pretrained(tmp)
         return path, "a PEFT LoRA adapter; loads with peft.PeftModel.from_pretrained(base_model, path)"
     state = {name: t.detach().cpu() for name, t in policy_weights(policy)}  # a collective: every rank gathers
-    if c.dist.is_main:
-        model = load_causal_lm(c.model_path, c.cfg.model.dtype, torch.device("cpu"))
+    if run.dist.is_main:
+        model = load_causal_lm(run.model_path, run.cfg.model.dtype, torch.device("cpu"))
         model.load_state_dict(state, strict=False)  # tied weights may appear under one name only
         with atomic_dir(path, "the exported model") as tmp:
-            save_hf(model, c.tokenizer, tmp)
+            save_hf(model, run.tokenizer, tmp)
     how = "LoRA merged into the base weights; " if is_lora_model(policy) else ""
     return path, how + "loads with AutoModelForCausalLM"
 
 
-def _finish(c: Components, run_dir: Path, quiet: bool) -> None:
-    if c.cfg.trainer.export_hf:
-        if c.dist.distributed:
+def _finish(run: Components, run_dir: Path, quiet: bool) -> None:
+    if run.cfg.trainer.export_hf:
+        if run.dist.distributed:
             # Every rank takes part in gathering the sharded weights; rank 0 writes them.
-            out, how = _export_gathered(c, run_dir / "final_model")
+            out, how = _export_gathered(run, run_dir / "final_model")
         else:
             out, how = export_policy(
-                c.actor.module, c.tokenizer, run_dir / "final_model", c.cfg.trainer.export_merged
+                run.actor.module, run.tokenizer, run_dir / "final_model", run.cfg.trainer.export_merged
             )
-        if c.dist.is_main and not quiet:
+        if run.dist.is_main and not quiet:
             print(f"Final policy exported to {out} ({how})")
-        c.dist.barrier()
-    if not c.dist.is_main:
+        run.dist.barrier()
+    if not run.dist.is_main:
         return
     png = run_dir / "curves.png"
     if plot_training_curves(run_dir / "metrics.jsonl", png) and not quiet:

@@ -1,8 +1,8 @@
 """Supervised fine-tuning: loss on response tokens only, on the same batch machinery as RL.
 
 An SFT example is a prompt (chat template applied) and a target response followed by EOS. It is
-laid out like a rollout sample, so micro-batching, global loss normalisation and the optimizer
-code are the RL trainer's own (`engine.micro_batches`, `engine.roles`).
+laid out like a rollout sample, so each optimizer step is the RL update's own
+(``posttrain.train.update.update_mini_batch``: global loss normalisation, micro-batches, clipping).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
-from posttrain.batching.micro import micro_batch_rows
 from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
@@ -26,7 +25,7 @@ from posttrain.forward.options import pass_options
 from posttrain.forward.passes import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
 from posttrain.models.prepare import check_policy_switches, prepare_policy
 from posttrain.train.trainable import Trainable
-from posttrain.train.update import accumulate_and_step
+from posttrain.train.update import update_mini_batch
 from posttrain.utils.console import TrainingDisplay
 
 log = logging.getLogger("posttrain.sft")
@@ -108,7 +107,7 @@ def train_sft(
             chunk = [
                 examples[i] for i in order[s * plan.mini_batch_samples : (s + 1) * plan.mini_batch_samples]
             ]
-            metrics = _sft_step(model, chunk, plan, trainable, loss_fn, pad_token_id)
+            metrics = _sft_step(chunk, plan, trainable, loss_fn, pad_token_id)
             if on_step is not None:
                 metrics.update(on_step(len(history) + 1, total, metrics))
             history.append(metrics)
@@ -118,31 +117,22 @@ def train_sft(
 
 
 def _sft_step(
-    model: nn.Module,
-    chunk: list[SFTExample],
-    plan: UpdatePlan,
-    trainable: Trainable,
-    loss_fn: Callable,
-    pad_token_id: int,
+    chunk: list[SFTExample], plan: UpdatePlan, trainable: Trainable, loss_fn: Callable, pad_token_id: int
 ) -> dict[str, float]:
-    """One optimizer step on ``chunk``, laid out as a rollout batch and split into the plan's micro-batches."""
+    """One optimizer step on ``chunk``, laid out as a rollout batch: the RL update's own mini-batch step."""
     mini = build_rollout_batch(
         [e.prompt_ids for e in chunk],
         [e.response_ids for e in chunk],
         list(range(len(chunk))),
         pad_token_id,
     )
-    normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=mini.response_width)
-    rows = micro_batch_rows(mini, plan.micro_batch_size_per_rank, None)
-    metrics = accumulate_and_step(
-        model,
-        trainable.optimizer,
-        trainable.scheduler,
+    metrics = update_mini_batch(
+        trainable,
         mini,
-        rows,
         loss_fn,
-        normalizer,
-        trainable.grad_clip,
+        micro_batch_size=plan.micro_batch_size_per_rank,
+        max_tokens=None,
+        norm_constant=mini.response_width,
     )
     return {
         "sft/loss": metrics["loss"],

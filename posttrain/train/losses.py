@@ -7,7 +7,7 @@ from torch import nn
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.masked import masked_mean
-from posttrain.algorithms.policy_loss import get_policy_loss
+from posttrain.algorithms.policy_loss import PolicyLossInputs, get_policy_loss
 from posttrain.algorithms.rollout_correction import mismatch_metrics
 from posttrain.algorithms.value_loss import compute_value_loss
 from posttrain.config.schema import ActorConfig, CriticConfig
@@ -34,16 +34,18 @@ def actor_loss_fn(
         if old_log_probs is None:  # the plan skipped the old-log-prob pass: this forward is the old policy's
             old_log_probs = logprobs.detach()
         loss, metrics = policy_loss(
-            old_log_prob=old_log_probs,
-            log_prob=logprobs,
-            advantages=mb.advantages,
-            response_mask=mask,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
-            normalizer=normalizer,
-            loss_agg_mode=cfg.loss_agg_mode,
-            rollout_is_weights=mb.rollout_is_weights,
+            PolicyLossInputs(
+                old_log_prob=old_log_probs,
+                log_prob=logprobs,
+                advantages=mb.advantages,
+                response_mask=mask,
+                clip_ratio_low=cfg.clip_ratio_low,
+                clip_ratio_high=cfg.clip_ratio_high,
+                clip_ratio_c=cfg.clip_ratio_c,
+                normalizer=normalizer,
+                loss_agg_mode=cfg.loss_agg_mode,
+                rollout_is_weights=mb.rollout_is_weights,
+            )
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         if mb.old_log_probs is None and mb.rollout_log_probs is not None:

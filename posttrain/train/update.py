@@ -198,6 +198,39 @@ def forward_in_micro_batches(
     return out
 
 
+def update_mini_batch(
+    trainable: Trainable,
+    mini: RolloutBatch,
+    loss_fn: LossFn,
+    *,
+    micro_batch_size: int | None,
+    max_tokens: int | None,
+    norm_constant: float,
+    dp: DataParallel = SINGLE_RANK,
+    spare_rows: RolloutBatch | None = None,
+) -> dict[str, float]:
+    """One optimizer step on a mini-batch: its loss denominators (over every rank), this rank's micro-batches
+    (``micro_batch_size`` rows each, or a ``max_tokens`` budget), then :func:`accumulate_and_step`.
+
+    The RL update (:func:`run_update`) and SFT both take their steps here. ``spare_rows``: the batch whose first
+    row the calls that even out the ranks' micro-batch counts use (this rank's share; default ``mini``).
+    """
+    normalizer = mini_batch_normalizer(mini, norm_constant, dp)
+    _, rows = rank_micro_batches(mini, dp, micro_batch_size, max_tokens)
+    return accumulate_and_step(
+        trainable.module,
+        trainable.optimizer,
+        trainable.scheduler,
+        mini,
+        rows,
+        loss_fn,
+        normalizer,
+        trainable.grad_clip,
+        dp,
+        even_out_calls(mini if spare_rows is None else spare_rows, len(rows), dp),
+    )
+
+
 def run_update(
     trainable: Trainable,
     batch: RolloutBatch,
@@ -223,20 +256,16 @@ def run_update(
     for _epoch, mini in iter_mini_batches(
         batch, plan.mini_batch_prompts, plan.ppo_epochs, shuffle, generator, batch.step_groups
     ):
-        normalizer = mini_batch_normalizer(mini, norm_constant, dp)
-        _, rows = rank_micro_batches(mini, dp, plan.micro_batch_size_per_rank, budget)
         per_step.append(
-            accumulate_and_step(
-                trainable.module,
-                trainable.optimizer,
-                trainable.scheduler,
+            update_mini_batch(
+                trainable,
                 mini,
-                rows,
                 loss_fn,
-                normalizer,
-                trainable.grad_clip,
-                dp,
-                even_out_calls(batch, len(rows), dp),
+                micro_batch_size=plan.micro_batch_size_per_rank,
+                max_tokens=budget,
+                norm_constant=norm_constant,
+                dp=dp,
+                spare_rows=batch,
             )
         )
     keys = {k for m in per_step for k in m}

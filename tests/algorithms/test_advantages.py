@@ -7,6 +7,7 @@ import torch
 from posttrain.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATORS_NEEDING_CRITIC,
+    AdvantageInputs,
     get_advantage_estimator,
     needs_critic,
 )
@@ -43,7 +44,9 @@ def outcome_rewards(scores):
 def call(name, rewards, mask=MASK, **kw):
     kw.setdefault("group_ids", list(range(len(rewards))))
     fn = ADVANTAGE_ESTIMATORS[name]
-    adv, ret = fn(token_level_rewards=torch.tensor(rewards), response_mask=torch.tensor(mask), **kw)
+    adv, ret = fn(
+        AdvantageInputs(token_level_rewards=torch.tensor(rewards), response_mask=torch.tensor(mask), **kw)
+    )
     return adv.numpy(), ret.numpy()
 
 
@@ -208,7 +211,7 @@ def test_uniform_signature_finite_and_zero_outside_mask(name):
     kwargs = full_kwargs()
     if name == "grpo_passk":  # needs two samples in every group: the singleton "z" joins "y"
         kwargs["group_ids"] = np.array(["x", "y", "x", "y", "x", "y"])
-    adv, ret = ADVANTAGE_ESTIMATORS[name](**kwargs)
+    adv, ret = ADVANTAGE_ESTIMATORS[name](AdvantageInputs(**kwargs))
     assert adv.shape == ret.shape == (B, T)
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     outside = ~torch.tensor(MASK).bool()
@@ -223,10 +226,10 @@ def test_group_estimators_require_group_ids(name):
     kwargs = full_kwargs()
     kwargs["group_ids"] = None
     with pytest.raises(ValueError, match="group_ids"):
-        ADVANTAGE_ESTIMATORS[name](**kwargs)
+        ADVANTAGE_ESTIMATORS[name](AdvantageInputs(**kwargs))
     kwargs["group_ids"] = [0, 1]
     with pytest.raises(ValueError, match="group_ids"):
-        ADVANTAGE_ESTIMATORS[name](**kwargs)
+        ADVANTAGE_ESTIMATORS[name](AdvantageInputs(**kwargs))
 
 
 def test_registry_and_critic_helpers():
@@ -253,5 +256,7 @@ def test_registry_and_critic_helpers():
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="response_mask"):
         ADVANTAGE_ESTIMATORS["grpo"](
-            token_level_rewards=torch.zeros(2, 3), response_mask=torch.ones(2, 4), group_ids=[0, 0]
+            AdvantageInputs(
+                token_level_rewards=torch.zeros(2, 3), response_mask=torch.ones(2, 4), group_ids=[0, 0]
+            )
         )

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator_needs
+from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, estimator_needs
 
 NEW = ("opo", "gpg", "grpo_passk")
 
@@ -25,7 +25,7 @@ def outcome(scores, lengths, width=None, left_pad=()):
 
 def run(name, rewards, mask, group_ids, **kw):
     adv, ret = ADVANTAGE_ESTIMATORS[name](
-        token_level_rewards=rewards, response_mask=mask, group_ids=group_ids, **kw
+        AdvantageInputs(token_level_rewards=rewards, response_mask=mask, group_ids=group_ids, **kw)
     )
     assert torch.equal(adv, ret)
     return adv

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posttrain.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
-from posttrain.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
+from posttrain.algorithms.policy_loss import POLICY_LOSSES, PolicyLossInputs, get_policy_loss
 
 LOW, HIGH, C = 0.2, 0.28, 3.0
 MASK = torch.tensor(
@@ -28,13 +28,15 @@ def run(name, old, new, adv, mask=MASK, mode="token-mean", **kw):
     args.update(kw)
     norm = LossNormalizer.from_mask(mask, norm_constant=mask.shape[1])
     return POLICY_LOSSES[name](
-        old_log_prob=old,
-        log_prob=new,
-        advantages=adv,
-        response_mask=mask,
-        normalizer=norm,
-        loss_agg_mode=mode,
-        **args,
+        PolicyLossInputs(
+            old_log_prob=old,
+            log_prob=new,
+            advantages=adv,
+            response_mask=mask,
+            normalizer=norm,
+            loss_agg_mode=mode,
+            **args,
+        )
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.algorithms.aggregation import LossNormalizer
-from posttrain.algorithms.policy_loss import POLICY_LOSSES
+from posttrain.algorithms.policy_loss import POLICY_LOSSES, PolicyLossInputs
 
 LOW, HIGH, C = 0.2, 0.28, 3.0
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.float64)
@@ -25,16 +25,18 @@ def inputs(seed=0):
 def run(name, old, new, adv, mode="token-mean", **kw):
     norm = LossNormalizer.from_mask(MASK, norm_constant=MASK.shape[1])
     return POLICY_LOSSES[name](
-        old_log_prob=old,
-        log_prob=new,
-        advantages=adv,
-        response_mask=MASK,
-        normalizer=norm,
-        loss_agg_mode=mode,
-        clip_ratio_low=LOW,
-        clip_ratio_high=HIGH,
-        clip_ratio_c=C,
-        **kw,
+        PolicyLossInputs(
+            old_log_prob=old,
+            log_prob=new,
+            advantages=adv,
+            response_mask=MASK,
+            normalizer=norm,
+            loss_agg_mode=mode,
+            clip_ratio_low=LOW,
+            clip_ratio_high=HIGH,
+            clip_ratio_c=C,
+            **kw,
+        )
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.algorithms import LOSS_AGG_MODES, POLICY_LOSSES
+from posttrain.algorithms import LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossInputs
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
@@ -166,15 +166,17 @@ def loss_fn(model: TinyLM, mode: str, terms: str, policy: str = "vanilla"):
         if terms in ("policy", "all"):
             logp = logprobs_from_logits(resp_logits, mb["input_ids"][:, PROMPT:])
             pg, metrics = POLICY_LOSSES[policy](
-                old_log_prob=mb["old_log_prob"],
-                log_prob=logp,
-                advantages=mb["advantages"],
-                response_mask=mask,
-                clip_ratio_low=0.2,
-                clip_ratio_high=0.28,
-                clip_ratio_c=3.0,
-                normalizer=norm,
-                loss_agg_mode=mode,
+                PolicyLossInputs(
+                    old_log_prob=mb["old_log_prob"],
+                    log_prob=logp,
+                    advantages=mb["advantages"],
+                    response_mask=mask,
+                    clip_ratio_low=0.2,
+                    clip_ratio_high=0.28,
+                    clip_ratio_c=3.0,
+                    normalizer=norm,
+                    loss_agg_mode=mode,
+                )
             )
             total = total + pg
         if terms == "all":

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from posttrain.batching.micro import iter_mini_batches
 from posttrain.data.batch import build_rollout_batch
 from posttrain.parallel.shares import MAX, MEAN, MIN, SUM, DataShare, ShareMetrics, select_share
@@ -89,7 +89,9 @@ def test_estimators_on_shares_give_the_whole_batch_advantages(name):
         kwargs = dict(
             response_mask=b.response_mask, group_ids=b.group_ids, values=b.values, gamma=0.9, lam=0.8
         )
-        return estimator(token_level_rewards=b.token_level_scores, batch_sum=batch_sum, **kwargs)[0]
+        return estimator(
+            AdvantageInputs(token_level_rewards=b.token_level_scores, batch_sum=batch_sum, **kwargs)
+        )[0]
 
     whole = advantages(batch)
 

@@ -48,27 +48,27 @@ def test_engine_cache_is_resident_in_the_rollout_phase_only(tiny_model_dir, tmp_
     update phases; the estimate counts a KV cache in the rollout phase only, at least as large as what the
     engine allocated."""
     cfg = small_config(tiny_model_dir, tmp_path / "run", f"algorithm.adv_estimator={estimator}")
-    c = build_components(cfg, quiet=True, dist=DistContext())
+    run = build_components(cfg, quiet=True, dist=DistContext())
     resident: dict[str, list[int]] = {"rollout": [], "forward": [], "update": []}
-    generate, forward, update = c.engine.generate, step.forward_in_micro_batches, step.run_update
+    generate, forward, update = run.engine.generate, step.forward_in_micro_batches, step.run_update
 
     def watch(phase, fn):
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
-            resident[phase].append(_kv_bytes(c.engine))
+            resident[phase].append(_kv_bytes(run.engine))
             return out
 
         return wrapped
 
-    monkeypatch.setattr(c.engine, "generate", watch("rollout", generate))
+    monkeypatch.setattr(run.engine, "generate", watch("rollout", generate))
     monkeypatch.setattr(step, "forward_in_micro_batches", watch("forward", forward))
     monkeypatch.setattr(step, "run_update", watch("update", update))
-    step.train_step(c, 1, PhaseTimer())
-    c.close()
+    step.train_step(run, 1, PhaseTimer())
+    run.close()
     assert resident["rollout"] and min(resident["rollout"]) > 0
     assert resident["forward"] and set(resident["forward"]) == {0}
     assert resident["update"] and set(resident["update"]) == {0}
-    estimate = estimate_memory(cfg, build_plan(cfg), ModelShape.from_hf_config(c.actor.module.config))
+    estimate = estimate_memory(cfg, build_plan(cfg), ModelShape.from_hf_config(run.actor.module.config))
     assert max(resident["rollout"]) <= estimate.phase("rollout").part("KV cache")
     for phase in estimate.phases:
         if phase.phase != "rollout":

@@ -36,14 +36,14 @@ def test_the_plan_says_where_old_log_probs_come_from(tiny_model_dir, tmp_path, e
 
 def _one_step(cfg, source: str | None):
     """Gradient and metrics of step 1; ``source`` overrides the plan's old-log-prob source."""
-    c = build_components(cfg, quiet=True, dist=DistContext())
+    run = build_components(cfg, quiet=True, dist=DistContext())
     if source is not None:
-        c.plan = dataclasses.replace(c.plan, old_log_prob_source=source)
-    capture = GradCapture(p for p in c.actor.module.parameters() if p.requires_grad)
+        run.plan = dataclasses.replace(run.plan, old_log_prob_source=source)
+    capture = GradCapture(p for p in run.actor.module.parameters() if p.requires_grad)
     capture.param_groups[0]["lr"] = 0.0  # read by the metrics
-    c.actor.optimizer = capture
-    metrics = step.train_step(c, 1, PhaseTimer())
-    c.close()
+    run.actor.optimizer = capture
+    metrics = step.train_step(run, 1, PhaseTimer())
+    run.close()
     return capture.grads, metrics
 
 

@@ -30,59 +30,78 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.utils.metrics import PhaseTimer
 
 
-def rollout_phase(c: RolloutContext, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+def rollout_phase(
+    context: RolloutContext, step: int, timer: PhaseTimer
+) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample this step's prompts, generate and score this rank's share of them, and lay its samples out as a
     batch (with several ranks: the share, carrying the step's groups). With DAPO's group filter the whole step
     is drawn and filtered on every rank, then cut to the share. The engine's cache memory is held for this
     phase only."""
-    cfg = c.cfg
-    scorer = context_scorer(c)
+    cfg = context.cfg
+    scorer = context_scorer(context)
     flt = group_filter(cfg)
     with timer.phase("rollout"):
-        c.engine.wake_up()
+        context.engine.wake_up()
 
         def params(k: int) -> SamplingParams:  # generation batch k (several with algorithm.filter_groups)
             return training_params(cfg, step_seed(cfg.trainer.seed, step, generation_salt(k)))
 
-        drawn, local = draw_groups(c.engine, scorer, c.train_prompts, c.sampler, params, flt, c.dist, c.share)
-        baselines = context_baselines(c, scorer, drawn.rows)
-        engine_metrics = c.engine.generation_metrics()
-        c.engine.release_memory()  # the forward and update phases need the memory more
-    return assemble_rollout(c, drawn, local, baselines, engine_metrics)
+        drawn, local = draw_groups(
+            context.engine,
+            scorer,
+            context.train_prompts,
+            context.sampler,
+            params,
+            flt,
+            context.dist,
+            context.share,
+        )
+        baselines = context_baselines(context, scorer, drawn.rows)
+        engine_metrics = context.engine.generation_metrics()
+        context.engine.release_memory()  # the forward and update phases need the memory more
+    return assemble_rollout(context, drawn, local, baselines, engine_metrics)
 
 
-def context_scorer(c: RolloutContext) -> Scorer:
+def context_scorer(context: RolloutContext) -> Scorer:
     """The rollout's scorer: the reward function or rule, the reward model, DAPO's overlong shaping."""
-    return Scorer(c.reward_runner, c.reward_model, c.tokenizer, overlong_shaping(c.cfg))
+    return Scorer(
+        context.reward_runner, context.reward_model, context.tokenizer, overlong_shaping(context.cfg)
+    )
 
 
-def context_baselines(c: RolloutContext, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:
+def context_baselines(context: RolloutContext, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:
     """ReMax's greedy-response rewards of the step's prompts, when the estimator needs them (else None)."""
-    if not estimator_needs(c.cfg.algorithm.adv_estimator).greedy_baseline:
+    if not estimator_needs(context.cfg.algorithm.adv_estimator).greedy_baseline:
         return None
-    max_tokens = c.cfg.data.max_response_length
-    return greedy_baselines(c.engine, scorer, c.train_prompts, prompt_rows, max_tokens, c.dist, c.share)
+    max_tokens = context.cfg.data.max_response_length
+    return greedy_baselines(
+        context.engine, scorer, context.train_prompts, prompt_rows, max_tokens, context.dist, context.share
+    )
 
 
 def assemble_rollout(
-    c: RolloutContext,
+    context: RolloutContext,
     drawn: ScoredGroups,
     local: ShareMetrics,
     baselines: torch.Tensor | None,
     engine_metrics: dict[str, float],
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """The step's batch and rollout metrics from its scored groups (``local``: the metrics gathered so far)."""
-    cfg = c.cfg
+    cfg = context.cfg
     flt = group_filter(cfg)
     prompt_rows, result = drawn.rows, drawn.result
-    step_prompts = [c.train_prompts.prompt_ids[row] for row in prompt_rows]
+    step_prompts = [context.train_prompts.prompt_ids[row] for row in prompt_rows]
     engine_log_probs = has_rollout_log_probs(result) or cfg.algorithm.rollout_correction.bypass_mode
     batch = scored_batch(
-        Scored(result, drawn.rewards), step_prompts, c.tokenizer.pad_token_id, baselines, engine_log_probs
+        Scored(result, drawn.rewards),
+        step_prompts,
+        context.tokenizer.pad_token_id,
+        baselines,
+        engine_log_probs,
     )
     # Without the filter `drawn` is this share's samples; with it, the whole step's on every rank: the same
     # step-wide values everywhere (kept as maxima over ranks), cut to the share at the end.
-    whole = flt is not None and c.share.distributed
+    whole = flt is not None and context.share.distributed
     how = {"mean": MAX, "sum": MAX} if whole else {"mean": MEAN, "sum": SUM}
     weight = len(result)
     unshaped = drawn.scores if cfg.reward.overlong_buffer.enable else None
@@ -95,13 +114,13 @@ def assemble_rollout(
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
         local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
     if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts
-        share = SINGLE_SHARE if whole else c.share
+        share = SINGLE_SHARE if whole else context.share
         local.add(mask_truncated(batch, result.finish_reasons, share), how["sum"])
     if whole:
-        batch = select_share(batch, c.share)
-    elif c.share.distributed:
+        batch = select_share(batch, context.share)
+    elif context.share.distributed:
         batch.step_groups = torch.arange(len(prompt_rows))
-    metrics = c.share.reduce(local)
+    metrics = context.share.reduce(local)
     metrics.update(engine_metrics)  # this rank's engine
     return batch, metrics
 

@@ -59,17 +59,19 @@ def continue_params(cfg: PostTrainConfig, step: int) -> SamplingParams:
     return replace(training_params(cfg, step_seed(cfg.trainer.seed, step, CONTINUE_SALT)), n=1)
 
 
-def start_rollout(c: RolloutContext, step: int, version: int, timer: PhaseTimer) -> StartedRollout:
+def start_rollout(context: RolloutContext, step: int, version: int, timer: PhaseTimer) -> StartedRollout:
     """Draw step ``step``'s prompts and generate the first P tokens of each response (one process: async
     training is refused on several ranks)."""
-    before = c.sampler.state_dict()
+    before = context.sampler.state_dict()
     with timer.phase("rollout"):
-        c.engine.wake_up()
-        rows = c.sampler.next_batch()
-        _, result = generate_share(c.engine, c.train_prompts, rows, start_params(c.cfg, step), c.dist)
-        baselines = context_baselines(c, context_scorer(c), rows)
-        engine_metrics = c.engine.generation_metrics()
-        c.engine.release_memory()
+        context.engine.wake_up()
+        rows = context.sampler.next_batch()
+        _, result = generate_share(
+            context.engine, context.train_prompts, rows, start_params(context.cfg, step), context.dist
+        )
+        baselines = context_baselines(context, context_scorer(context), rows)
+        engine_metrics = context.engine.generation_metrics()
+        context.engine.release_memory()
     return StartedRollout(rows, result, version, baselines, engine_metrics, timer.pop(), before)
 
 
@@ -111,22 +113,26 @@ def continue_unfinished(
 
 
 def finish_rollout(
-    c: RolloutContext, started: StartedRollout, step: int, version: int, timer: PhaseTimer
+    context: RolloutContext, started: StartedRollout, step: int, version: int, timer: PhaseTimer
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Continue step ``step``'s unfinished responses with the weights of ``version``, score the step and lay
     it out as a batch; records which version sampled each token and the partial-rollout metrics."""
-    cfg = c.cfg
-    prompt_ids = [c.train_prompts.prompt_ids[row] for row in started.rows]
+    cfg = context.cfg
+    prompt_ids = [context.train_prompts.prompt_ids[row] for row in started.rows]
     with timer.phase("rollout_finish"):
-        c.engine.wake_up()
+        context.engine.wake_up()
         result, continued = continue_unfinished(
-            c.engine, prompt_ids, started.result, cfg.data.max_response_length, continue_params(cfg, step)
+            context.engine,
+            prompt_ids,
+            started.result,
+            cfg.data.max_response_length,
+            continue_params(cfg, step),
         )
-        c.engine.release_memory()
-    scorer = context_scorer(c)
-    scored, local = score_share(scorer, c.train_prompts, started.rows, 0, result, c.share)
+        context.engine.release_memory()
+    scorer = context_scorer(context)
+    scored, local = score_share(scorer, context.train_prompts, started.rows, 0, result, context.share)
     drawn = ScoredGroups(started.rows, scored.result, scored.scores, scorer.penalties(scored.result))
-    batch, metrics = assemble_rollout(c, drawn, local, started.baselines, started.engine_metrics)
+    batch, metrics = assemble_rollout(context, drawn, local, started.baselines, started.engine_metrics)
     before, lengths = [len(r) for r in started.result.response_ids], result.response_lengths
     versions = (started.version, version)
     batch.token_versions = token_versions(batch.response_width, before, lengths, *versions)
