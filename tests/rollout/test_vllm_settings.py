@@ -224,7 +224,10 @@ def test_train_names_the_install_command_when_vllm_is_missing(tmp_path, monkeypa
     assert "posttrain[vllm" in capsys.readouterr().err
 
 
+@pytest.mark.vllm
 def test_explain_shows_the_engine_and_its_sync_plan(capsys):
+    """explain, like train, refuses rollout.name=vllm where vLLM is not installed: this runs with vLLM."""
+    pytest.importorskip("vllm")
     from posttrain.cli import main
 
     assert main(["explain", "rollout.name=vllm", "model.lora_rank=8", "model.lora_merge=false"]) == 0

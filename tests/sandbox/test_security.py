@@ -144,6 +144,7 @@ def test_host_processes_are_invisible(sandbox):
 
 
 def test_a_fork_bomb_is_contained_and_the_machine_stays_usable(sandbox):
+    before = child_pids()  # earlier tests of the session may have children of their own
     seen = []
     stop = threading.Event()
 
@@ -173,7 +174,7 @@ def test_a_fork_bomb_is_contained_and_the_machine_stays_usable(sandbox):
     assert r.status == "time_limit", r
     assert max(seen) <= 16  # sandbox.max_processes of the fixture: the bomb never had more processes
     assert subprocess.run(["true"], timeout=10).returncode == 0  # the host still forks
-    assert sandbox_pids() == [] and child_pids() == []
+    assert sandbox_pids() == [] and set(child_pids()) <= set(before)
 
 
 def test_no_process_survives_the_call(sandbox):
