@@ -37,12 +37,30 @@ def _freq(value: Any) -> Any:
     return 0 if str(value).strip() == "-1" else value
 
 
+def _warmup(value: Any) -> Any:
+    """verl's negative warm-up steps (use the ratio instead, 0 by default) are no warm-up."""
+    try:
+        return 0 if float(value) < 0 else value
+    except (TypeError, ValueError):
+        return value
+
+
 def _overlong(value: Any) -> str:
     return "filter" if _truthy(value) else "error"
 
 
 def _not(value: Any) -> bool:
     return not _truthy(value)
+
+
+def _is_null(value: Any) -> bool:
+    """verl's ``null`` (YAML null, or the override text): the key sets nothing."""
+    return value is None or (isinstance(value, str) and value.strip() in ("null", "None", "~"))
+
+
+def _url_list(value: Any) -> Any:
+    """verl's one sandbox URL (a string) is a one-element list of posttrain's."""
+    return [value] if isinstance(value, str) and not value.startswith("[") else value
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,8 @@ class Rule:
 _LAUNCHER = "posttrain's launcher (torchrun or trainer.ray_ranks) decides the processes and GPUs"
 _DEPRECATED_GLOBAL = "verl's deprecated global micro batch size; give the per-GPU key ({}) instead"
 _NO_EFFECT = "no effect on the run in posttrain"
+_WRAP = "posttrain's FSDP2 shards each decoder layer"
+_FALSE = ("False", "false", "0")
 
 RULES: list[Rule] = [
     # --- actor_rollout_ref.actor
@@ -77,7 +97,8 @@ RULES: list[Rule] = [
          why=_DEPRECATED_GLOBAL.format("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")),
     Rule("actor_rollout_ref.actor.grad_clip", MAP, "actor.optim.grad_clip"),
     Rule("actor_rollout_ref.actor.policy_loss.loss_mode", MAP, "actor.policy_loss"),
-    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps", MAP, "actor.optim.warmup_steps"),
+    Rule("actor_rollout_ref.actor.optim.lr_warmup_steps", MAP, "actor.optim.warmup_steps", convert=_warmup,
+         why="verl's -1 (take the ratio) is 0"),
     Rule("actor_rollout_ref.actor.optim.warmup_style", MAP, "actor.optim.lr_schedule"),
     Rule("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", ERROR, allowed=("0", "0.0"),
          why="posttrain counts warm-up in optimizer steps: set actor.optim.warmup_steps"),
@@ -86,6 +107,12 @@ RULES: list[Rule] = [
     Rule("actor_rollout_ref.actor.strategy", ERROR, allowed=("fsdp", "fsdp2"),
          why="posttrain trains with FSDP2 only (no Megatron backend)"),
     Rule("actor_rollout_ref.actor.use_torch_compile", IGNORE, why="a speed switch; " + _NO_EFFECT),
+    Rule("actor_rollout_ref.actor.clip_ratio", ERROR, allowed=("0.2",),
+         why="verl's fallback for both clip bounds; give actor.clip_ratio_low and actor.clip_ratio_high (0.2 each "
+         "by default)"),
+    Rule("actor_rollout_ref.actor.fsdp_config.wrap_policy.*", IGNORE, why=_WRAP),
+    Rule("actor_rollout_ref.actor.fsdp_config.offload_policy", ERROR, allowed=_FALSE,
+         why="posttrain offloads with actor.fsdp_config.param_offload/optimizer_offload"),
     Rule("actor_rollout_ref.actor.checkpoint.*", IGNORE, why="posttrain always saves model, optimizer and state"),
     Rule("actor_rollout_ref.actor.*", MAP, "actor.*"),
     # --- actor_rollout_ref.rollout
@@ -97,31 +124,70 @@ RULES: list[Rule] = [
          why="posttrain's old-log-prob pass follows actor.use_dynamic_bsz"),
     Rule("actor_rollout_ref.rollout.val_kwargs.n", MAP, "rollout.val_n"),
     Rule("actor_rollout_ref.rollout.val_kwargs.do_sample", MAP, "rollout.val_greedy", convert=_not),
+    Rule("actor_rollout_ref.rollout.val_kwargs.temperature", ERROR, allowed=("0", "0.0"),
+         why="posttrain validates with rollout.temperature, or greedily (rollout.val_greedy=true)"),
+    Rule("actor_rollout_ref.rollout.val_kwargs.top_k", ERROR, allowed=("-1", "0"),
+         why="posttrain validates with rollout.top_k, or greedily (rollout.val_greedy=true)"),
+    Rule("actor_rollout_ref.rollout.val_kwargs.top_p", ERROR, allowed=("1", "1.0"),
+         why="posttrain validates with rollout.top_p, or greedily (rollout.val_greedy=true)"),
     Rule("actor_rollout_ref.rollout.val_kwargs.*", ERROR,
          why="posttrain validates with rollout.temperature/top_p/top_k, or greedily (rollout.val_greedy=true)"),
+    Rule("actor_rollout_ref.rollout.load_format", MAP, "rollout.load_format",
+         convert=lambda v: "dummy" if str(v).startswith("dummy") else v,
+         why="verl's dummy_dtensor/dummy_hf are dummy: the trainer pushes the weights"),
     Rule("actor_rollout_ref.rollout.mode", IGNORE, why="posttrain's engine has one mode"),
     Rule("actor_rollout_ref.rollout.dtype", IGNORE, why="the rollout uses model.dtype"),
     Rule("actor_rollout_ref.rollout.prompt_length", IGNORE, why="taken from data.max_prompt_length"),
     Rule("actor_rollout_ref.rollout.response_length", IGNORE, why="taken from data.max_response_length"),
+    Rule("actor_rollout_ref.rollout.do_sample", ERROR, allowed=("True", "true"),
+         why="posttrain's rollout samples; for greedy set rollout.temperature=0"),
+    Rule("actor_rollout_ref.rollout.ignore_eos", ERROR, allowed=_FALSE, why="posttrain stops a response at EOS"),
+    Rule("actor_rollout_ref.rollout.use_fire_sampling", ERROR, allowed=_FALSE, why="posttrain has no FIRE sampling"),
+    Rule("actor_rollout_ref.rollout.chat_scheduler", ERROR, why="posttrain's agent loop is agent.* (docs/agents.md)"),
+    Rule("actor_rollout_ref.rollout.engine_kwargs.*", ERROR,
+         why="posttrain passes no free-form engine arguments; see rollout.* for the ones it has"),
+    Rule("actor_rollout_ref.rollout.multi_turn.enable", ERROR, allowed=_FALSE,
+         why="posttrain's multi-turn rollouts are agent.* (docs/agents.md)"),
+    Rule("actor_rollout_ref.rollout.multi_turn.*", IGNORE, why="read only with multi_turn.enable, which posttrain "
+         "does not take"),
     Rule("actor_rollout_ref.rollout.*", MAP, "rollout.*"),
     # --- actor_rollout_ref.ref and .model
     Rule("actor_rollout_ref.ref.log_prob_micro_batch_size", ERROR,
          why=_DEPRECATED_GLOBAL.format("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")),
+    Rule("actor_rollout_ref.ref.strategy", ERROR, allowed=("fsdp", "fsdp2"), why="posttrain runs FSDP2 only"),
+    Rule("actor_rollout_ref.ref.use_torch_compile", IGNORE, why="a speed switch; " + _NO_EFFECT),
+    Rule("actor_rollout_ref.ref.fsdp_config.wrap_policy.*", IGNORE, why=_WRAP),
     Rule("actor_rollout_ref.ref.*", MAP, "ref.*"),
     Rule("actor_rollout_ref.model.use_shm", IGNORE, why="a loading speed switch; " + _NO_EFFECT),
     Rule("actor_rollout_ref.model.use_fused_kernels", IGNORE, why="a speed switch; " + _NO_EFFECT),
     Rule("actor_rollout_ref.model.external_lib", ERROR,
          why="posttrain loads models with transformers' AutoModelForCausalLM; import the library yourself"),
+    Rule("actor_rollout_ref.model.override_config", ERROR, allowed=("{}",),
+         why="posttrain loads the model's own config; edit config.json of a copy to change it"),
+    Rule("actor_rollout_ref.model.return_last_hidden_state", ERROR, allowed=_FALSE, why=_NO_EFFECT),
+    Rule("actor_rollout_ref.model.use_fused_loss", IGNORE, why="a speed switch; " + _NO_EFFECT),
     Rule("actor_rollout_ref.model.*", MAP, "model.*"),
+    Rule("actor_rollout_ref.hybrid_engine", ERROR, allowed=("True", "true"),
+         why="posttrain's trainer and rollout always share the weights (hybrid)"),
     # --- critic
     Rule("critic.ppo_micro_batch_size", ERROR, why=_DEPRECATED_GLOBAL.format("critic.ppo_micro_batch_size_per_gpu")),
     Rule("critic.grad_clip", MAP, "critic.optim.grad_clip"),
     Rule("critic.strategy", ERROR, allowed=("fsdp", "fsdp2"), why="posttrain trains with FSDP2 only"),
-    Rule("critic.optim.lr_warmup_steps", MAP, "critic.optim.warmup_steps"),
+    Rule("critic.optim.lr_warmup_steps", MAP, "critic.optim.warmup_steps", convert=_warmup,
+         why="verl's -1 (take the ratio) is 0"),
     Rule("critic.optim.warmup_style", MAP, "critic.optim.lr_schedule"),
     Rule("critic.optim.lr_warmup_steps_ratio", ERROR, allowed=("0", "0.0"),
          why="posttrain counts warm-up in optimizer steps: set critic.optim.warmup_steps"),
+    Rule("critic.forward_micro_batch_size", ERROR,
+         why=_DEPRECATED_GLOBAL.format("critic.forward_micro_batch_size_per_gpu")),
+    Rule("critic.rollout_n", IGNORE, why="taken from rollout.n"),
+    Rule("critic.optim.total_training_steps", IGNORE, why="verl fills it in; posttrain too"),
     Rule("critic.model.path", MAP, "critic.model_path"),
+    Rule("critic.model.override_config", ERROR, allowed=("{}",), why="posttrain loads the model's own config"),
+    Rule("critic.model.external_lib", ERROR, why="posttrain loads models with transformers' Auto classes"),
+    Rule("critic.model.fsdp_config.wrap_policy.*", IGNORE, why=_WRAP),
+    Rule("critic.model.fsdp_config.offload_policy", ERROR, allowed=_FALSE,
+         why="posttrain offloads with critic.fsdp_config.param_offload/optimizer_offload"),
     Rule("critic.model.tokenizer_path", IGNORE, why="the critic shares the policy's tokenizer"),
     Rule("critic.model.*", MAP, "critic.*"),
     Rule("critic.checkpoint.*", IGNORE, why="posttrain always saves model, optimizer and state"),
@@ -130,7 +196,21 @@ RULES: list[Rule] = [
     Rule("reward_model.model.path", MAP, "reward.model.path"),
     Rule("reward_model.model.input_tokenizer", IGNORE,
          why="posttrain re-tokenizes the chat for the reward model with its own tokenizer"),
+    Rule("reward_model.model.external_lib", ERROR, why="posttrain loads models with transformers' Auto classes"),
+    Rule("reward_model.model.fsdp_config.*", IGNORE, why="posttrain shards the reward model as it shards the policy"),
     Rule("reward_model.model.*", MAP, "reward.model.*"),
+    Rule("reward_model.micro_batch_size", ERROR,
+         why=_DEPRECATED_GLOBAL.format("reward_model.micro_batch_size_per_gpu")),
+    Rule("reward_model.max_length", ERROR, why="the reward model reads data.max_prompt_length + "
+         "data.max_response_length tokens"),
+    Rule("reward_model.ulysses_sequence_parallel_size", ERROR, allowed=("1",),
+         why="posttrain runs the reward model without sequence parallelism"),
+    Rule("reward_model.launch_reward_fn_async", IGNORE,
+         why="posttrain scores rewards in worker processes (reward.num_workers) on its own schedule"),
+    Rule("reward_model.sandbox_fusion.url", MAP, "sandbox.sandbox_fusion.url", convert=_url_list,
+         why="and sandbox.backend=sandbox_fusion"),
+    Rule("reward_model.sandbox_fusion.max_concurrent", MAP, "sandbox.max_concurrent"),
+    Rule("reward_model.sandbox_fusion.memory_limit_mb", MAP, "sandbox.memory_limit_mb"),
     Rule("reward_model.strategy", ERROR, allowed=("fsdp", "fsdp2"), why="posttrain runs reward models with FSDP2"),
     Rule("reward_model.reward_manager", ERROR, allowed=("naive", "dapo"),
          why="posttrain has one reward manager (verl's naive; DAPO's overlong shaping is reward.overlong_buffer.*)"),
@@ -160,6 +240,9 @@ RULES: list[Rule] = [
     Rule("data.use_shm", IGNORE, why=_NO_EFFECT),
     Rule("data.trust_remote_code", IGNORE, why=_NO_EFFECT),
     Rule("data.image_key", IGNORE, why="posttrain trains text models only"),
+    Rule("data.video_key", IGNORE, why="posttrain trains text models only"),
+    Rule("data.custom_cls.*", ERROR, why="posttrain reads parquet, JSON and JSONL rows itself; convert the data "
+         "to one of those"),
     # --- trainer
     Rule("trainer.total_training_steps", MAP, "trainer.total_steps"),
     Rule("trainer.total_epochs", ERROR,
@@ -171,7 +254,8 @@ RULES: list[Rule] = [
     Rule("trainer.critic_warmup", MAP, "critic.warmup_steps"),
     Rule("trainer.default_local_dir", MAP, "trainer.run_dir"),
     Rule("trainer.resume_from_path", MAP, "trainer.resume"),
-    Rule("trainer.resume_mode", MAP, "trainer.resume", why="auto and disable are posttrain's too"),
+    Rule("trainer.resume_mode", MAP, "trainer.resume",
+         why="auto and disable are posttrain's too; resume_path takes trainer.resume_from_path"),
     Rule("trainer.max_actor_ckpt_to_keep", MAP, "trainer.max_ckpt_to_keep"),
     Rule("trainer.max_critic_ckpt_to_keep", IGNORE, why="actor and critic checkpoints are kept together"),
     Rule("trainer.n_gpus_per_node", IGNORE, why=_LAUNCHER),
@@ -186,6 +270,9 @@ RULES: list[Rule] = [
     Rule("trainer.default_hdfs_dir", IGNORE, why=_NO_EFFECT),
     Rule("trainer.del_local_ckpt_after_load", IGNORE, why=_NO_EFFECT),
     Rule("trainer.ray_wait_register_center_timeout", IGNORE, why=_NO_EFFECT),
+    Rule("trainer.rollout_data_dir", IGNORE, why="posttrain writes rollout samples to the run directory"),
+    Rule("trainer.validation_data_dir", IGNORE, why="posttrain writes validation samples to the run directory"),
+    Rule("ray_init.*", IGNORE, why="posttrain starts Ray itself when trainer.ray_ranks is set"),
 ]  # fmt: skip
 """Checked in order: exact keys before the prefix that holds them."""
 
@@ -227,20 +314,36 @@ def translate_verl_keys(
     out: dict[str, Any] = {}
     done: list[Translation] = []
     reward_path = reward_name = None
+    verl_source = any(find_rule(k) is not None and not is_ours(k) for k in values)
     for key, value in values.items():
         rule = find_rule(key)
-        if rule is None or (is_ours(key) and rule.convert is None):
+        # in a source written with verl's names, null sets nothing: posttrain's default (or another key) decides
+        null = verl_source and _is_null(value) and not key.startswith("custom_reward_function.")
+        if not null and (rule is None or (is_ours(key) and rule.convert is None)):
             out[key] = value
             continue
-        if rule.verl.startswith("custom_reward_function."):
+        if not null and rule.verl.startswith("custom_reward_function."):  # type: ignore[union-attr]
             reward_path, reward_name = (value, reward_name) if key.endswith(".path") else (reward_path, value)
             continue
+        if null:
+            log.warning("verl key %s=null is ignored: null sets nothing", key)
+            done.append(Translation(key, "", value, "null sets nothing"))
+            continue
+        if key == "trainer.resume_from_path" and "trainer.resume_mode" in values:
+            done.append(Translation(key, "", value, "read with trainer.resume_mode"))
+            continue
+        if key == "trainer.resume_mode":
+            value = _resume(value, values.get("trainer.resume_from_path"))
         item = _apply(rule, key, value, values, is_ours)
         if item.ours:
             out[item.ours] = _convert(rule, value)
         done.append(item)
-    if reward_path or reward_name:
+    if not _is_null(reward_path) or not (_is_null(reward_name) or reward_name == "compute_score"):
         done.append(_reward_function(reward_path, reward_name, out))
+    elif any(k.startswith("custom_reward_function.") for k in values):
+        done.append(Translation("custom_reward_function.path/name", "", reward_path, "null sets nothing"))
+    if out.get("sandbox.sandbox_fusion.url") and "sandbox.backend" not in out:
+        out["sandbox.backend"] = "sandbox_fusion"
     LAST_TRANSLATED.extend(done)
     for item in done:
         log.info("verl key %s=%s -> %s", item.verl, item.value, item.ours or f"ignored ({item.note})")
@@ -263,12 +366,25 @@ def _apply(
         log.warning("verl key %s=%s is ignored: %s", key, value, rule.why)
         return Translation(key, "", value, rule.why)
     if rule.kind == ERROR and harmless:
+        log.warning("verl key %s=%s is ignored: it is posttrain's behaviour too", key, value)
         return Translation(key, "", value, f"{value} is posttrain's behaviour too")
-    if key == "trainer.total_epochs" and "trainer.total_training_steps" in values:
+    if key == "trainer.total_epochs" and not _is_null(values.get("trainer.total_training_steps")):
         log.warning("verl key %s=%s is ignored: trainer.total_training_steps decides", key, value)
         return Translation(key, "", value, "trainer.total_training_steps decides")
     shown = f" (accepted: {', '.join(rule.allowed)})" if rule.allowed else ""
     raise ConfigError(f"verl key '{key}' = {value!r} has no posttrain counterpart{shown}: {rule.why}")
+
+
+def _resume(mode: Any, path: Any) -> Any:
+    """verl's ``resume_mode=resume_path`` resumes from ``resume_from_path``; auto and disable are ours too."""
+    if str(mode).strip() != "resume_path":
+        return mode
+    if _is_null(path) or not str(path).strip():
+        raise ConfigError(
+            "verl key 'trainer.resume_mode' = 'resume_path' needs trainer.resume_from_path (the checkpoint "
+            "directory); or give posttrain's trainer.resume=path/to/checkpoint"
+        )
+    return path
 
 
 def _convert(rule: Rule, value: Any) -> Any:

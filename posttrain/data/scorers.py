@@ -10,6 +10,11 @@ by the scorer registered for its row's source:
   LaTeX/expression) compared with the ground truth by Hugging Face's ``math-verify`` (optional extra:
   ``pip install "posttrain[math]"``), so ``\\frac{1}{2}`` equals ``0.5`` and ``\\sqrt{8}`` equals
   ``2\\sqrt{2}``.
+- code test cases (verl's ``codecontests``, ``apps``, ``codeforces``, ``taco``, and DeepCoder's
+  ``primeintellect`` and ``livecodebench``): the response's program run against the row's test cases in the
+  sandbox (the built-in ``code`` reward, ``posttrain.rewards.code``; the fraction of cases passed, as verl
+  scores them). Those sources are named here (:data:`CODE_SOURCES`) and scored by the reward layer, which
+  owns the sandbox.
 
 Every scorer returns 1.0 or 0.0 and has posttrain's reward signature.
 """
@@ -89,6 +94,15 @@ SCORERS: dict[str, Scorer] = {
     "math_dapo": math_verify_score,
     "math": math_verify_score,
 }
+#: Sources whose ground truth is code test cases, scored in the sandbox by the reward layer.
+CODE_SOURCES: tuple[str, ...] = (
+    "codecontests",
+    "apps",
+    "codeforces",
+    "taco",
+    "primeintellect",
+    "livecodebench",
+)
 #: Sources matched by their beginning (verl's AIME sets are named aime2024, aime2025, ...).
 PREFIX_SCORERS: dict[str, Scorer] = {"aime": math_verify_score}
 
@@ -102,9 +116,9 @@ def scorer_for(data_source: str) -> Scorer | None:
 
 def check_data_sources(sources: Iterable[str], where: str) -> None:
     """A ConfigError, before any heavy work, when a source has no built-in scorer."""
-    unknown = sorted({s for s in sources if scorer_for(s) is None})
+    unknown = sorted({s for s in sources if scorer_for(s) is None and s not in CODE_SOURCES})
     if unknown:
-        known = sorted(SCORERS) + [f"{p}*" for p in PREFIX_SCORERS]
+        known = sorted(SCORERS) + [f"{p}*" for p in PREFIX_SCORERS] + [f"{c} (code)" for c in CODE_SOURCES]
         raise ConfigError(
             f"reward.function is empty and {where} has data_source {unknown}, which no built-in scorer knows "
             f"(known: {', '.join(known)}); pass your own: reward.function=path/to/file.py:compute_score "

@@ -10,7 +10,7 @@ from posttrain.config.errors import DataError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import load_records
 from posttrain.data.records import PromptRecord
-from posttrain.data.scorers import check_data_sources
+from posttrain.data.scorers import CODE_SOURCES, check_data_sources
 from posttrain.data.tasks import get_task, load_task
 from posttrain.data.tasks.gsm8k import load_gsm8k
 
@@ -58,7 +58,7 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
 
 
 def _reward_by_data_source(records: list[PromptRecord]) -> str:
-    """'data_source' (each row scored by the built-in scorer for its data_source, as verl's default scorer
+    """'data_source' ('data_source_code' when some rows are code) (each row scored by the built-in scorer for its data_source, as verl's default scorer
     does) when every record has one and a scorer exists for each; else a DataError/ConfigError."""
     sources = [r.extra.get("data_source") for r in records]
     if not records or not all(isinstance(s, str) for s in sources):
@@ -68,4 +68,5 @@ def _reward_by_data_source(records: list[PromptRecord]) -> str:
             "(rows with a data_source field, as verl writes them, pick a built-in scorer by it)"
         )
     check_data_sources(sources, "the data")  # type: ignore[arg-type]
-    return "data_source"
+    # Code sources run in the sandbox, which is then built (and checked) at start-up.
+    return "data_source_code" if any(s in CODE_SOURCES for s in sources) else "data_source"

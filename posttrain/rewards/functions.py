@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import ConfigError
-from posttrain.data.scorers import gsm8k_flexible, gsm8k_strict, math_verify_score, score_by_data_source
+from posttrain.data.scorers import (
+    CODE_SOURCES,
+    gsm8k_flexible,
+    gsm8k_strict,
+    math_verify_score,
+    score_by_data_source,
+)
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
 from posttrain.data.tasks.reasoning_gym import reasoning_gym_reward
@@ -37,6 +43,14 @@ def exact_match_reward(prompt: str, response: str, ground_truth: str | None, ext
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
+def data_source_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
+    """verl's default scorer: the built-in scorer for the row's ``data_source``; code sources
+    (:data:`~posttrain.data.scorers.CODE_SOURCES`) run their test cases in the sandbox (the ``code`` reward)."""
+    if extra.get("data_source") in CODE_SOURCES:
+        return code_reward(prompt, response, ground_truth, extra)
+    return score_by_data_source(prompt, response, ground_truth, extra)
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "exact_match": exact_match_reward,
     "arithmetic": arithmetic_reward,
@@ -46,7 +60,8 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "gsm8k_flexible": gsm8k_flexible,
     "math_verify": math_verify_score,
     "reasoning_gym": reasoning_gym_reward,
-    "data_source": score_by_data_source,  # the scorer registered for each row's data_source (verl's default)
+    "data_source": data_source_reward,  # the scorer registered for each row's data_source (verl's default)
+    "data_source_code": data_source_reward,  # the same, for data with code sources: the sandbox is built first
 }
 
 

@@ -42,7 +42,7 @@ from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import checkpoint_root, find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
-from posttrain.utils.metrics import MetricsLogger, PhaseTimer
+from posttrain.utils.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, reward_failure_summary
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
@@ -206,6 +206,8 @@ def _train(
             logger.close()
         run.close()
     _finish(run, run_dir, quiet)
+    if not quiet and ctx.is_main and (failed := reward_failure_summary(run_dir / METRICS_FILENAME)):
+        print(failed)
     if not quiet and "val/accuracy" in last:
         before = f"{first_val['val/accuracy']:.1%} → " if first_val else ""
         print(

@@ -47,7 +47,7 @@ def _validation_hook(cfg, model, validator, logger):
     freq = cfg.trainer.test_freq
 
     def on_step(step: int, total: int, metrics: dict[str, float]) -> dict[str, float]:
-        extra = validator(model) if validator and freq and (step % freq == 0 or step == total) else {}
+        extra = validator(model, step) if validator and freq and (step % freq == 0 or step == total) else {}
         logger.log({**metrics, **extra}, step=step)
         return extra
 

@@ -5,17 +5,21 @@ sft.response_key (a row without the response is a DataError naming file, row and
 the share of held-out prompts whose greedy response gets reward >= 1 from reward.function, or from the
 built-in task's reward when no files are given; it is measured like `train`'s validation, against the
 answer under data.answer_key (verl's reward_model.ground_truth for verl-layout rows) when the row has one,
-else against the response itself.
+else against the response itself. Prompts longer than data.max_prompt_length are dropped (counted in the log)
+or an error, as data.overlong_prompts says; each validation's samples are appended to
+``<trainer.run_dir>/samples.jsonl`` with their step, as `train` writes them.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import build_rollout_batch
-from posttrain.data.datasets import encode_prompt, load_records
+from posttrain.data.datasets import load_records, tokenize_prompts, warn_dropped
 from posttrain.data.fields import VERL_ANSWER_KEY, get_path, has_path, is_verl_row
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
@@ -23,6 +27,7 @@ from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
+from posttrain.utils.metrics import SAMPLES_FILENAME, write_samples
 
 CORRECT_THRESHOLD = 1.0  # as train's validation: the rule rewards give 1.0 for a right answer
 
@@ -58,15 +63,14 @@ class SFTValidator:
     def __init__(
         self, cfg: PostTrainConfig, tokenizer, records: list[PromptRecord], reward_spec: str
     ) -> None:
-        self.cfg, self.tokenizer, self.records = cfg, tokenizer, records
+        d = cfg.data
+        kept = tokenize_prompts(records, tokenizer, d.max_prompt_length, d.overlong_prompts)
+        self.n_dropped = kept.n_filtered
+        warn_dropped(kept.n_filtered, len(records), "SFT validation", d.max_prompt_length)
+        records = kept.records
+        self.cfg, self.tokenizer, self.records, self.prompts = cfg, tokenizer, records, kept.prompt_ids
         self.reward_fn = resolve_reward_function(reward_spec) if reward_spec else None
         self.answers = [answer_of(r, cfg.data.answer_key) for r in records]
-        template = bool(getattr(tokenizer, "chat_template", None))
-        d = cfg.data
-        self.prompts = [
-            encode_prompt(r.prompt, tokenizer, template, where=r.source or f"validation row {i}")
-            for i, r in enumerate(records)
-        ]
         self.responses = [
             (
                 list(tokenizer(str(r.ground_truth), add_special_tokens=False)["input_ids"])
@@ -96,7 +100,7 @@ class SFTValidator:
         return total / max(tokens, 1.0)
 
     @torch.no_grad()
-    def accuracy(self, model: nn.Module) -> dict[str, float]:
+    def accuracy(self, model: nn.Module, step: int = 0) -> dict[str, float]:
         if self.reward_fn is None:
             return {}
         was_training = model.training
@@ -116,10 +120,15 @@ class SFTValidator:
         with RewardRunner(self.reward_fn, timeout_s=self.cfg.reward.timeout_s or None) as runner:
             scores, _ = runner.score(inputs)
         model.train(was_training)
+        rows = [
+            {"prompt": i.prompt, "response": i.response, "ground_truth": i.ground_truth, "reward": s}
+            for i, s in zip(inputs, scores, strict=True)
+        ]
+        write_samples(Path(self.cfg.trainer.run_dir) / SAMPLES_FILENAME, rows, step)
         return {
             "val/accuracy": sum(s >= CORRECT_THRESHOLD for s in scores) / len(scores),
             "val/reward_mean": sum(scores) / len(scores),
         }
 
-    def __call__(self, model: nn.Module) -> dict[str, float]:
-        return {"val/loss": self.loss(model), **self.accuracy(model)}
+    def __call__(self, model: nn.Module, step: int = 0) -> dict[str, float]:
+        return {"val/loss": self.loss(model), **self.accuracy(model, step)}

@@ -86,6 +86,37 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [merged[step] for step in sorted(merged)]
 
 
+SAMPLES_FILENAME = "samples.jsonl"
+
+
+def write_samples(path: Path, rows: list[dict], step: int | None = None) -> Path:
+    """Append ``rows`` (prompt, response, ground_truth, reward) to ``path`` as JSON lines, with ``step`` when
+    given: `train`'s and `sft`'s validation samples, `eval`'s samples."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"step": step, **row} if step is not None else row, ensure_ascii=False) + "\n")
+    return path
+
+
+def reward_failure_summary(path: str | Path) -> str:
+    """One line for the end of a run when rewards failed in it (``reward/num_failures`` summed over the
+    training steps of ``metrics.jsonl``), else ``""``."""
+    if not Path(path).exists():
+        return ""
+    records = [r for r in read_metrics(path) if "reward/num_failures" in r]
+    failures = sum(float(r.get("reward/num_failures", 0.0)) for r in records)
+    if not failures:
+        return ""
+    timeouts = sum(float(r.get("reward/num_timeouts", 0.0)) for r in records)
+    also = f", {timeouts:.0f} of them timeouts" if timeouts else ""
+    plural = "s" if len(records) != 1 else ""
+    return (
+        f"Reward failures: {failures:.0f} samples over {len(records)} step{plural}{also} were given "
+        f"reward.failure_reward (the first message of each kind is in the log; per step in {Path(path).name})"
+    )
+
+
 class _Backend(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 

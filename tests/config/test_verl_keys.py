@@ -1,10 +1,13 @@
 """verl's key names translate to posttrain's: the override lists of verl's GSM8K example scripts (copied here as
 data) map key by key or fail with an error naming the key; nothing is dropped without a word."""
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from posttrain.config.errors import ConfigError
-from posttrain.config.load import build_config, is_key, parse_overrides
+from posttrain.config.load import build_config, flatten, is_key, parse_overrides
 from posttrain.config.verl_keys import RULES, find_rule, translate_verl_keys
 
 # verl's examples/grpo_trainer GSM8K GRPO script (Qwen2-7B-Instruct), its override list as data.
@@ -240,3 +243,71 @@ def test_explain_prints_what_it_translated(capsys, tiny_model_dir):
     assert "trainer.nnodes = 1  ->  ignored: posttrain's launcher" in out
     assert main(["explain", "rollout.n=4"]) == 0
     assert "verl keys translated" not in capsys.readouterr().out
+
+
+DEFAULT_YAML = Path(__file__).parent / "data" / "verl_ppo_trainer.yaml"
+
+
+def _default_yaml(tmp_path, **trainer):
+    tree = yaml.safe_load(DEFAULT_YAML.read_text())
+    tree["trainer"].update(trainer)
+    path = tmp_path / "ppo_trainer.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_every_key_of_verls_default_yaml_maps_is_ignored_with_a_warning_or_errors(caplog):
+    """Key by key: each one becomes a posttrain key, an ignored key with a one-line warning, or an error
+    naming it; none passes through as an unknown key and none disappears without a word."""
+    flat = flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
+    assert len(flat) > 180
+    outcomes = {}
+    for key, value in flat.items():
+        caplog.clear()
+        try:
+            out, done = translate_verl_keys({key: value}, is_key)
+        except ConfigError as exc:
+            assert key in str(exc)
+            outcomes[key] = "error"
+            continue
+        if done and not done[0].ours:
+            warned = [r for r in caplog.records if r.levelname == "WARNING" and "ignored" in r.message]
+            assert len(warned) == 1 or key.startswith("custom_reward_function."), key
+            outcomes[key] = "ignored"
+        else:
+            assert out and all(is_key(k) for k in out), (key, out)
+            outcomes[key] = "mapped"
+    assert outcomes["trainer.total_epochs"] == "error"  # alone, it cannot say how many steps
+    assert list(outcomes.values()).count("error") == 1
+    assert outcomes["actor_rollout_ref.rollout.n"] == outcomes["trainer.save_freq"] == "mapped"
+    assert (
+        outcomes["trainer.n_gpus_per_node"]
+        == outcomes["actor_rollout_ref.actor.ppo_micro_batch_size"]
+        == "ignored"
+    )
+
+
+def test_verls_default_yaml_with_a_step_count_builds_posttrains_config(tmp_path):
+    cfg = build_config([_default_yaml(tmp_path, total_training_steps=100)])
+    assert cfg.trainer.total_steps == 100
+    assert cfg.actor.ppo_mini_batch_size == 256
+    assert cfg.actor.optim.warmup_steps == 0  # verl's -1: take the ratio, which is 0
+    assert cfg.rollout.load_format == "dummy" and cfg.rollout.val_greedy is True
+    assert cfg.trainer.save_freq == 0 and cfg.trainer.test_freq == 0  # verl's -1: never
+    assert cfg.trainer.resume == "auto" and cfg.trainer.loggers == ["console", "wandb"]
+    with pytest.raises(ConfigError, match="trainer.total_epochs.*total_training_steps"):
+        build_config([_default_yaml(tmp_path)])
+
+
+def test_resume_mode_resume_path_takes_resume_from_path():
+    over = ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpts/global_step_40"]
+    assert build_config(overrides=over).trainer.resume == "/ckpts/global_step_40"
+    assert build_config(overrides=["trainer.resume_mode=disable"]).trainer.resume == "disable"
+    with pytest.raises(ConfigError, match="resume_path.*needs trainer.resume_from_path"):
+        build_config(overrides=["trainer.resume_mode=resume_path"])
+
+
+def test_verls_sandbox_fusion_url_selects_that_backend():
+    cfg = build_config(overrides=["reward_model.sandbox_fusion.url=http://10.0.0.5:8080"])
+    assert cfg.sandbox.backend == "sandbox_fusion"
+    assert cfg.sandbox.sandbox_fusion.url == ["http://10.0.0.5:8080"]

@@ -39,6 +39,7 @@ def test_registry_names():
         "math_verify",
         "reasoning_gym",
         "data_source",
+        "data_source_code",
         "code",
     }
     for name, fn in REWARD_FUNCTIONS.items():
@@ -95,6 +96,6 @@ def test_import_error_names_spec(tmp_path):
 def test_unknown_name():
     with pytest.raises(
         ValueError,
-        match=r"neither a built-in \(\['arithmetic', 'code', 'data_source', 'exact_match', 'gsm8k', ",
+        match=r"neither a built-in \(\['arithmetic', 'code', 'data_source', 'data_source_code', 'exact_match', ",
     ):
         resolve_reward_function("exactmatch")

@@ -83,7 +83,7 @@ def flaky(prompt, response, ground_truth, extra):
 """
 
 
-def test_reward_exceptions_and_timeouts_do_not_kill_the_run(tiny_model_dir, tmp_path):
+def test_reward_exceptions_and_timeouts_do_not_kill_the_run(tiny_model_dir, tmp_path, capsys):
     reward = tmp_path / "flaky.py"
     reward.write_text(FLAKY_REWARD)
     cfg = small_config(
@@ -94,11 +94,17 @@ def test_reward_exceptions_and_timeouts_do_not_kill_the_run(tiny_model_dir, tmp_
         "reward.failure_reward=-1",
         "trainer.total_steps=1",
     )
-    run_training(cfg, quiet=True)
+    run_training(cfg, quiet=False)
     metrics = read_metrics(tmp_path / "run")[-1]
     assert metrics["reward/num_failures"] > 0
     assert metrics["reward/num_timeouts"] > 0
     assert metrics["reward/num_failures"] >= metrics["reward/num_timeouts"]
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Reward failures:")]
+    assert summary == [
+        f"Reward failures: {metrics['reward/num_failures']:.0f} samples over 1 step, "
+        f"{metrics['reward/num_timeouts']:.0f} of them timeouts were given reward.failure_reward (the first "
+        "message of each kind is in the log; per step in metrics.jsonl)"
+    ]
 
 
 def test_fail_fast_aborts(tiny_model_dir, tmp_path):

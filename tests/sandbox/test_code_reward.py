@@ -90,3 +90,46 @@ def test_the_code_reward_behind_the_guarded_runner(sandbox):
     with RewardRunner(resolve_reward_function("code"), timeout_s=60) as runner:  # in a forked worker
         rewards, _ = runner.score(samples)
     assert rewards == [1.0, 0.0, 0.0]
+
+
+def test_verl_code_sources_run_their_test_cases_in_the_sandbox(sandbox, tmp_path):
+    """A verl-layout file mixing APPS/CodeContests-style code rows with GSM8K rows: no reward function given,
+    each row is scored by its data_source, the code ones by running the program in the real sandbox."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from posttrain.config.load import build_config
+    from posttrain.data.scorers import CODE_SOURCES
+    from posttrain.data.splits import load_splits
+    from posttrain.rl.build import build_reward_runner
+
+    assert {"codecontests", "apps", "codeforces", "taco"} <= set(CODE_SOURCES)
+
+    def row(source, ground_truth):
+        return {
+            "data_source": source,
+            "prompt": [{"role": "user", "content": "Solve it."}],
+            "ability": "code" if source != "openai/gsm8k" else "math",
+            "reward_model": {"style": "rule", "ground_truth": ground_truth},
+            "extra_info": {"split": "train", "index": 0},
+        }
+
+    rows = [row("apps", SUM), row("codecontests", ADD), row("taco", SUM), row("openai/gsm8k", "5")]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = build_config(overrides=[f"data.train_files=[{path}]", "reward.function=", "sandbox.time_limit_s=5"])
+    splits = load_splits(cfg)
+    assert splits.reward_spec == "data_source_code"
+    programs = [
+        block("a, b = map(int, input().split())\nprint(a + b)"),  # apps: right on every case
+        block("def add(a, b):\n    return a + b"),  # codecontests, call-based: right
+        block("a, b = map(int, input().split())\nprint(a + b if a else 99)"),  # taco: 2 of 3 cases
+        "so #### 5",  # gsm8k: the math scorer, no sandbox
+    ]
+    samples = [
+        RewardInput("", p, r.ground_truth, r.extra) for p, r in zip(programs, splits.train, strict=True)
+    ]
+    with build_reward_runner(cfg, splits.reward_spec, splits.data_source) as runner:
+        rewards, metrics = runner.score(samples)
+    assert rewards == pytest.approx([1.0, 1.0, 2 / 3, 1.0])
+    assert metrics["reward/num_failures"] == 0

@@ -26,3 +26,30 @@ def test_verl_rows_and_rows_without_an_answer():
     assert answer_of(verl, "answer") == "7"
     assert answer_of(PromptRecord("q", "7", {}), "answer") == "7"
     assert answer_of(PromptRecord("q", "7", {"meta": {"gt": 8}}), "meta.gt") == "8"
+
+
+def test_sft_validation_drops_overlong_prompts_with_a_count_and_writes_its_samples(
+    tiny_model_dir, tmp_path, caplog
+):
+    from posttrain.models.hf import load_causal_lm, load_tokenizer
+    from posttrain.sft.validation import SFTValidator
+    from tests.helpers import sft_config
+
+    cfg = sft_config(
+        tiny_model_dir,
+        tmp_path,
+        "data.max_prompt_length=24",
+        "data.max_response_length=4",
+        "reward.function=exact_match",
+    )
+    records = [PromptRecord(f"What is {i} + 1?", str(i + 1), {}) for i in range(3)]
+    records.append(PromptRecord("What is " + " + ".join(["1"] * 40) + "?", "40", {}))  # far over 24 tokens
+    validator = SFTValidator(cfg, load_tokenizer(tiny_model_dir), records, "exact_match")
+    assert validator.n_dropped == 1 and len(validator.records) == 3
+    assert "1 of 4 SFT validation prompts are longer than data.max_prompt_length=24" in caplog.text
+    metrics = validator(load_causal_lm(tiny_model_dir), step=5)
+    assert set(metrics) == {"val/loss", "val/accuracy", "val/reward_mean"}
+    lines = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in lines] == [5, 5, 5]
+    assert [row["ground_truth"] for row in lines] == ["1", "2", "3"]
+    assert all({"prompt", "response", "reward"} <= set(row) for row in lines)

@@ -6,13 +6,13 @@ line per sample with its step); `eval` prints :func:`samples_table` and writes a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-SAMPLES_FILENAME = "samples.jsonl"
+from posttrain.utils.metrics import SAMPLES_FILENAME, write_samples  # noqa: F401  (one writer: sft's too)
+
 SHOWN = 4  # samples printed per validation: enough to see what the model does, few enough to read
 
 
@@ -33,15 +33,6 @@ def samples_table(rows: list[dict], title: str, shown: int = SHOWN) -> Table:
         answer = "" if row.get("ground_truth") is None else _text(row["ground_truth"], 30)
         table.add_row(_text(row["prompt"]), _text(row["response"]), answer, f"{row['reward']:g}")
     return table
-
-
-def write_samples(path: Path, rows: list[dict], step: int | None = None) -> Path:
-    """Append ``rows`` to ``path`` as JSON lines (with ``step`` when given)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps({"step": step, **row} if step is not None else row, ensure_ascii=False) + "\n")
-    return path
 
 
 def log_validation_samples(run_dir: Path, step: int, rows: list[dict], console: bool = True) -> None:
