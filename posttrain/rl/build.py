@@ -260,7 +260,10 @@ def build_reward_runner(cfg: PostTrainConfig, reward_spec: str, data_source: str
     """The reward function of ``reward_spec`` behind the `reward.*` guards (timeout, failure reward, fail fast);
     ``data_source`` is what a verl-style ``compute_score`` receives."""
     rw = cfg.reward
-    if reward_spec in ("code", "data_source_code"):  # the built-in code reward runs in the `sandbox` section's sandbox
+    if reward_spec in (
+        "code",
+        "data_source_code",
+    ):  # the built-in code reward runs in the `sandbox` section's sandbox
         configure_code_reward(cfg.sandbox)
     return RewardRunner(
         resolve_reward_function(reward_spec, data_source),
