@@ -4,8 +4,6 @@ hands them."""
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from posttrain.config.errors import DataError
@@ -14,6 +12,9 @@ from posttrain.data.fields import get_path, has_path, is_verl_row
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rl.train_command import run_training
 from tests.helpers import read_metrics, small_config
+
+pa = pytest.importorskip("pyarrow")  # the data extra; the vLLM environment has none
+pq = pytest.importorskip("pyarrow.parquet")
 
 QUESTIONS = [
     ("What is 2 + 3?", "5"),

@@ -1,7 +1,5 @@
 """The built-in scorers picked by data_source, each on a table of known answers, and the dispatch itself."""
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from posttrain.config.errors import ConfigError
@@ -9,6 +7,9 @@ from posttrain.config.load import build_config
 from posttrain.data.scorers import gsm8k_flexible, gsm8k_strict, math_verify_score, scorer_for
 from posttrain.data.splits import load_splits
 from posttrain.rewards.functions import resolve_reward_function
+
+pa = pytest.importorskip("pyarrow")  # the data extra; the vLLM environment has none
+pq = pytest.importorskip("pyarrow.parquet")
 
 GSM8K = [
     # response, ground truth, strict, flexible
