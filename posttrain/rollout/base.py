@@ -143,6 +143,41 @@ class RolloutResult:
         self.finish_reasons.extend(other.finish_reasons)
 
 
+@dataclass(frozen=True)
+class TurnRequest:
+    """One assistant turn of a multi-turn trajectory, for :meth:`TurnEngine.generate_turns`.
+
+    ids: the whole context, token ids: the prompt, then every response token so far (assistant and environment).
+    max_tokens: this turn's token limit (>= 1).
+    sample_id: the trajectory's global sample id (as in ``RolloutEngine.generate``).
+    position: how many response tokens precede this turn. The noise of the token sampled at response index k of
+        sample s is a function of (seed, s, ``position`` + k), so a one-turn trajectory (position 0) samples
+        exactly what ``generate`` samples, and later turns draw fresh noise.
+    session: a key shared by the turns of one trajectory: the engine may keep that context's keys/values after
+        the turn and reuse them when the next turn extends the same ids (prefix reuse). Only a hint: a session
+        whose cache was evicted is prefilled again. Sessions end at ``sync_weights`` and ``release_memory``.
+    """
+
+    ids: list[int]
+    max_tokens: int
+    sample_id: int
+    position: int = 0
+    session: int | None = None
+
+
+@runtime_checkable
+class TurnEngine(Protocol):
+    """An engine that can run the turns of multi-turn trajectories (``posttrain.agents.driver``)."""
+
+    def generate_turns(self, requests: list[TurnRequest], params: SamplingParams) -> RolloutResult:
+        """One sample per request, in request order (``prompt_index[i] == i``); ``params`` gives the sampling
+        settings and the seed (its ``n`` and ``max_tokens`` are not used: each request has its own limit).
+        Finish reasons as in :class:`RolloutResult` ("eos", "stop" or "length"). ``generation_metrics`` then
+        reports ``rollout/prefill_tokens`` (prompt tokens computed) and ``rollout/prefill_reused_tokens``
+        (prompt tokens whose keys/values were reused from the session's earlier turns)."""
+        ...
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine.

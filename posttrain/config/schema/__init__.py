@@ -36,6 +36,7 @@ from posttrain.config.schema.roles import (
 )
 from posttrain.config.schema.rollout import RolloutConfig
 from posttrain.config.schema.run import AsyncTrainingConfig, SFTConfig, TrainerConfig
+from posttrain.config.schema.agents import EnvConfig
 from posttrain.config.schema.sandbox import SandboxConfig
 
 __all__ = [
@@ -85,4 +86,5 @@ class PostTrainConfig:
     async_training: AsyncTrainingConfig = section(AsyncTrainingConfig)
     sft: SFTConfig = section(SFTConfig)
     sandbox: SandboxConfig = section(SandboxConfig)
+    env: EnvConfig = section(EnvConfig)
     rm: RMConfig = section(RMConfig)

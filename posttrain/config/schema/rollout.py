@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.config.fields import knob
+from posttrain.config.fields import knob, section
+from posttrain.config.schema.agents import MultiTurnConfig
 
 
 @dataclass
@@ -108,3 +109,4 @@ class RolloutConfig:
         unit="MiB",
         min=1,
     )
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig)
