@@ -35,12 +35,15 @@ class Task:
         load: ``load(seed, **options) -> (train_records, val_records)``; options are task specific.
         default_reward: name of its reward in ``posttrain.rewards.REWARD_FUNCTIONS``.
         description: one line for help texts.
+        environment: for a multi-turn task, the `env.path` it is played in (a built-in environment name): the
+            run then rolls out multi-turn trajectories in it unless `env.path` names another. Empty: single-turn.
     """
 
     name: str
     load: TaskLoader
     default_reward: str
     description: str
+    environment: str = ""
 
 
 TASKS: dict[str, Task] = {
