@@ -20,9 +20,9 @@ EnvFactory = Callable[[dict[str, Any]], Environment]
 
 def builtin_environments() -> dict[str, type]:
     """The environments named by a bare word in `env.path`."""
-    from posttrain.agents.builtin import GuessNumberEnv
+    from posttrain.agents.builtin import CalculatorEnv, GuessNumberEnv
 
-    return {"guess_number": GuessNumberEnv}
+    return {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv}
 
 
 def environment_factory(cfg: PostTrainConfig) -> EnvFactory:
