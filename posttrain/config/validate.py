@@ -36,10 +36,13 @@ def check_value(key: str, value: Any) -> None:
             "sampling, or k >= 1 to sample among the k most likely tokens"
         )
     elif (
-        key == "data.task" and value not in ("arithmetic", "gsm8k") and not value.startswith("reasoning_gym:")
+        key == "data.task"
+        and value not in ("arithmetic", "gsm8k", "calculator", "guess_number")
+        and not value.startswith("reasoning_gym:")
     ):
         raise ConfigError(
-            f"config key 'data.task' = {value!r} is not one of 'arithmetic', 'gsm8k' or 'reasoning_gym:<name>' "
+            f"config key 'data.task' = {value!r} is not one of 'arithmetic', 'gsm8k', 'calculator', "
+            "'guess_number' or 'reasoning_gym:<name>' "
             "(e.g. data.task=reasoning_gym:basic_arithmetic)"
         )
     elif key == "trainer.loggers":

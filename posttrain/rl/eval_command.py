@@ -16,7 +16,7 @@ from posttrain.models.lora import apply_lora
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
 from posttrain.rl.collect.validation import validate
-from posttrain.rl.eval_report import report_eval
+from posttrain.rl.eval_report import report_eval, trajectory_summary
 from posttrain.rollout.weights import RolloutWeights
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
@@ -67,5 +67,11 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         # vLLM reads hf_dir; a checkpoint's or an adapter's weights follow (a no-op for the native engine).
         RolloutWeights(cfg, engine).push(model)
         metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows)
+    if any(
+        "messages" in r for r in rows
+    ):  # a multi-turn task: success, turns and tool use of the trajectories
+        metrics.update(
+            {f"val/{k}": v for k, v in trajectory_summary(rows).items() if f"val/{k}" not in metrics}
+        )
     report_eval(cfg, described, rows, metrics)
     return metrics
