@@ -138,7 +138,7 @@ def test_a_trajectory_waiting_for_its_tool_does_not_block_the_others(tok):
     done_at = []
 
     def generate(requests):
-        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
+        prompts = [r.ids for r in requests]
         done_at.append((time.perf_counter(), len(prompts)))
         text = [("again" if "tool_response" in tok.decode(p) else "call") for p in prompts]
         ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in text]
@@ -321,10 +321,9 @@ def test_with_the_native_engine(tok):
 
 def test_a_turn_ended_by_another_stop_token_is_closed_with_the_template_eos(tok):
     def generate(requests):
-        prompts, limits = (
-            [r.ids for r in requests],
-            [r.max_tokens for r in requests],
-        )  # ends every turn with <|endoftext|> (a stop token, but not the template's)
+        prompts = [
+            r.ids for r in requests
+        ]  # ends every turn with <|endoftext|> (a stop token, but not the template's)
         ids = tok("7", add_special_tokens=False)["input_ids"] + [tok.pad_token_id]
         return [Generation(ids, [0.0] * len(ids), "stop") for _ in prompts]
 

@@ -89,16 +89,11 @@ def validate(
     for start in range(lo, hi, bs):
         ids = prompts.prompt_ids[start : min(start + bs, hi)]
         recs = prompts.records[start : min(start + bs, hi)]
-        if agent is not None:
-            result = agent.generate(
-                engine, recs, params, start, row_ids=list(range(start, start + len(recs)))
-            )
-        else:
-            result = engine.generate(ids, params, **({"prompt_offset": start} if world > 1 else {}))
-        inputs = reward_inputs([recs[p] for p in result.prompt_index], result, tokenizer)
-        scores, _ = runner.score(inputs)
+        offset = start if world > 1 else 0
+        result, inputs, scores = _generate_and_score(
+            engine, tokenizer, runner, recs, ids, params, offset, agent
+        )
         episodes = result.episodes or [None] * len(inputs)
-        scores = [s + (e.reward if e is not None else 0.0) for s, e in zip(scores, episodes)]
         if samples is not None:
             samples.extend(sample_row(i, s, e) for i, s, e in zip(inputs, scores, episodes))
         rewards.extend(scores)
@@ -123,6 +118,20 @@ def validate(
         out["val/tool_call_counts_mean"] = sum(c for _, c in turns) / len(turns)
         out["val/tool_call_frequency"] = sum(1 for _, c in turns if c > 0) / len(turns)
     return out
+
+
+def _generate_and_score(engine, tokenizer, runner, records, ids, params, offset, agent):
+    """(result, reward inputs, rewards) of one validation batch; a trajectory's reward adds the environment's."""
+    if agent is not None:
+        rows = list(range(offset, offset + len(records)))
+        result = agent.generate(engine, records, params, offset, row_ids=rows)
+    else:
+        result = engine.generate(ids, params, **({"prompt_offset": offset} if offset else {}))
+    inputs = reward_inputs([records[p] for p in result.prompt_index], result, tokenizer)
+    scores, _ = runner.score(inputs)
+    if result.episodes is not None:
+        scores = [s + e.reward for s, e in zip(scores, result.episodes)]
+    return result, inputs, scores
 
 
 def episode_counts(episode) -> tuple[int, float]:
