@@ -9,19 +9,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from posttrain.agents.builtin import GuessNumberEnv
 from posttrain.agents.env import Environment, ToolEnvironment
 from posttrain.agents.tool_config import load_tool_config
 from posttrain.agents.tools import ToolSet
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.utils.user_code import function_of, import_file
 
 EnvFactory = Callable[[dict[str, Any]], Environment]
 
 
 def builtin_environments() -> dict[str, type]:
     """The environments named by a bare word in `env.path`."""
-    from posttrain.agents.builtin import GuessNumberEnv
-
     return {"guess_number": GuessNumberEnv}
 
 
@@ -41,8 +41,6 @@ def environment_factory(cfg: PostTrainConfig) -> EnvFactory:
 
 
 def _class_from_path(spec: str) -> type:
-    from posttrain.utils.user_code import function_of, import_file
-
     file, sep, name = spec.rpartition(":")
     if not sep or not file or not name:
         raise ConfigError(
