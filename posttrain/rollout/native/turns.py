@@ -9,7 +9,7 @@ are scheduled exactly as ``generate`` schedules the same prompts with ``n=1``. T
   that session's slot and starts its prefill after the reusable prefix;
 - a finished request with a session leaves its slot to the session (ids + sampled tokens but the last), and a
   request that needs a slot when none is free evicts the least recently used session. Sessions that requests of
-  this call still wait for are evicted last, and only when nothing else runs (else the request waits).
+  this call still wait for are evicted only when nothing runs or could run (else the request waits).
 
 Requests are admitted in order, but a request that cannot get a slot does not hold back later ones that own a
 cached slot.
@@ -92,7 +92,7 @@ class TurnScheduler:
         passed: deque[int] = deque()
         while self.waiting and budget > 0:
             index = self.waiting.popleft()
-            pre = self._admit(index, budget)
+            pre = self._admit(index, budget, evict_wanted=False)
             if pre is None:
                 passed.append(index)
                 continue
@@ -101,10 +101,15 @@ class TurnScheduler:
             budget -= chunk.length
         passed.extend(self.waiting)
         self.waiting = passed
+        if self.waiting and not (self.running or self.prefilling):
+            # Nothing runs that could free a slot: the first waiting request takes a session this call wants.
+            pre = self._admit(self.waiting.popleft(), budget, evict_wanted=True)
+            chunks.append(self._chunk(pre, budget))
         return Plan(decode=decode, chunks=chunks)
 
-    def _admit(self, index: int, budget: int) -> Prefill | None:
-        """Give request ``index`` a slot (its session's, a free one, or an evicted session's), or None."""
+    def _admit(self, index: int, budget: int, evict_wanted: bool) -> Prefill | None:
+        """Give request ``index`` a slot (its session's, a free one, or an evicted session's, one a later request
+        of this call wants only with ``evict_wanted``), or None."""
         request = self.requests[index]
         cached = self.sessions.peek(request.session) if request.session is not None else None
         reuse = reusable_length(cached.ids, request.ids) if cached is not None else 0
@@ -115,9 +120,7 @@ class TurnScheduler:
         elif self.free:
             slot = heapq.heappop(self.free)
         else:
-            slot = self.sessions.evict(spare=set(self.wanted))
-            if slot is None and not (self.running or self.prefilling):
-                slot = self.sessions.evict()  # nothing runs that could free a slot: give up a wanted one
+            slot = self.sessions.evict(spare=None if evict_wanted else set(self.wanted))
             if slot is None:
                 return None
         if request.session is not None:
