@@ -275,13 +275,16 @@ class NativeEngine(RolloutEngine, TurnEngine):
     def _turns_continuous(
         self, requests: list[TurnRequest], params: SamplingParams, seed: int, longest: int
     ) -> RolloutResult:
-        """The turns on the slot cache: every slot is allocated (sessions keep theirs between calls), as long as
-        ``max_model_len``, or doubled when a turn outgrows it."""
+        """The turns on the slot cache. It is allocated ``max_model_len`` long (or doubled when a turn outgrows it)
+        with a slot for every request and every other session held (a power of two, at most ``max_num_seqs``),
+        so that a rollout phase's later calls, for the same trajectories, find their sessions."""
         parts = self._parts()
         length = max(longest, self.max_model_len or 0)
         if self.cache.length and length > self.cache.length:
             length = max(length, 2 * self.cache.length)
-        self.cache.ensure(parts, self.max_num_seqs, length)
+        self.sessions.sync(self.cache.generation)
+        held = self.sessions.count_except({r.session for r in requests})
+        self.cache.ensure(parts, bucket(len(requests) + held, self.max_num_seqs), length)
         self._cache_shape = (self.cache.slots, self.cache.length)
         self.sessions.sync(self.cache.generation)
         sched = TurnScheduler(

@@ -53,6 +53,10 @@ class SessionCache:
         """The slots the cached sessions hold."""
         return {entry.slot for entry in self._entries.values()}
 
+    def count_except(self, sessions: set[Hashable]) -> int:
+        """How many cached sessions are not in ``sessions``."""
+        return sum(1 for session in self._entries if session not in sessions)
+
     def sync(self, generation: int) -> None:
         """Forget every session if the cache was re-allocated since they were kept."""
         if generation != self.generation:
