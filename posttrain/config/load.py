@@ -90,14 +90,7 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin is dict:
-        if isinstance(value, str):
-            value = parse_scalar(value) if value.strip() else {}
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(
-                f"config key '{key}' expects a mapping of names to values, got {value!r}; set one entry with "
-                f"{key}.NAME=VALUE (or in YAML, NAME: VALUE lines indented under '{key.rsplit('.', 1)[-1]}:')"
-            )
-        return copy.deepcopy(value)
+        return _coerce_dict(key, value)
     if origin in (typing.Union, types.UnionType):
         is_none = value is None or (isinstance(value, str) and value.lower() in _NONE_WORDS)
         if is_none and type(None) in args:
@@ -148,6 +141,17 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
         return value
     raise TypeError(f"unsupported type {hint!r} for config key '{key}'")
+
+
+def _coerce_dict(key: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        value = parse_scalar(value) if value.strip() else {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(
+            f"config key '{key}' expects a mapping of names to values, got {value!r}; set one entry with "
+            f"{key}.NAME=VALUE (or in YAML, NAME: VALUE lines indented under '{key.rsplit('.', 1)[-1]}:')"
+        )
+    return copy.deepcopy(value)
 
 
 def parse_scalar(text: str) -> Any:
