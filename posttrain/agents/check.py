@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from posttrain.agents.build import SKYRL, check_env_kwargs, load_tools, resolve_env
+from posttrain.agents.build import SKYRL, check_env_kwargs, environment_factory, load_tools, resolve_env
+from posttrain.agents.env import Environment
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
@@ -36,6 +37,23 @@ def check_multi_turn(cfg: PostTrainConfig) -> None:
                 "pip install 'posttrain[skyrl]'"
             )
         _check_skyrl_class(spec.skyrl_class, env.path)
+        return
+    sample_environment(cfg).close()
+
+
+def sample_environment(cfg: PostTrainConfig) -> Environment:
+    """One environment made as the run will make them (an empty row; SkyRL's are made at reset): its constructor
+    runs with `env.kwargs`, and a failure there is a ConfigError naming the keys."""
+    make_env = environment_factory(cfg)
+    try:
+        return make_env({})
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"env.path={cfg.env.path!r} with env.kwargs={cfg.env.kwargs!r}: making the environment failed: "
+            f"{exc!r}; fix env.kwargs (or the environment's constructor)"
+        ) from exc
 
 
 def _check_disabled(cfg: PostTrainConfig) -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.config.validate import check_config, check_value
+from posttrain.config.validate import check_config, check_value, resolve_task_environment
 from posttrain.config.verl_keys import LAST_TRANSLATED, translate_verl_keys
 
 _NONE_WORDS = {"null", "none", "~"}
@@ -330,6 +330,7 @@ def apply_values(cfg: PostTrainConfig, values: dict[str, Any]) -> PostTrainConfi
         check_value(key, value)
         _set(cfg, key, value)
     cfg = resolve_inherited(cfg)
+    resolve_task_environment(cfg, set(values))
     check_config(cfg)
     return cfg
 
