@@ -46,13 +46,23 @@ def load_tool_config(path: str | Path) -> ToolSet:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"tool config {str(path)!r} cannot be read: {exc}; fix the file's syntax") from exc
+        raise ConfigError(
+            f"tool config {str(path)!r} cannot be read: {_one_line(exc)}; fix the file's syntax"
+        ) from exc
     entries = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(
             f"tool config {str(path)!r}: expected a top-level 'tools' list (each item `path: file.py:function`)"
         )
     return ToolSet([_load_entry(entry, i, path) for i, entry in enumerate(entries)])
+
+
+def _one_line(exc: Exception) -> str:
+    """A parser error in one line: YAML's own messages span several (the problem, then a caret drawing)."""
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.YAMLError) and mark is not None:
+        return f"{getattr(exc, 'problem', None) or type(exc).__name__} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
 
 
 def _load_entry(entry: Any, index: int, config: Path) -> Tool:
