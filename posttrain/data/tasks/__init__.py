@@ -20,7 +20,7 @@ from posttrain.data.records import PromptRecord
 from posttrain.data.tasks.arithmetic import load_arithmetic, make_arithmetic_splits
 from posttrain.data.tasks.calculator import calculator_reward, load_calculator
 from posttrain.data.tasks.gsm8k import load_gsm8k, load_gsm8k_task
-from posttrain.data.tasks.guess_number import guess_number_reward, load_guess_number
+from posttrain.data.tasks.guess_number import environment_reward, load_guess_number
 from posttrain.data.tasks.reasoning_gym import PREFIX as REASONING_GYM
 from posttrain.data.tasks.reasoning_gym import load_reasoning_gym
 
@@ -73,7 +73,7 @@ TASKS: dict[str, Task] = {
     "guess_number": Task(
         name="guess_number",
         load=load_guess_number,
-        default_reward="guess_number",
+        default_reward="environment",
         description="multi-turn: find a hidden number from higher/lower hints within the turn limit; options "
         "n_train, n_val, low, high, max_turns",
         environment="guess_number",
@@ -113,7 +113,7 @@ __all__ = [
     "TASKS",
     "Task",
     "calculator_reward",
-    "guess_number_reward",
+    "environment_reward",
     "get_task",
     "load_arithmetic",
     "load_gsm8k",
