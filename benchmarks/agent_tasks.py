@@ -62,11 +62,12 @@ COMMON_GRPO = [
     "algorithm.adv_estimator=grpo",
     "rollout.multi_turn.enable=true",
     "data.num_val_examples=128",
-    "data.train_batch_size=16",
+    "data.train_batch_size=8",
     "rollout.n=8",
-    "actor.ppo_mini_batch_size=16",
+    "actor.ppo_mini_batch_size=8",
     "actor.ppo_micro_batch_size_per_gpu=32",
-    "actor.optim.lr=5e-4",
+    "actor.optim.lr=1e-4",
+    "rollout.val_greedy=false",  # the success rate of the sampled policy, which GRPO trains
     "trainer.loggers=[console,jsonl]",
 ]
 
