@@ -163,7 +163,8 @@ RULES: list[Rule] = [
     Rule("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", ERROR, allowed=_FALSE,
          why="posttrain renders each new message with the chat template and keeps the tokens it sampled"),
     Rule("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", IGNORE,
-         why="posttrain reports the re-tokenization drift of every trajectory as a metric"),
+         why="posttrain keeps the sampled ids and renders only new messages; a template that rewrites history is "
+         "an error (TemplateDriftError)"),
     Rule("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", ERROR, allowed=("None", "null"),
          why="each trajectory is rolled out once; rollout.n sets the samples per prompt"),
     Rule("actor_rollout_ref.rollout.multi_turn.*", ERROR,
