@@ -122,8 +122,13 @@ def check_env_kwargs(spec: EnvSpec, kwargs: dict[str, Any]) -> None:
         unknown = [k for k in kwargs if k not in accepted]
         key = f"env.kwargs.{unknown[0]}" if unknown else "env.kwargs"
         value = kwargs[unknown[0]] if unknown else kwargs
+        shown = ", ".join(
+            p.name + ("" if p.default is p.empty else f"={p.default!r}")
+            for p in signature.parameters.values()
+            if p.name in accepted
+        )
         raise ConfigError(
-            f"{key}={value!r} does not fit {spec.name}{signature} ({exc}); its constructor takes "
+            f"{key}={value!r} does not fit {spec.name}({shown}) ({exc}); its constructor takes "
             f"{accepted or 'no arguments'}: set env.kwargs.NAME=VALUE for those only"
         ) from None
 
