@@ -29,7 +29,8 @@ def tok():
 def scripted(tok, policy):
     """A deterministic "engine": ``policy(conversation text)`` gives the reply, sampled as its canonical tokens."""
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
         out = []
         for ids, limit in zip(prompts, limits):
             reply = tok(policy(tok.decode(ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -136,7 +137,8 @@ def test_a_trajectory_waiting_for_its_tool_does_not_block_the_others(tok):
     rows = [{"prompt": "go", "delay": 1.0}] + [{"prompt": "go", "delay": 0.0}] * 3
     done_at = []
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts = [r.ids for r in requests]
         done_at.append((time.perf_counter(), len(prompts)))
         text = [("again" if "tool_response" in tok.decode(p) else "call") for p in prompts]
         ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in text]
@@ -166,12 +168,26 @@ def test_an_environment_that_raises_names_itself_and_the_row(tok):
         )
 
 
+def test_environment_failures_under_the_cap_are_kept_untrained_and_counted(tok):
+    rows = [{"prompt": p} for p in "abcd"]
+    make = lambda r: Broken() if r["prompt"] in "bd" else Environment()  # noqa: E731
+    capped = MultiTurnSettings(max_env_failures=2)
+    trajs = run_trajectories(rows, make, scripted(tok, lambda c: "x"), tok, capped, row_ids=[10, 11, 12, 13])
+    failed = [t for t in trajs if t.metrics.get("env_failures")]
+    assert len(failed) == 2 and all(sum(t.mask) == 0 and t.reward == 0.0 for t in failed)
+    assert "Broken.step failed on row 11" in failed[0].truncations[0]
+    assert all(sum(t.mask) > 0 for t in trajs if t not in failed)
+    with pytest.raises(EnvironmentFailure, match="2 trajectories of 4 failed .*max_env_failures=1"):
+        run_trajectories(rows, make, scripted(tok, lambda c: "x"), tok, MultiTurnSettings(max_env_failures=1))
+
+
 def hf_generate(model, tok):
     """transformers' generate behind the driver's callable: one prompt at a time, sampled, with the log-probs of
     the distribution it sampled from."""
     eos = {tok.eos_token_id, tok.pad_token_id}
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
         out = []
         for ids, limit in zip(prompts, limits):
             with torch.no_grad():
@@ -263,7 +279,7 @@ def test_tool_output_is_truncated_in_tokens_and_logged(tok):
 
 
 def test_an_engine_error_is_raised_not_swallowed(tok):
-    def broken(prompts, limits):
+    def broken(requests):
         raise RuntimeError("engine died")
 
     with pytest.raises(RuntimeError, match="engine died"):
@@ -276,7 +292,8 @@ def native_generate(engine, seed=0):
     """The native engine behind the driver's callable: one engine call per distinct token limit."""
     calls = [0]
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
         out: list = [None] * len(prompts)
         for limit in sorted(set(limits)):
             idx = [i for i, m in enumerate(limits) if m == limit]
@@ -316,9 +333,10 @@ def test_with_the_native_engine(tok):
 
 
 def test_a_turn_ended_by_another_stop_token_is_closed_with_the_template_eos(tok):
-    def generate(
-        prompts, limits
-    ):  # ends every turn with <|endoftext|> (a stop token, but not the template's)
+    def generate(requests):
+        prompts = [
+            r.ids for r in requests
+        ]  # ends every turn with <|endoftext|> (a stop token, but not the template's)
         ids = tok("7", add_special_tokens=False)["input_ids"] + [tok.pad_token_id]
         return [Generation(ids, [0.0] * len(ids), "stop") for _ in prompts]
 
