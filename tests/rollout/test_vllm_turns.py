@@ -149,6 +149,19 @@ def test_three_turns_reuse_prefix_and_match_trainer_logprobs(engine, hf_model, p
     assert worst <= 1e-5
 
 
+def test_release_memory_ends_sessions(engine, prompts):
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=2)
+    request = [TurnRequest(prompts[0], 4, sample_id=0, session=0)]
+    first = engine.generate_turns(request, params)
+    again = engine.generate_turns(request, params)
+    assert engine.generation_metrics()["rollout/prefill_reused_tokens"] > 0
+    engine.release_memory()  # sessions end here: the cache is emptied (on CPU; CUDA sleep drops it too)
+    engine.wake_up()
+    third = engine.generate_turns(request, params)
+    assert engine.generation_metrics()["rollout/prefill_reused_tokens"] == 0
+    assert first.response_ids == again.response_ids == third.response_ids
+
+
 def test_turn_requests_are_checked(engine, prompts):
     params = SamplingParams(max_tokens=1, seed=0)
     with pytest.raises(ValueError, match="requests is empty"):

@@ -347,12 +347,15 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory
     def release_memory(self) -> None:
         """CUDA with ``free_cache_engine``: vLLM sleep mode level 1 (KV cache dropped, weights offloaded to host
-        memory) so the trainer gets the GPU. On CPU a no-op: vLLM's sleep mode raises there (and a CPU engine
-        shares nothing with a GPU trainer). The CUDA path is written against vLLM's public API and is not
-        exercised by this project's tests (no GPU)."""
+        memory) so the trainer gets the GPU. Otherwise (CPU: vLLM's sleep mode raises there, and a CPU engine
+        shares nothing with a GPU trainer) only the prefix cache is emptied, so multi-turn sessions end here as
+        the engine interface says. The CUDA path is written against vLLM's public API and is not exercised by
+        this project's tests (no GPU)."""
         if self.device == "cuda" and self.knobs.free_cache_engine and not self._asleep_tags:
             self.llm.sleep(level=1)
             self._asleep_tags = ["weights", "kv_cache"]
+        elif not self._asleep_tags:
+            self.llm.reset_prefix_cache()
 
     def wake_up(self) -> None:
         """Undo :meth:`release_memory` before the next ``generate``: wake what is still asleep (the weights may
