@@ -24,7 +24,10 @@ every round, and their keys/values must not be found from the round before).
 Model: the built-in tiny Qwen2 (``posttrain.models.tiny``: hidden 256, 4 layers, head size 64), random weights
 from seed 0, fp32. One untimed warm-up per engine and mode, then ``--repeats`` rounds, modes alternated within
 a round; medians of wall seconds. ``multi / single`` is seconds per sampled token of the mode over that of
-single-turn (1.00 = as fast per token; the goal is <= 1.25). Quote figures with the machine they came from.
+single-turn (1.00 = as fast per token; the goal is <= 1.25); the same ratio of the fastest runs is shown too
+(on a shared machine the minimum is the steadier figure). "time in engine": the share of the (warm-up) run's
+wall time spent inside engine calls; the rest is the driver, rendering, and waiting for tools. Prefill counts are per run (the warm-up's). Quote
+figures with the machine they came from and how busy it was.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class TurnAdapter:
         self.prompts: list[list[int]] = []
         self.prefill = {"rollout/prefill_tokens": 0.0, "rollout/prefill_reused_tokens": 0.0}
         self.calls = 0
+        self.engine_s = 0.0  # wall seconds inside the engine's calls
 
     def _sample(self, ids: list[int]) -> int:
         for s, prompt in enumerate(self.prompts):
@@ -95,8 +99,15 @@ class TurnAdapter:
         return len(self.prompts) - 1
 
     def __call__(self, prompts: list[list[int]], limits: list[int]) -> list[Generation]:
+        start = time.perf_counter()
+        try:
+            return self._generate(prompts, limits)
+        finally:
+            self.calls += 1
+            self.engine_s += time.perf_counter() - start
+
+    def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[Generation]:
         samples = [self._sample(ids) for ids in prompts]
-        self.calls += 1
         if not hasattr(self.engine, "generate_turns"):
             return self._through_generate(prompts, limits)
         requests = [
@@ -143,7 +154,7 @@ def multi_turn(engine: Any, rows: list[dict], tok: Any, args: argparse.Namespace
     seconds = time.perf_counter() - start
     tokens = sum(sum(t.mask) for t in trajs)
     turns = statistics.mean(t.num_assistant_turns for t in trajs)
-    return seconds, tokens, adapter.prefill, turns, adapter.calls
+    return seconds, tokens, adapter.prefill, turns, (adapter.calls, adapter.engine_s / seconds)
 
 
 def single_turn(engine: Any, prompt_ids: list[list[int]], args: argparse.Namespace):
@@ -153,7 +164,7 @@ def single_turn(engine: Any, prompt_ids: list[list[int]], args: argparse.Namespa
     seconds = time.perf_counter() - start
     metrics = engine.generation_metrics()
     prefill = {k: v for k, v in metrics.items() if k.startswith("rollout/prefill")}
-    return seconds, sum(out.response_lengths), prefill, 1.0, 1
+    return seconds, sum(out.response_lengths), prefill, 1.0, (1, 1.0)
 
 
 def run(fn: Any, engine: Any) -> tuple:
@@ -177,7 +188,7 @@ def parse_args() -> argparse.Namespace:
         default=120,
         help="words of the system prompt every row shares (tools, rules)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds (medians reported)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (medians reported)")
     p.add_argument("--engines", default="native,vllm", help="native and/or vllm (vllm when importable)")
     return p.parse_args()
 
@@ -245,9 +256,10 @@ def main() -> None:
                 for mode, fn in modes.items():
                     times[mode].append(run(fn, engine)[0])
             single = statistics.median(times["single-turn"]) / results["single-turn"][0][1]
+            single_min = min(times["single-turn"]) / results["single-turn"][0][1]
             for mode in modes:
-                _, tokens, prefill, turns, calls = results[mode][0]
-                med = statistics.median(times[mode])
+                _, tokens, prefill, turns, (calls, in_engine) = results[mode][0]
+                med, low = statistics.median(times[mode]), min(times[mode])
                 table.append(
                     {
                         "engine": label,
@@ -255,9 +267,12 @@ def main() -> None:
                         "sampled tokens": str(tokens),
                         "turns/traj": f"{turns:.1f}",
                         "engine calls": str(calls),
+                        "time in engine": f"{in_engine:.0%}",
                         "s (median)": f"{med:.2f}",
                         "tok/s": f"{tokens / med:.0f}",
                         "multi / single (s per token)": f"{(med / tokens) / single:.2f}",
+                        "s (min)": f"{low:.2f}",
+                        "multi / single (min)": f"{(low / tokens) / single_min:.2f}",
                         "prefill computed / reused": "-"
                         if not prefill
                         else f"{prefill['rollout/prefill_tokens']:.0f} / "
@@ -266,7 +281,8 @@ def main() -> None:
                 )
     print(
         f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; {args.trajectories} "
-        f"trajectories x {TURNS} turns x {args.turn_tokens} tokens; medians of {args.repeats} alternating rounds.\n"
+        f"trajectories x {TURNS} turns x {args.turn_tokens} tokens; {args.repeats} alternating rounds; load average "
+        f"{os.getloadavg()[0]:.1f} at the end.\n"
     )
     header = list(table[0])
     print("| " + " | ".join(header) + " |")
