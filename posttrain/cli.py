@@ -29,6 +29,7 @@ from posttrain.planning.explain import advice_lines, estimate_table, plan_tree
 from posttrain.planning.keys import key_lines
 from posttrain.planning.memory import Cluster, estimate_memory
 from posttrain.planning.memory_bytes import WhatIf
+from posttrain.planning.multi_turn import multi_turn_plan, multi_turn_tree
 from posttrain.planning.preflight import check_loggers, check_model_path, preflight
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.planning.tune import run_tune
@@ -163,13 +164,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
         advice = advise(cfg, estimate, shape, cluster, what_if)
         point = starting_point(shape) if args.suggest else None
     if args.json:
-        print(json.dumps(_explain_json(plan, estimate, advice, point), indent=2))
+        out = _explain_json(plan, estimate, advice, point)
+        out["multi_turn"] = multi_turn_plan(cfg)
+        print(json.dumps(out, indent=2, default=repr))
         return 0
     # Piped output (CI logs, files) gets a fixed width instead of rich's 80-column default.
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)
     console.print(plan_tree(cfg, plan))
+    turns = multi_turn_tree(cfg)
+    if turns is not None:
+        console.print(turns)
     if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
         console.print(probe_line(cfg.sandbox))
     if estimate is None:

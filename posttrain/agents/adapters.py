@@ -12,6 +12,7 @@ import inspect
 from typing import Any
 
 from posttrain.agents.env import Environment, Message, StepResult, ToolEnvironment, maybe_await
+from posttrain.agents.hermes import parse_tool_calls
 from posttrain.agents.tools import ToolSet, make_tool
 from posttrain.config.errors import ConfigError
 
@@ -25,7 +26,13 @@ class TRLStyleEnvironment(Environment):
     first assistant turn without a tool call; ``get_reward()``, when defined, is then added to that turn's reward.
     """
 
-    def __init__(self, obj: Any, max_parallel_calls: int = 4, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        obj: Any,
+        max_parallel_calls: int = 4,
+        timeout_s: float = 30.0,
+        extra_tools: ToolSet | None = None,
+    ) -> None:
         self.obj = obj
         name = type(obj).__name__
         methods = [
@@ -33,7 +40,14 @@ class TRLStyleEnvironment(Environment):
             for n in sorted(dir(obj))
             if not n.startswith("_") and n not in _TRL_RESERVED and inspect.ismethod(getattr(obj, n, None))
         ]
-        self.inner = ToolEnvironment(ToolSet(methods), max_parallel_calls, timeout_s)
+        extra = list(extra_tools.tools.values()) if extra_tools else []
+        clash = sorted({t.name for t in methods} & {t.name for t in extra})
+        if clash:
+            raise ConfigError(
+                f"environment {name} has method(s) {clash} and the tool config defines tool(s) of the same name; "
+                "rename one of them"
+            )
+        self.inner = ToolEnvironment(ToolSet(methods + extra), max_parallel_calls, timeout_s)
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         return self.inner.tool_schemas()
@@ -52,6 +66,43 @@ class TRLStyleEnvironment(Environment):
 
     def metrics(self) -> dict[str, float]:
         return self.inner.metrics()
+
+
+class WithTools(Environment):
+    """An environment plus the tools of the tool config: a turn whose tool calls all name those tools is answered
+    by them (the episode goes on); any other turn (no call, or a call the environment handles) goes to the
+    environment's own ``step``. The prompt lists the environment's tools, then the config's."""
+
+    def __init__(
+        self, env: Environment, tools: ToolSet, max_parallel_calls: int = 4, timeout_s: float = 30.0
+    ) -> None:
+        self.env = env
+        self.tools = ToolEnvironment(tools, max_parallel_calls, timeout_s)
+        own = {s["function"]["name"] for s in env.tool_schemas() or []}
+        clash = sorted(own & set(tools.tools))
+        if clash:
+            raise ConfigError(
+                f"environment {type(env).__name__} already has tool(s) {clash} and the tool config defines "
+                "tool(s) of the same name; rename one of them"
+            )
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        return (self.env.tool_schemas() or []) + self.tools.tools.schemas()
+
+    async def reset(self, row: dict[str, Any]) -> list[Message] | None:
+        return await maybe_await(self.env.reset(row))
+
+    async def step(self, text: str) -> StepResult:
+        calls = parse_tool_calls(text)
+        if calls and all(getattr(c, "name", None) in self.tools.tools for c in calls):
+            return await self.tools.step(text)
+        return await maybe_await(self.env.step(text))
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.tools.metrics(), **self.env.metrics()}
+
+    def close(self) -> None:
+        self.env.close()
 
 
 class SkyRLEnvironment(Environment):

@@ -1,8 +1,10 @@
 """The multi-turn driver: a pure function of rows, an environment factory and a ``generate`` callable.
 
-``generate(prompts, max_tokens) -> [Generation]`` takes token-id prompts and a token limit per prompt and returns,
-per prompt, the sampled ids, their log-probs and a finish reason ("stop" when an end-of-turn token ended it,
-"length" when the limit did). It may be sync (it then runs on a worker thread) or async, so any engine fits.
+``generate(requests) -> [Generation]`` takes :class:`~posttrain.rollout.base.TurnRequest`s (the whole context's
+token ids, the turn's token limit, the trajectory's sample id, the turn's position in the response and a session
+key for prefix reuse) and returns, per request, the sampled ids, their log-probs and the engine's finish reason
+("length" when the limit ended the turn; anything else ends the turn normally). It may be sync (it then runs on a
+worker thread) or async, so any engine fits: :func:`engine_generate` adapts a ``TurnEngine``.
 
 Each trajectory is an asyncio task. Requests for generation are gathered into one ``generate`` call from the
 trajectories that are ready; a trajectory that waits for its tools or its environment is not waited for, and its
@@ -21,6 +23,7 @@ from posttrain.agents.env import Environment, Message, maybe_await
 from posttrain.agents.render import Renderer, truncate_text_to_tokens
 from posttrain.agents.trajectory import Trajectory
 from posttrain.config.errors import ConfigError
+from posttrain.rollout.base import SamplingParams, TurnEngine, TurnRequest
 
 
 @dataclass
@@ -32,7 +35,22 @@ class Generation:
     finish_reason: str
 
 
-GenerateFn = Callable[[list[list[int]], list[int]], "list[Generation] | Awaitable[list[Generation]]"]
+GenerateFn = Callable[[list[TurnRequest]], "list[Generation] | Awaitable[list[Generation]]"]
+
+
+def engine_generate(engine: TurnEngine, params: SamplingParams) -> GenerateFn:
+    """The driver's ``generate`` over a rollout engine's ``generate_turns`` (sampling settings from ``params``)."""
+
+    def generate(requests: list[TurnRequest]) -> list[Generation]:
+        result = engine.generate_turns(requests, params)
+        return [
+            Generation(ids, logprobs, reason)
+            for ids, logprobs, reason in zip(
+                result.response_ids, result.response_logprobs, result.finish_reasons
+            )
+        ]
+
+    return generate
 
 
 @dataclass
@@ -50,6 +68,7 @@ class MultiTurnSettings:
     max_tokens_per_turn: int | None = None
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
+    max_env_failures: int = 0
 
     def __post_init__(self) -> None:
         for key in (
@@ -66,18 +85,22 @@ class EnvironmentFailure(RuntimeError):
     """An environment raised in reset or step: names the environment, the row and the message."""
 
 
+class ContextLimitError(ValueError):
+    """A trajectory's prompt leaves no room for a response."""
+
+
 class _Batcher:
     """Gathers the generation requests of the ready trajectories into one ``generate`` call."""
 
     def __init__(self, generate: GenerateFn) -> None:
         self.generate = generate
-        self.pending: list[tuple[list[int], int, asyncio.Future]] = []
+        self.pending: list[tuple[TurnRequest, asyncio.Future]] = []
         self.runner: asyncio.Task | None = None
         self.calls = 0
 
-    async def submit(self, ids: list[int], max_tokens: int) -> Generation:
+    async def submit(self, request: TurnRequest) -> Generation:
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((ids, max_tokens, future))
+        self.pending.append((request, future))
         if self.runner is None or self.runner.done():
             self.runner = asyncio.ensure_future(self._run())
         return await future
@@ -88,19 +111,19 @@ class _Batcher:
                 await asyncio.sleep(0)
             batch, self.pending = self.pending, []
             try:
-                out = await self._call([b[0] for b in batch], [b[1] for b in batch])
+                out = await self._call([request for request, _ in batch])
             except Exception as exc:
-                for _, _, future in batch:
+                for _, future in batch:
                     future.set_exception(exc)
                 continue
-            for (_, _, future), generation in zip(batch, out):
+            for (_, future), generation in zip(batch, out):
                 future.set_result(generation)
 
-    async def _call(self, prompts: list[list[int]], limits: list[int]) -> list[Generation]:
+    async def _call(self, requests: list[TurnRequest]) -> list[Generation]:
         self.calls += 1
         if inspect.iscoroutinefunction(self.generate):
-            return await self.generate(prompts, limits)
-        return await asyncio.to_thread(self.generate, prompts, limits)
+            return await self.generate(requests)
+        return await asyncio.to_thread(self.generate, requests)
 
 
 def _prompt_messages(row: dict[str, Any]) -> list[Message]:
@@ -141,9 +164,16 @@ def _truncate_messages(traj: Trajectory, messages: list[Message], renderer: Rend
 
 
 async def run_trajectory(
-    row: dict[str, Any], index: int, env: Environment, tokenizer: Any, batcher: _Batcher, s: MultiTurnSettings
+    row: dict[str, Any],
+    index: int,
+    env: Environment,
+    tokenizer: Any,
+    batcher: _Batcher,
+    s: MultiTurnSettings,
+    sample_id: int | None = None,
 ) -> Trajectory:
-    """One episode of ``env`` on ``row`` (see the module docstring); ``env`` is closed at the end."""
+    """One episode of ``env`` on ``row`` (see the module docstring); ``env`` is closed at the end.
+    ``sample_id``: the trajectory's global sample id (its sampling noise), ``index`` by default."""
     try:
         opening = await _env_call(env, "reset", row, index)
         messages = _prompt_messages(row) + list(opening or [])
@@ -151,6 +181,8 @@ async def run_trajectory(
             raise ConfigError(f"row {index}: no prompt and the environment's reset returned no messages")
         renderer = Renderer(tokenizer, tools=env.tool_schemas())
         traj = Trajectory(prompt_ids=renderer.prompt_ids(messages), messages=messages)
+        traj.sample_id = index if sample_id is None else sample_id
+        traj.tools = renderer.tools
         await _turns(traj, index, env, renderer, batcher, s)
         traj.metrics = dict(env.metrics())
         return traj
@@ -162,16 +194,26 @@ async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Rende
     while True:
         budget = s.max_response_length - len(traj.response_ids)
         limit = min(budget, s.max_tokens_per_turn or budget)
-        gen = await batcher.submit(traj.prompt_ids + traj.response_ids, limit)
+        request = TurnRequest(
+            ids=traj.prompt_ids + traj.response_ids,
+            max_tokens=limit,
+            sample_id=traj.sample_id,
+            position=len(traj.response_ids),
+            session=traj.sample_id,
+        )
+        gen = await batcher.submit(request)
         ids, logprobs = gen.ids[:limit], gen.logprobs[:limit]
         traj.add_assistant(ids, logprobs)
         text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
         traj.messages.append({"role": "assistant", "content": text})
-        if gen.finish_reason == "length" or len(ids) >= budget:
+        traj.turn_finish_reasons.append(gen.finish_reason)
+        if len(ids) >= budget:  # the trajectory's token budget is spent: no environment step
             traj.finish_reason = "length"
             traj.turn_rewards.append(0.0)
-            traj.truncations.append("trajectory budget" if limit == budget else "turn token limit")
+            traj.truncations.append("trajectory budget")
             return
+        if gen.finish_reason == "length":  # cut at max_tokens_per_turn: the environment still answers
+            traj.truncations.append("turn token limit")
         step = await _env_call(env, "step", text, index)
         traj.turn_rewards.append(float(step.reward))
         if step.done or not step.messages:
@@ -202,13 +244,53 @@ async def run_trajectories_async(
     generate: GenerateFn,
     tokenizer: Any,
     settings: MultiTurnSettings,
+    sample_ids: list[int] | None = None,
+    row_ids: list[int] | None = None,
 ) -> list[Trajectory]:
-    """Every row's trajectory, concurrently, in row order."""
+    """Every row's trajectory, concurrently, in row order.
+
+    sample_ids: each trajectory's global sample id (its sampling noise; default: its index here).
+    row_ids: the data row each trajectory plays, for error messages (default: its index here).
+    An environment that raises stops the run (:class:`EnvironmentFailure`), unless
+    ``settings.max_env_failures`` allows it: the trajectory is then kept as :func:`failed_trajectory` (nothing in
+    it is trained on) and counted in its ``metrics["env_failures"]``.
+    """
     batcher = _Batcher(generate)
+    sample_ids = list(range(len(rows))) if sample_ids is None else sample_ids
+    row_ids = list(range(len(rows))) if row_ids is None else row_ids
     tasks = [
-        run_trajectory(row, i, make_env(row), tokenizer, batcher, settings) for i, row in enumerate(rows)
+        run_trajectory(row, r, make_env(row), tokenizer, batcher, settings, sample_id=s)
+        for row, r, s in zip(rows, row_ids, sample_ids)
     ]
-    return list(await asyncio.gather(*tasks))
+    if settings.max_env_failures == 0:
+        return list(await asyncio.gather(*tasks))
+    out = await asyncio.gather(*tasks, return_exceptions=True)
+    failures = [x for x in out if isinstance(x, EnvironmentFailure)]
+    for x in out:  # anything else is a bug or a user error: raise it as it is
+        if isinstance(x, BaseException) and not isinstance(x, EnvironmentFailure):
+            raise x
+    if len(failures) > settings.max_env_failures:
+        raise EnvironmentFailure(
+            f"{len(failures)} trajectories of {len(rows)} failed in their environment, more than "
+            f"rollout.multi_turn.max_env_failures={settings.max_env_failures}; the first: {failures[0]}"
+        ) from failures[0]
+    return [
+        failed_trajectory(row, tokenizer, str(x)) if isinstance(x, EnvironmentFailure) else x
+        for row, x in zip(rows, out)
+    ]
+
+
+def failed_trajectory(row: dict[str, Any], tokenizer: Any, why: str) -> Trajectory:
+    """The stand-in for a trajectory whose environment failed: the row's prompt, one end-of-turn token with mask 0
+    (so no token of it is trained on), reward 0, ``metrics["env_failures"] = 1``."""
+    messages = _prompt_messages(row)
+    renderer = Renderer(tokenizer)
+    prompt = renderer.prompt_ids(messages) if messages else [renderer.eos_id]
+    traj = Trajectory(prompt_ids=prompt, messages=messages, finish_reason="length")
+    traj.add_environment([renderer.eos_id])
+    traj.truncations.append(f"environment failure: {why}")
+    traj.metrics = {"env_failures": 1.0}
+    return traj
 
 
 def run_trajectories(
@@ -217,6 +299,10 @@ def run_trajectories(
     generate: GenerateFn,
     tokenizer: Any,
     settings: MultiTurnSettings,
+    sample_ids: list[int] | None = None,
+    row_ids: list[int] | None = None,
 ) -> list[Trajectory]:
     """:func:`run_trajectories_async` from synchronous code (runs its own event loop)."""
-    return asyncio.run(run_trajectories_async(rows, make_env, generate, tokenizer, settings))
+    return asyncio.run(
+        run_trajectories_async(rows, make_env, generate, tokenizer, settings, sample_ids, row_ids)
+    )

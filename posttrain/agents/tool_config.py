@@ -10,6 +10,10 @@ tools:
       function: {name: web_search, description: ..., parameters: {...}}
 ```
 
+verl's tool YAML reads the same: ``class_name: pkg.module.function`` stands for ``path: pkg.module:function`` and
+``config: {type: native}`` is accepted (posttrain tools are plain functions: a verl ``BaseTool`` class, or any other
+``config`` setting, is a ConfigError saying so).
+
 Every mistake (a missing or unreadable file, a missing function, a schema that does not fit the signature) is a
 ConfigError naming the config file, the tool and the fix, raised before any model loads.
 """
@@ -28,7 +32,7 @@ from posttrain.agents.tools import Tool, ToolSet, make_tool
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.utils.user_code import function_of, import_file
 
-_KEYS = {"path", "schema", "tool_schema", "timeout_s"}
+_KEYS = {"path", "class_name", "config", "schema", "tool_schema", "timeout_s"}
 
 
 def load_tool_config(path: str | Path) -> ToolSet:
@@ -42,7 +46,9 @@ def load_tool_config(path: str | Path) -> ToolSet:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"tool config {str(path)!r} cannot be read: {exc}; fix the file's syntax") from exc
+        raise ConfigError(
+            f"tool config {str(path)!r} cannot be read: {_one_line(exc)}; fix the file's syntax"
+        ) from exc
     entries = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(
@@ -51,8 +57,21 @@ def load_tool_config(path: str | Path) -> ToolSet:
     return ToolSet([_load_entry(entry, i, path) for i, entry in enumerate(entries)])
 
 
+def _one_line(exc: Exception) -> str:
+    """A parser error in one line: YAML's own messages span several (the problem, then a caret drawing)."""
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.YAMLError) and mark is not None:
+        return f"{getattr(exc, 'problem', None) or type(exc).__name__} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
+
+
 def _load_entry(entry: Any, index: int, config: Path) -> Tool:
     where = f"tool config {str(config)!r}, tools[{index}]"
+    if isinstance(entry, dict) and "path" not in entry and isinstance(entry.get("class_name"), str):
+        entry = {
+            **{k: v for k, v in entry.items() if k != "class_name"},
+            "path": _verl_class_name(entry["class_name"]),
+        }
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
         raise ConfigError(f"{where}: each tool needs `path: file.py:function` (or `package.module:function`)")
     unknown = sorted(set(entry) - _KEYS)
@@ -60,12 +79,31 @@ def _load_entry(entry: Any, index: int, config: Path) -> Tool:
         raise ConfigError(f"{where}: unknown keys {unknown}; allowed: {sorted(_KEYS)}")
     spec = entry["path"]
     where = f"{where} ({spec})"
+    settings = entry.get("config") or {}
+    if not isinstance(settings, dict) or {k: v for k, v in settings.items() if (k, v) != ("type", "native")}:
+        raise ConfigError(
+            f"{where}: config={settings!r} is not supported: posttrain tools are plain functions without "
+            "settings (verl's `config: {type: native}` is accepted); drop it or bind the settings in the function"
+        )
     fn = resolve_function(spec, config.parent, where)
+    if isinstance(fn, type):
+        raise ConfigError(
+            f"{where}: {spec!r} is a class (verl's BaseTool?); posttrain tools are functions whose type hints and "
+            "docstring give the schema: wrap the class's execute() in a function and name that"
+        )
     schema = entry.get("schema", entry.get("tool_schema"))
     timeout = entry.get("timeout_s")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ConfigError(f"{where}: timeout_s={timeout!r} must be a positive number of seconds")
     return make_tool(fn, schema=schema, timeout_s=timeout, where=where)
+
+
+def _verl_class_name(name: str) -> str:
+    """verl writes ``pkg.module.Name``; we read ``pkg.module:Name`` (a ``file.py:name`` passes unchanged)."""
+    if ":" in name or "." not in name:
+        return name
+    module, _, attr = name.rpartition(".")
+    return f"{module}:{attr}"
 
 
 def resolve_function(spec: str, base: Path, where: str) -> Any:

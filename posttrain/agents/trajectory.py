@@ -26,6 +26,9 @@ class Trajectory:
     messages: the whole conversation (prompt messages first; assistant content is the decoded sampled text).
     finish_reason: "stop" (the environment said done), "length" (the token budget ran out) or "turn_limit".
     truncations: why anything was cut ("tool output: ...", "trajectory budget", "turn limit").
+    sample_id: the global sample id its turns were sampled under.
+    tools: the tool schemas rendered in its prompt (None: no tools).
+    turn_finish_reasons: the engine's finish reason of each assistant turn ("eos", "stop" or "length").
     """
 
     prompt_ids: list[int]
@@ -39,6 +42,9 @@ class Trajectory:
     truncations: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     num_user_turns: int = 0
+    sample_id: int = 0
+    tools: list[dict[str, Any]] | None = None
+    turn_finish_reasons: list[str] = field(default_factory=list)
 
     def add_assistant(self, ids: list[int], logprobs: list[float]) -> None:
         start = len(self.response_ids)

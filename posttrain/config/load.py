@@ -6,6 +6,7 @@ bounds or choices are ValueErrors naming the dotted key, before any model is loa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -18,7 +19,7 @@ import yaml
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.config.validate import check_config, check_value
+from posttrain.config.validate import check_config, check_value, resolve_task_environment
 from posttrain.config.verl_keys import LAST_TRANSLATED, translate_verl_keys
 
 _NONE_WORDS = {"null", "none", "~"}
@@ -37,6 +38,20 @@ def all_keys(cls: type = PostTrainConfig, prefix: str = "") -> list[str]:
         else:
             keys.append(name)
     return keys
+
+
+def dict_entry(key: str) -> tuple[str, list[str]] | None:
+    """For ``env.kwargs.max_turns``: the dict knob (``env.kwargs``) and the entry's path in it (``['max_turns']``);
+    None when ``key`` does not reach into a dict knob."""
+    cls: Any = PostTrainConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if not dataclasses.is_dataclass(cls) or part not in {f.name for f in dataclasses.fields(cls)}:
+            return None
+        cls = typing.get_type_hints(cls)[part]
+        if typing.get_origin(cls) is dict:
+            return ".".join(parts[: i + 1]), parts[i + 1 :]
+    return None
 
 
 def field_info(key: str) -> tuple[dataclasses.Field, Any]:
@@ -74,6 +89,8 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     """Convert a YAML or command-line value to the field's declared type, or raise naming the key."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if origin is dict:
+        return _coerce_dict(key, value)
     if origin in (typing.Union, types.UnionType):
         is_none = value is None or (isinstance(value, str) and value.lower() in _NONE_WORDS)
         if is_none and type(None) in args:
@@ -124,6 +141,25 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
         return value
     raise TypeError(f"unsupported type {hint!r} for config key '{key}'")
+
+
+def _coerce_dict(key: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        value = parse_scalar(value) if value.strip() else {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(
+            f"config key '{key}' expects a mapping of names to values, got {value!r}; set one entry with "
+            f"{key}.NAME=VALUE (or in YAML, NAME: VALUE lines indented under '{key.rsplit('.', 1)[-1]}:')"
+        )
+    return copy.deepcopy(value)
+
+
+def parse_scalar(text: str) -> Any:
+    """A command-line value of a dict knob's entry, read as a YAML scalar (``6`` is an int, ``a`` a string)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _parse_list(key: str, text: str) -> Any:
@@ -225,12 +261,19 @@ def build_config(
     if isinstance(overrides, dict):
         values.update(translate_verl_keys(flatten(overrides), is_key)[0])
     elif overrides:
-        values.update(translate_verl_keys(parse_overrides(overrides), is_key)[0])
+        parsed = translate_verl_keys(parse_overrides(overrides), is_key)[0]
+        values.update({k: parse_scalar(v) if _is_dict_key(k) else v for k, v in parsed.items()})
     return apply_values(PostTrainConfig(), values)
 
 
+def _is_dict_key(key: str) -> bool:
+    return isinstance(key, str) and dict_entry(key) is not None
+
+
 def is_key(key: str) -> bool:
-    """Whether ``key`` is a posttrain leaf key."""
+    """Whether ``key`` is a posttrain leaf key (or an entry of a dict knob, ``env.kwargs.NAME``)."""
+    if _is_dict_key(key):
+        return True
     try:
         return not dataclasses.is_dataclass(field_info(key)[1])
     except ConfigError:
@@ -275,6 +318,10 @@ def apply_values(cfg: PostTrainConfig, values: dict[str, Any]) -> PostTrainConfi
     unset take their source's value."""
     cfg = _deep_copy(cfg)
     for key, raw in values.items():
+        entry = dict_entry(key)
+        if entry is not None:
+            _set_entry(cfg, key, entry, raw)
+            continue
         field, hint = field_info(key)
         if dataclasses.is_dataclass(hint):
             raise ConfigError(_section_value_message(key, raw, hint))
@@ -283,8 +330,24 @@ def apply_values(cfg: PostTrainConfig, values: dict[str, Any]) -> PostTrainConfi
         check_value(key, value)
         _set(cfg, key, value)
     cfg = resolve_inherited(cfg)
+    resolve_task_environment(cfg, set(values))
     check_config(cfg)
     return cfg
+
+
+def _set_entry(cfg: PostTrainConfig, key: str, entry: tuple[str, list[str]], raw: Any) -> None:
+    """``env.kwargs.a.b = v``: set ``v`` at ``['a']['b']`` of the dict knob ``env.kwargs``."""
+    knob_key, path = entry
+    if not all(path):
+        raise ConfigError(
+            f"config key '{key}' has an empty name after '{knob_key}.'; write {knob_key}.NAME=VALUE"
+        )
+    target = _get(cfg, knob_key)
+    for part in path[:-1]:
+        if not isinstance(target.get(part), dict):
+            target[part] = {}
+        target = target[part]
+    target[path[-1]] = copy.deepcopy(raw)
 
 
 def _section_value_message(key: str, raw: Any, section: type) -> str:
@@ -305,6 +368,8 @@ def _deep_copy(obj: Any) -> Any:
         )
     if isinstance(obj, list):
         return list(obj)
+    if isinstance(obj, dict):
+        return copy.deepcopy(obj)
     return obj
 
 

@@ -28,6 +28,8 @@ def _type_name(hint: typing.Any) -> str:
     args = typing.get_args(hint)
     if type(None) in args:  # `X | None`: a "|" would split the markdown table cell
         return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
+    if origin is dict:
+        return "mapping NAME -> value"
     if origin is list:
         return f"list[{typing.get_args(hint)[0].__name__}]"
     return getattr(hint, "__name__", str(hint))

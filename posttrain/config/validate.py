@@ -13,6 +13,7 @@ from typing import Any
 from posttrain.algorithms.advantages import GROUP_ESTIMATORS
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig, TrainerConfig
+from posttrain.config.schema.names import BUILTIN_TASKS, TASK_ENVIRONMENTS
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # Estimators whose advantage is a sample's reward relative to the other samples of its prompt's group.
@@ -35,11 +36,10 @@ def check_value(key: str, value: Any) -> None:
             "config key 'rollout.top_k' = 0 is not valid: it would keep no token. Use -1 to disable top-k "
             "sampling, or k >= 1 to sample among the k most likely tokens"
         )
-    elif (
-        key == "data.task" and value not in ("arithmetic", "gsm8k") and not value.startswith("reasoning_gym:")
-    ):
+    elif key == "data.task" and value not in BUILTIN_TASKS and not value.startswith("reasoning_gym:"):
         raise ConfigError(
-            f"config key 'data.task' = {value!r} is not one of 'arithmetic', 'gsm8k' or 'reasoning_gym:<name>' "
+            f"config key 'data.task' = {value!r} is not one of {', '.join(map(repr, BUILTIN_TASKS))} or "
+            "'reasoning_gym:<name>' "
             "(e.g. data.task=reasoning_gym:basic_arithmetic)"
         )
     elif key == "trainer.loggers":
@@ -49,6 +49,24 @@ def check_value(key: str, value: Any) -> None:
                 f"config key 'trainer.loggers' has unknown name(s) {unknown}; valid loggers are "
                 f"{', '.join(LOGGERS)} (e.g. trainer.loggers=[console,jsonl])"
             )
+
+
+def resolve_task_environment(cfg: PostTrainConfig, explicit: set[str]) -> None:
+    """A multi-turn task (data.task) implies rollout.multi_turn.enable=true and, when env.path is empty, plays in
+    its environment; ``explicit`` are the keys the user set (an explicit enable=false is an error)."""
+    environment = TASK_ENVIRONMENTS.get(cfg.data.task)
+    mt = cfg.rollout.multi_turn
+    if environment is None:
+        return
+    if not mt.enable and "rollout.multi_turn.enable" in explicit:
+        raise ConfigError(
+            f"rollout.multi_turn.enable=false, but data.task={cfg.data.task} is a multi-turn task (played in the "
+            f"{environment!r} environment): it cannot be rolled out in one turn; drop "
+            "rollout.multi_turn.enable=false (the task turns it on), or pick a single-turn task (e.g. arithmetic)"
+        )
+    mt.enable = True
+    if not cfg.env.path:
+        cfg.env.path = environment
 
 
 def _check_betas(key: str, betas: list[float]) -> None:

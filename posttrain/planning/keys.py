@@ -9,6 +9,8 @@ from posttrain.config.schema import PostTrainConfig
 
 
 def _type_name(hint) -> str:
+    if typing.get_origin(hint) is dict:
+        return "mapping NAME -> value"
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint) or (str,)
         return f"list[{getattr(item, '__name__', item)}]"
@@ -18,6 +20,8 @@ def _type_name(hint) -> str:
 def _value(value) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ",".join(str(v) for v in value) + "]"
     return repr(value) if value == "" else str(value)

@@ -6,6 +6,8 @@ before any model loads, so a typo costs a second, not a model load.
 - model.path is a built-in name allowed with this data, a local model directory, or a Hub id that is
   cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
 - the optional packages the configured loggers need are installed;
+- train, explain and eval: the multi-turn settings (posttrain.agents.check: tool config, environment, env.kwargs,
+  combinations multi-turn rollouts do not support);
 - train and explain: every config-only check of the run (posttrain.rl.build.check_config) and the first rows
   of each data file, so explain accepts exactly what train accepts.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.agents.check import check_multi_turn
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import first_records
@@ -53,6 +56,8 @@ def preflight(
     """
     _check_data_files(cfg, command)
     _check_reward(cfg, command)
+    if command in ("train", "explain", "eval"):
+        check_multi_turn(cfg)
     if not check_model:
         check_builtin_choice(cfg)  # a built-in model that cannot be used with this data is still an error
     elif not (model_override and (Path(model_override) / "config.json").exists()):

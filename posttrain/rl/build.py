@@ -46,6 +46,7 @@ from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
 from posttrain.rl.collect.context import RolloutContext
+from posttrain.rl.collect.multi_turn import build_agent_loop
 from posttrain.rl.collect.validation import validation_params
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
@@ -253,6 +254,11 @@ def build_engine(
         max_num_batched_tokens=r.max_num_batched_tokens,
         enable_chunked_prefill=r.enable_chunked_prefill,
         enforce_eager=r.enforce_eager,
+        # Multi-turn: a cache as long as a whole trajectory from the start, so no turn outgrows it (which would
+        # end the sessions whose prefixes later turns reuse).
+        max_model_len=(r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length)
+        if r.multi_turn.enable
+        else None,
     )
 
 
@@ -375,6 +381,7 @@ def build_components(
         sampler=sampler,
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, dist.device),
+        agent=build_agent_loop(cfg, tokenizer),
         kl_ctrl=build_kl_controller(cfg),
         forward=forward,
         dist=dist,
@@ -445,4 +452,5 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
         sampler=sampler,
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, device),
+        agent=build_agent_loop(cfg, tokenizer),
     )

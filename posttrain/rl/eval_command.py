@@ -15,6 +15,7 @@ from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
+from posttrain.rl.collect.multi_turn import build_agent_loop
 from posttrain.rl.collect.validation import validate
 from posttrain.rl.eval_report import report_eval
 from posttrain.rollout.weights import RolloutWeights
@@ -66,6 +67,9 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         engine = build_engine(cfg, model, tokenizer, device, hf_dir)
         # vLLM reads hf_dir; a checkpoint's or an adapter's weights follow (a no-op for the native engine).
         RolloutWeights(cfg, engine).push(model)
-        metrics = validate(engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows)
+        agent = build_agent_loop(cfg, tokenizer)
+        metrics = validate(
+            engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows, agent=agent
+        )
     report_eval(cfg, described, rows, metrics)
     return metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -81,6 +81,10 @@ class RolloutResult:
     trainable_mask: [S][L_s] 1 on tokens the policy sampled, 0 on tokens put into the response by others (a tool's
         output, an environment's reply) that the loss must skip; None (single-turn, the default): all are 1.
         It becomes the batch's ``response_mask``.
+    prompt_ids: [S][P_s] each sample's own prompt, where it is not the call's prompt (multi-turn: rendered with
+        the tools and the environment's opening messages); None: prompt ``prompt_index[s]`` of the call.
+    episodes: [S] multi-turn: each sample's trajectory (``posttrain.agents.trajectory.Trajectory``: messages,
+        turns, the environment's rewards, metrics); None for single-turn samples.
     """
 
     prompt_index: list[int] = field(default_factory=list)
@@ -88,6 +92,8 @@ class RolloutResult:
     response_logprobs: list[list[float]] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     trainable_mask: list[list[int]] | None = None
+    prompt_ids: list[list[int]] | None = None
+    episodes: list[Any] | None = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -96,8 +102,9 @@ class RolloutResult:
             len(self.response_logprobs),
             len(self.finish_reasons),
         }
-        if self.trainable_mask is not None:
-            sizes.add(len(self.trainable_mask))
+        for extra in (self.trainable_mask, self.prompt_ids, self.episodes):
+            if extra is not None:
+                sizes.add(len(extra))
         if len(sizes) != 1:
             raise ValueError(f"RolloutResult fields have different numbers of samples: {sorted(sizes)}")
         if self.trainable_mask is not None:
@@ -123,6 +130,8 @@ class RolloutResult:
             response_logprobs=[self.response_logprobs[s] for s in samples],
             finish_reasons=[self.finish_reasons[s] for s in samples],
             trainable_mask=None if self.trainable_mask is None else [self.trainable_mask[s] for s in samples],
+            prompt_ids=None if self.prompt_ids is None else [self.prompt_ids[s] for s in samples],
+            episodes=None if self.episodes is None else [self.episodes[s] for s in samples],
         )
 
     def __len__(self) -> int:
@@ -137,6 +146,12 @@ class RolloutResult:
         """Append ``other``'s samples (used to join results of prompt chunks, keeping prompt-major order)."""
         if self.trainable_mask is not None or other.trainable_mask is not None:
             self.trainable_mask = self.masks() + other.masks()
+        for name in ("prompt_ids", "episodes"):  # per-sample extras: all samples have them or none
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if (mine is None) != (theirs is None) and len(self) and len(other):
+                raise ValueError(f"cannot join results with and without {name}")
+            if mine is not None or theirs is not None:
+                setattr(self, name, (mine or []) + (theirs or []))
         self.prompt_index.extend(other.prompt_index)
         self.response_ids.extend(other.response_ids)
         self.response_logprobs.extend(other.response_logprobs)

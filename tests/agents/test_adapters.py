@@ -17,7 +17,8 @@ def tok():
 
 
 def scripted(tok, policy):
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
         out = []
         for ids, limit in zip(prompts, limits):
             reply = (

@@ -29,7 +29,8 @@ def tok():
 def scripted(tok, policy):
     """A deterministic "engine": ``policy(conversation text)`` gives the reply, sampled as its canonical tokens."""
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
         out = []
         for ids, limit in zip(prompts, limits):
             reply = tok(policy(tok.decode(ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -136,7 +137,8 @@ def test_a_trajectory_waiting_for_its_tool_does_not_block_the_others(tok):
     rows = [{"prompt": "go", "delay": 1.0}] + [{"prompt": "go", "delay": 0.0}] * 3
     done_at = []
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts = [r.ids for r in requests]
         done_at.append((time.perf_counter(), len(prompts)))
         text = [("again" if "tool_response" in tok.decode(p) else "call") for p in prompts]
         ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in text]
@@ -171,7 +173,8 @@ def hf_generate(model, tok):
     the distribution it sampled from."""
     eos = {tok.eos_token_id, tok.pad_token_id}
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
         out = []
         for ids, limit in zip(prompts, limits):
             with torch.no_grad():
@@ -263,7 +266,7 @@ def test_tool_output_is_truncated_in_tokens_and_logged(tok):
 
 
 def test_an_engine_error_is_raised_not_swallowed(tok):
-    def broken(prompts, limits):
+    def broken(requests):
         raise RuntimeError("engine died")
 
     with pytest.raises(RuntimeError, match="engine died"):
@@ -276,7 +279,8 @@ def native_generate(engine, seed=0):
     """The native engine behind the driver's callable: one engine call per distinct token limit."""
     calls = [0]
 
-    def generate(prompts, limits):
+    def generate(requests):
+        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
         out: list = [None] * len(prompts)
         for limit in sorted(set(limits)):
             idx = [i for i, m in enumerate(limits) if m == limit]
@@ -316,9 +320,10 @@ def test_with_the_native_engine(tok):
 
 
 def test_a_turn_ended_by_another_stop_token_is_closed_with_the_template_eos(tok):
-    def generate(
-        prompts, limits
-    ):  # ends every turn with <|endoftext|> (a stop token, but not the template's)
+    def generate(requests):
+        prompts = [
+            r.ids for r in requests
+        ]  # ends every turn with <|endoftext|> (a stop token, but not the template's)
         ids = tok("7", add_special_tokens=False)["input_ids"] + [tok.pad_token_id]
         return [Generation(ids, [0.0] * len(ids), "stop") for _ in prompts]
 

@@ -70,6 +70,11 @@ rm.prompt_key rm.chosen_key rm.rejected_key rm.margin_key rm.max_length rm.batch
 rm.epochs rm.max_steps rm.center_rewards_coefficient rm.output_dir
 rm.optim.lr rm.optim.weight_decay rm.optim.betas rm.optim.warmup_steps rm.optim.lr_schedule
 rm.optim.min_lr_ratio rm.optim.grad_clip rm.optim.eps
+rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns
+rollout.multi_turn.max_tokens_per_turn rollout.multi_turn.max_parallel_calls rollout.multi_turn.tool_timeout_s
+rollout.multi_turn.max_tool_response_length rollout.multi_turn.tool_response_truncate_side
+rollout.multi_turn.tool_config_path rollout.multi_turn.format rollout.multi_turn.turn_rewards
+rollout.multi_turn.max_env_failures env.path env.kwargs
 """.split()
 
 

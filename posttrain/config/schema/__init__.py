@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.config.fields import section
+from posttrain.config.schema.agents import EnvConfig
 from posttrain.config.schema.algorithm import (
     AlgorithmConfig,
     FilterGroupsConfig,
@@ -36,7 +37,6 @@ from posttrain.config.schema.roles import (
 )
 from posttrain.config.schema.rollout import RolloutConfig
 from posttrain.config.schema.run import AsyncTrainingConfig, SFTConfig, TrainerConfig
-from posttrain.config.schema.agents import EnvConfig
 from posttrain.config.schema.sandbox import SandboxConfig
 
 __all__ = [

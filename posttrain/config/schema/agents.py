@@ -18,7 +18,8 @@ class MultiTurnConfig:
     them. Every length is in tokens; `data.max_response_length` bounds the whole trajectory after the prompt."""
 
     enable: bool = knob(
-        False, "Roll out multi-turn trajectories through the environment (`env.path`) and tools (`tool_config_path`)."
+        False,
+        "Roll out multi-turn trajectories through the environment (`env.path`) and tools (`tool_config_path`).",
     )
     max_assistant_turns: int = knob(5, "Most assistant turns per trajectory.", min=1)
     max_user_turns: int = knob(
@@ -32,8 +33,10 @@ class MultiTurnConfig:
         30.0, "Seconds one tool call may take; then the model gets a timeout error as the result.", min=0.01
     )
     max_tool_response_length: int = knob(
-        256, "Most tokens of one tool result kept in the trajectory (cut at `tool_response_truncate_side`).",
-        unit="tokens", min=1,
+        256,
+        "Most tokens of one tool result kept in the trajectory (cut at `tool_response_truncate_side`).",
+        unit="tokens",
+        min=1,
     )
     tool_response_truncate_side: str = knob(
         "middle", "Which part of a too-long tool result is dropped.", choices=TRUNCATE_SIDES
@@ -43,7 +46,7 @@ class MultiTurnConfig:
     )
     format: str = knob(
         "hermes",
-        "How tool calls are written: hermes = Qwen/Hermes `<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>`; "
+        'How tool calls are written: hermes = Qwen/Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; '
         "results go back as `tool` messages through the chat template.",
         choices=TOOL_CALL_FORMATS,
     )

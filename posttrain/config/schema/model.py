@@ -95,7 +95,9 @@ class DataConfig:
         "Built-in task: 'arithmetic' (generated locally; used when data.train_files is empty) or 'gsm8k' "
         "(your GSM8K-format data.train_files: question, answer ending in '#### <number>'; numeric verifier), "
         "or 'reasoning_gym:<name>' (a reasoning-gym task generated from trainer.seed, scored by its own "
-        "score_answer; pip install 'posttrain[reasoning-gym]').",
+        "score_answer; pip install 'posttrain[reasoning-gym]'). Multi-turn tasks (calculator: products with a "
+        "calculator tool; guess_number: a guessing dialogue) imply rollout.multi_turn.enable=true and play in "
+        "their environment unless env.path names another.",
     )
     train_files: list[str] = knob(
         default_factory=list,

@@ -13,3 +13,8 @@ POLICY_LOSSES = tuple(POLICY_LOSS_REGISTRY)
 LOSS_AGG_MODES = tuple(AGG_MODES)
 KL_ESTIMATORS = tuple(KL_ESTIMATOR_NAMES)
 DTYPES = ("fp32", "bf16", "fp16")
+
+# The built-in multi-turn tasks and the environment (`env.path`) each is played in: posttrain.data.tasks'
+# Task.environment, which tests/agents/test_build.py keeps equal to this map (config cannot import data).
+TASK_ENVIRONMENTS = {"calculator": "calculator", "guess_number": "guess_number"}
+BUILTIN_TASKS = ("arithmetic", "gsm8k", *TASK_ENVIRONMENTS)

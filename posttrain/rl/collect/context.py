@@ -18,6 +18,7 @@ from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
+from posttrain.rl.collect.multi_turn import AgentLoop
 from posttrain.rollout.base import RolloutEngine
 
 
@@ -36,6 +37,7 @@ class RolloutContext:
     reward_model: RewardModelScorer | None
     dist: DistContext = DistContext()
     share: DataShare = SINGLE_SHARE
+    agent: AgentLoop | None = None  # multi-turn runs: how trajectories are rolled out
 
     def close(self) -> None:
         self.reward_runner.close()

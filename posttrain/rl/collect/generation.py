@@ -18,8 +18,9 @@ from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, ShareMetrics
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
-from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rl.collect.validation import CORRECT_THRESHOLD
+from posttrain.rewards.runner import RewardRunner
+from posttrain.rl.collect.multi_turn import AgentLoop
+from posttrain.rl.collect.validation import CORRECT_THRESHOLD, reward_inputs
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 
@@ -77,12 +78,16 @@ class Scorer:
             if self.reward_model is not None:
                 metrics["reward/model_score_mean"] = 0.0
             return torch.zeros(0), metrics
-        texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
         records = [prompts.records[rows[p]] for p in result.prompt_index]
-        inputs = [RewardInput(r.prompt, t, r.ground_truth, r.extra) for r, t in zip(records, texts)]
+        inputs = reward_inputs(records, result, self.tokenizer)
         rewards, metrics = self.runner.score(inputs)
         scores = torch.tensor(rewards, dtype=torch.float32)
+        if result.episodes is not None:  # the environment's rewards add to the reward function's
+            env = torch.tensor([sum(e.turn_rewards) for e in result.episodes], dtype=torch.float32)
+            metrics["reward/env_mean"] = float(env.mean())
+            scores = scores + env
         if self.reward_model is not None:
+            texts = [i.response for i in inputs]
             rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts), dtype=torch.float32)
             metrics["reward/model_score_mean"] = float(rm.mean())
             scores = scores + rm
@@ -95,17 +100,22 @@ def generate_share(
     prompt_rows: list[int],
     params: SamplingParams,
     dist: DistContext,
+    agent: AgentLoop | None = None,
 ) -> tuple[int, RolloutResult]:
     """This rank's contiguous part of the prompts (1/world of them), generated; returns (offset of the part,
     result). The parts of the ranks that hold one data share make up the share (:func:`join_replicas`).
 
     Sample randomness depends on the global sample index (``prompt_offset``), so the samples are the same
-    whatever the number of ranks.
+    whatever the number of ranks. With ``agent`` each sample is a multi-turn trajectory (its samples carry their
+    own prompts and episodes).
     """
     lo, hi = shard_bounds(len(prompt_rows), dist.rank, dist.world_size)
     ids = [prompts.prompt_ids[i] for i in prompt_rows[lo:hi]]
     if not ids:
         return lo, RolloutResult()
+    if agent is not None:
+        records = [prompts.records[i] for i in prompt_rows[lo:hi]]
+        return lo, agent.generate(engine, records, params, lo, row_ids=list(prompt_rows[lo:hi]))
     extra = {"prompt_offset": lo} if dist.distributed else {}
     return lo, engine.generate(ids, params, **extra)
 
@@ -145,11 +155,12 @@ def sample_and_score(
     params: SamplingParams,
     dist: DistContext,
     share: DataShare = SINGLE_SHARE,
+    agent: AgentLoop | None = None,
 ) -> tuple[Scored, ShareMetrics]:
     """Generate and score this rank's part of the prompts, then keep its share of the step (prompt-major,
     ``prompt_index``: the prompt's index in the step). Nothing crosses shares; the scorer's metrics are this
-    rank's (reduce them with ``share.reduce``)."""
-    lo, local = generate_share(engine, prompts, prompt_rows, params, dist)
+    rank's (reduce them with ``share.reduce``). ``agent``: roll out multi-turn trajectories."""
+    lo, local = generate_share(engine, prompts, prompt_rows, params, dist, agent)
     return score_share(scorer, prompts, prompt_rows, lo, local, share)
 
 
@@ -195,20 +206,25 @@ def scored_batch(
     pad_token_id: int,
     baselines: torch.Tensor | None,
     with_rollout_log_probs: bool,
+    turn_rewards: str = "final",
 ) -> RolloutBatch:
     """The batch of ``scored`` samples (``prompt_ids``: the step's prompts, by index): rows in sample order,
     group ids the prompts' indices in the step, scores on the last response token, ReMax baselines and the
     engine's log-probs when asked for. ``scored`` is this rank's share, or a whole step gathered (to filter
-    groups, say), which `posttrain.parallel.shares.select_share` then cuts to the share."""
+    groups, say), which `posttrain.parallel.shares.select_share` then cuts to the share. Multi-turn samples bring
+    their own prompts; with ``turn_rewards="per_turn"`` the environment's reward of each turn sits on the last
+    token of that assistant turn (the rest of the reward on the last trained token)."""
     result = scored.result
     batch = build_rollout_batch(
-        [prompt_ids[p] for p in result.prompt_index],
+        result.prompt_ids or [prompt_ids[p] for p in result.prompt_index],
         result.response_ids,
         result.prompt_index,
         pad_token_id,
         result.trainable_mask,
     )
     batch.token_level_scores = place_scores(batch, scored.scores)
+    if turn_rewards == "per_turn" and result.episodes is not None:
+        batch.token_level_scores += per_turn_shift(result.episodes, batch.response_mask.shape[1])
     if baselines is not None:
         batch.reward_baselines = baselines[batch.group_ids]
     if with_rollout_log_probs:
@@ -223,6 +239,21 @@ def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
     last = width - 1 - batch.response_mask.flip(-1).argmax(-1)  # single-turn: the response's last token
     out[torch.arange(batch.num_rows), last] = scores
     return out * batch.response_mask
+
+
+def per_turn_shift(episodes: list, width: int) -> torch.Tensor:
+    """[B, width] what moves each turn's environment reward from the last trained token (where
+    :func:`place_scores` put the whole reward) to the last token of its own assistant turn."""
+    out = torch.zeros(len(episodes), width)
+    for i, episode in enumerate(episodes):
+        ends = [end - 1 for start, end in episode.turns if end > start]
+        if not ends:
+            continue
+        for (start, end), reward in zip(episode.turns, episode.turn_rewards):
+            if end > start:
+                out[i, end - 1] += reward
+                out[i, ends[-1]] -= reward
+    return out
 
 
 def rollout_metrics(

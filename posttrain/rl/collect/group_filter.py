@@ -28,6 +28,7 @@ from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import MAX, SINGLE_SHARE, DataShare, ShareMetrics
 from posttrain.rl.collect.generation import Scorer, sample_and_score
+from posttrain.rl.collect.multi_turn import AgentLoop
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 GEN_BATCH_SALT = 1000  # step_seed salts of the extra generation batches start here (0-2 are taken)
@@ -109,10 +110,11 @@ def score_batch(
     params: SamplingParams,
     dist: DistContext,
     share: DataShare = SINGLE_SHARE,
+    agent: AgentLoop | None = None,
 ) -> tuple[ScoredGroups, ShareMetrics]:
     """Generate and score this share's part of the prompts ``rows`` (``prompt_index``: the prompt's index in
     ``rows``); the overlong penalty apart. The metrics are this rank's (reduce them with ``share.reduce``)."""
-    scored, metrics = sample_and_score(engine, scorer, prompts, rows, params, dist, share)
+    scored, metrics = sample_and_score(engine, scorer, prompts, rows, params, dist, share, agent)
     return ScoredGroups(list(rows), scored.result, scored.scores, scorer.penalties(scored.result)), metrics
 
 
@@ -149,13 +151,14 @@ def draw_groups(
     flt: GroupFilter | None,
     dist: DistContext,
     share: DataShare = SINGLE_SHARE,
+    agent: AgentLoop | None = None,
 ) -> tuple[ScoredGroups, ShareMetrics]:
     """This step's scored groups: this share's part of one generation batch (no filter), or the whole step of
     kept groups, on every rank, from as many batches as it takes to keep ``flt.num_groups`` groups.
     ``params_for(k)`` is how generation batch k samples (its seed). The metrics are this rank's to reduce
     (with the filter on they are already the step's, the same on every rank)."""
     if flt is None:
-        return score_batch(engine, scorer, prompts, sampler.next_batch(), params_for(0), dist, share)
+        return score_batch(engine, scorer, prompts, sampler.next_batch(), params_for(0), dist, share, agent)
     kept: ScoredGroups | None = None
     per_batch: list[dict[str, float]] = []
     dropped = 0
@@ -163,7 +166,7 @@ def draw_groups(
         if 0 < flt.max_num_gen_batches <= k:
             raise _too_few_groups(flt, kept.num_groups, dropped)
         local, metrics = score_batch(
-            engine, scorer, prompts, sampler.next_batch(), params_for(k), dist, share
+            engine, scorer, prompts, sampler.next_batch(), params_for(k), dist, share, agent
         )
         batch = gather_step(local, dist, share)
         per_batch.append(share.reduce(metrics))

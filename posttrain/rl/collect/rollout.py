@@ -24,6 +24,7 @@ from posttrain.rl.collect.generation import (
     training_params,
 )
 from posttrain.rl.collect.group_filter import ScoredGroups, draw_groups, generation_salt, group_filter
+from posttrain.rl.collect.multi_turn import episode_metrics
 from posttrain.rl.collect.truncation import mask_truncated
 from posttrain.rl.collect.validation import validate
 from posttrain.rollout.base import SamplingParams
@@ -55,6 +56,7 @@ def rollout_phase(
             flt,
             context.dist,
             context.share,
+            context.agent,
         )
         baselines = context_baselines(context, scorer, drawn.rows)
         engine_metrics = context.engine.generation_metrics()
@@ -98,6 +100,7 @@ def assemble_rollout(
         context.tokenizer.pad_token_id,
         baselines,
         engine_log_probs,
+        cfg.rollout.multi_turn.turn_rewards,
     )
     # Without the filter `drawn` is this share's samples; with it, the whole step's on every rank: the same
     # step-wide values everywhere (kept as maxima over ranks), cut to the share at the end.
@@ -111,6 +114,8 @@ def assemble_rollout(
         local.add(dict(step_metrics.values), MAX)
     else:
         rollout_metrics(result, drawn.rewards, local, unshaped=unshaped)
+    if result.episodes is not None:
+        episode_metrics(result.episodes, local, how, weight)
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
         local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
     if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts
@@ -143,6 +148,7 @@ def validate_context(side: RolloutContext, step: int) -> tuple[dict[str, float],
             seed=seed,
             dist=side.dist,
             samples=rows,
+            agent=side.agent,
         )
     finally:
         side.engine.release_memory()

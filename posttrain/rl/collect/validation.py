@@ -12,9 +12,11 @@ import torch
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import TokenizedPrompts
+from posttrain.data.records import PromptRecord
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rollout.base import RolloutEngine, SamplingParams
+from posttrain.rl.collect.multi_turn import AgentLoop
+from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 CORRECT_THRESHOLD = 1.0
 
@@ -37,6 +39,27 @@ def validation_params(cfg: PostTrainConfig, seed: int) -> SamplingParams:
     )
 
 
+def reward_inputs(records: list[PromptRecord], result: RolloutResult, tokenizer) -> list[RewardInput]:
+    """What the reward function sees of each sample (``records[s]``: sample s's record). Single-turn: the
+    decoded response. Multi-turn: the text of the trajectory's last assistant turn, and in ``extra`` (next to
+    the record's own fields) the whole conversation (``messages``), the environment's reward of each assistant
+    turn (``turn_rewards``) and their sum (``env_reward``)."""
+    if result.episodes is None:
+        texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+        return [RewardInput(r.prompt, t, r.ground_truth, r.extra) for r, t in zip(records, texts)]
+    out = []
+    for record, episode in zip(records, result.episodes):
+        said = [m.get("content", "") for m in episode.messages if m.get("role") == "assistant"]
+        extra = {
+            **record.extra,
+            "messages": episode.messages,
+            "turn_rewards": list(episode.turn_rewards),
+            "env_reward": episode.reward,
+        }
+        out.append(RewardInput(record.prompt, said[-1] if said else "", record.ground_truth, extra))
+    return out
+
+
 def validate(
     engine: RolloutEngine,
     tokenizer,
@@ -46,40 +69,41 @@ def validate(
     seed: int = 0,
     dist: DistContext | None = None,
     samples: list[dict] | None = None,
+    agent: AgentLoop | None = None,
 ) -> dict[str, float]:
     """Generate for every validation prompt (in batches of data.val_batch_size) and score it.
 
     With several ranks each validates a contiguous share of the prompts and the results are gathered.
     ``samples``, when given, receives one dict per sample of this rank's share (prompt, response,
-    ground_truth, reward), for the sample logs of posttrain.rl.collect.samples.
+    ground_truth, reward), for the sample logs of posttrain.rl.collect.samples. With ``agent`` each sample is a
+    multi-turn trajectory: its reward adds the environment's, its sample row has the whole conversation
+    (``messages``) and its number of turns, and the metrics add turn and tool-call statistics.
     """
     params = validation_params(cfg, seed)
     rewards: list[float] = []
     lengths: list[int] = []
+    turns: list[tuple[int, float]] = []  # multi-turn: (turns, tool calls) of each trajectory
     bs = cfg.data.val_batch_size
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     lo, hi = shard_bounds(len(prompts.prompt_ids), rank, world)
     for start in range(lo, hi, bs):
         ids = prompts.prompt_ids[start : min(start + bs, hi)]
         recs = prompts.records[start : min(start + bs, hi)]
-        result = engine.generate(ids, params, **({"prompt_offset": start} if world > 1 else {}))
-        texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
-        inputs = [
-            RewardInput(recs[p].prompt, text, recs[p].ground_truth, recs[p].extra)
-            for p, text in zip(result.prompt_index, texts)
-        ]
-        scores, _ = runner.score(inputs)
+        offset = start if world > 1 else 0
+        result, inputs, scores = _generate_and_score(
+            engine, tokenizer, runner, recs, ids, params, offset, agent
+        )
+        episodes = result.episodes or [None] * len(inputs)
         if samples is not None:
-            samples.extend(
-                {"prompt": i.prompt, "response": i.response, "ground_truth": i.ground_truth, "reward": s}
-                for i, s in zip(inputs, scores)
-            )
+            samples.extend(sample_row(i, s, e) for i, s, e in zip(inputs, scores, episodes))
         rewards.extend(scores)
         lengths.extend(len(r) for r in result.response_ids)
+        turns.extend(episode_counts(e) for e in episodes if e is not None)
     if world > 1:
-        shares = dist.all_gather_object((rewards, lengths))
-        rewards = [r for share, _ in shares for r in share]
-        lengths = [n for _, share in shares for n in share]
+        shares = dist.all_gather_object((rewards, lengths, turns))
+        rewards = [r for share, _, _ in shares for r in share]
+        lengths = [n for _, share, _ in shares for n in share]
+        turns = [t for _, _, share in shares for t in share]
     k = params.n
     correct = torch.tensor(rewards) >= CORRECT_THRESHOLD
     out = {
@@ -89,4 +113,43 @@ def validate(
     }
     if k > 1:
         out[f"val/pass@{k}"] = float(correct.view(-1, k).any(-1).float().mean())
+    if turns:
+        out["val/num_turns_mean"] = sum(t for t, _ in turns) / len(turns)
+        out["val/tool_call_counts_mean"] = sum(c for _, c in turns) / len(turns)
+        out["val/tool_call_frequency"] = sum(1 for _, c in turns if c > 0) / len(turns)
     return out
+
+
+def _generate_and_score(engine, tokenizer, runner, records, ids, params, offset, agent):
+    """(result, reward inputs, rewards) of one validation batch; a trajectory's reward adds the environment's."""
+    if agent is not None:
+        rows = list(range(offset, offset + len(records)))
+        result = agent.generate(engine, records, params, offset, row_ids=rows)
+    else:
+        result = engine.generate(ids, params, **({"prompt_offset": offset} if offset else {}))
+    inputs = reward_inputs([records[p] for p in result.prompt_index], result, tokenizer)
+    scores, _ = runner.score(inputs)
+    if result.episodes is not None:
+        scores = [s + e.reward for s, e in zip(scores, result.episodes)]
+    return result, inputs, scores
+
+
+def episode_counts(episode) -> tuple[int, float]:
+    """(turns, tool calls) of a trajectory; turns count assistant and environment turns, as in training."""
+    return episode.num_assistant_turns + episode.num_user_turns, episode.metrics.get("tool_calls", 0.0)
+
+
+def sample_row(given: RewardInput, reward: float, episode) -> dict:
+    """One validation sample for the sample logs and `posttrain eval`; a trajectory adds its conversation."""
+    row = {
+        "prompt": given.prompt,
+        "response": given.response,
+        "ground_truth": given.ground_truth,
+        "reward": reward,
+    }
+    if episode is not None:
+        row["messages"] = episode.messages
+        row["turns"] = episode.num_assistant_turns + episode.num_user_turns
+        row["finish_reason"] = episode.finish_reason
+        row["env_reward"] = episode.reward
+    return row

@@ -4,8 +4,13 @@ For Llama/Qwen2-family decoders (``posttrain.rollout.native.decoder``) each prom
 is long) and its keys/values copied into the slots of its ``n`` samples; every forward then carries one decode
 token per running sample plus prefill chunks of waiting prompts, bounded by ``max_num_seqs`` and
 ``max_num_batched_tokens`` (``posttrain.rollout.native.scheduler``). Finished samples leave at once and waiting prompts
-take their slots. Other architectures run a simpler path through the model's own forward: prompts are
-left-padded, prefilled once, the cache repeated n times and decoded in lockstep.
+take their slots. Other architectures run a simpler path through the model's own forward
+(``posttrain.rollout.native.padded``): prompts are left-padded, prefilled once, the cache repeated n times and
+decoded in lockstep.
+
+``generate_turns`` runs the turns of multi-turn trajectories the same way, one sample per request
+(``posttrain.rollout.native.turns``); a request's session keeps its slot between turns, so the next turn
+prefills only what it adds (``posttrain.rollout.native.sessions``).
 
 Both paths draw tokens with ``posttrain.rollout.native.token_sampling``: a sample's randomness depends only on
 (seed, global sample id, token index), so results do not depend on batching, scheduling or how prompts are
@@ -16,12 +21,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
-from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams, validate_prompts
+from posttrain.rollout.base import (
+    RolloutEngine,
+    RolloutResult,
+    SamplingParams,
+    TurnEngine,
+    TurnRequest,
+    validate_prompts,
+)
 from posttrain.rollout.native.decoder import (
     DecoderParts,
     SlotKVCache,
@@ -30,13 +41,16 @@ from posttrain.rollout.native.decoder import (
     forward_step,
 )
 from posttrain.rollout.native.graphs import StaticDecoder, bucket
+from posttrain.rollout.native.padded import Lockstep, left_pad, padded_generate, padded_turns
 from posttrain.rollout.native.scheduler import Plan, Scheduler
+from posttrain.rollout.native.sessions import SessionCache
 from posttrain.rollout.native.token_sampling import filter_top_k_top_p, sample_tokens
+from posttrain.rollout.native.turns import TurnScheduler
 
 __all__ = ["NativeEngine", "filter_top_k_top_p", "left_pad"]
 
 
-class NativeEngine(RolloutEngine):
+class NativeEngine(RolloutEngine, TurnEngine):
     """Rollout engine running a Hugging Face causal LM in this process.
 
     model: the policy (an ``AutoModelForCausalLM``-style module, possibly PEFT-wrapped). By default the engine
@@ -55,6 +69,9 @@ class NativeEngine(RolloutEngine):
         ``torch.compile`` and, on CUDA, replays them as CUDA graphs (see ``posttrain.rollout.native.graphs``).
     use_hf_forward: force (True) or forbid (False) the fallback path through the model's own forward; None picks
         the slot-cache path when the architecture is supported.
+    max_model_len: longest context (prompt + whole response) of a multi-turn trajectory. ``generate_turns``
+        allocates the cache this long at once, so that sessions survive from turn to turn; None (or a turn that
+        outgrows it) doubles the cache's length when a turn does not fit, which ends the sessions held.
     device: where to run; defaults to the model's device. The model is moved there if it is elsewhere.
     """
 
@@ -72,6 +89,7 @@ class NativeEngine(RolloutEngine):
         enforce_eager: bool = True,
         own_copy: bool = False,
         use_hf_forward: bool | None = None,
+        max_model_len: int | None = None,
     ):
         if len(eos_token_ids) == 0:
             raise ValueError("eos_token_ids is empty; pass at least one id, e.g. [tokenizer.eos_token_id]")
@@ -79,6 +97,7 @@ class NativeEngine(RolloutEngine):
             ("chunk_size", chunk_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", 1 if max_model_len is None else max_model_len),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1, e.g. {name}=64")
@@ -105,6 +124,9 @@ class NativeEngine(RolloutEngine):
         self.cache = SlotKVCache()
         self._cache_shape: tuple[int, int] | None = None  # (slots, length) to restore on wake_up
         self._static: StaticDecoder | None = None
+        self.max_model_len = max_model_len
+        self.sessions = SessionCache()  # multi-turn sessions kept in cache slots between turns
+        self._metrics: dict[str, float] = {}
         reason = decoder_parts(model)
         if use_hf_forward is False and isinstance(reason, str):
             raise ValueError(
@@ -130,24 +152,59 @@ class NativeEngine(RolloutEngine):
             raise ValueError(
                 f"prompt_offset={prompt_offset!r} must be an integer >= 0 (the first prompt's index)"
             )
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        seed = _seed(params)
+        self.sessions.clear()  # generate hands out every slot
+        self._metrics = {}
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
                 if self.use_hf_forward or self._beyond_window(prompt_ids, params):
-                    return self._generate_padded(prompt_ids, params, seed, prompt_offset)
+                    return padded_generate(self._lockstep(), prompt_ids, params, seed, prompt_offset)
                 return self._generate_continuous(prompt_ids, params, seed, prompt_offset)
         finally:
             self.model.train(was_training)
+
+    def generate_turns(self, requests: list[TurnRequest], params: SamplingParams) -> RolloutResult:
+        """One sample per request, in request order, in one continuous batch (see ``TurnEngine``).
+
+        Requests of different lengths each have their own ``max_tokens``, ``sample_id`` and noise offset
+        ``position``: a request at position 0 samples what ``generate([ids], n=1, prompt_offset=sample_id)``
+        samples. On the slot-cache path a request's ``session`` keeps its slot after the turn (an evictable
+        cached prefix, see ``posttrain.rollout.native.sessions``); the session's next request prefills only what
+        its ids add. The fallback path prefills every turn in full. ``params.n`` and ``params.max_tokens`` are
+        not used.
+        """
+        _validate_requests(requests)
+        seed = _seed(params)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                longest = max(len(r.ids) + r.max_tokens - 1 for r in requests)
+                if self.use_hf_forward or self._exceeds_window(longest):
+                    self._metrics = {
+                        "rollout/prefill_tokens": float(sum(len(r.ids) for r in requests)),
+                        "rollout/prefill_reused_tokens": 0.0,
+                    }
+                    return padded_turns(self._lockstep(), requests, params, seed)
+                return self._turns_continuous(requests, params, seed, longest)
+        finally:
+            self.model.train(was_training)
+
+    def generation_metrics(self) -> dict[str, float]:
+        """After ``generate_turns``: ``rollout/prefill_tokens`` (request tokens computed) and
+        ``rollout/prefill_reused_tokens`` (request tokens read from a session's cached prefix)."""
+        return dict(self._metrics)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs into the engine's model; names are its ``state_dict`` keys, any subset.
 
         Tensors are converted to the engine model's dtype and device. A tensor that already is the engine's own
         parameter (the engine shares the trainer's module) is skipped, which makes the call a no-op then. The KV
-        cache holds nothing across calls, so it stays valid (and allocated).
+        cache stays allocated; the multi-turn sessions it holds end (their keys came from the old weights).
         """
+        self.sessions.clear()
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
@@ -168,7 +225,8 @@ class NativeEngine(RolloutEngine):
                 target.copy_(tensor)
 
     def release_memory(self) -> None:
-        """Free the KV cache and any captured decode graphs (e.g. before the trainer's update)."""
+        """Free the KV cache and any captured decode graphs (e.g. before the trainer's update); sessions end."""
+        self.sessions.clear()
         self.cache.release()
         self._static = None
         if self.device.type == "cuda":
@@ -190,8 +248,12 @@ class NativeEngine(RolloutEngine):
 
     def _beyond_window(self, prompt_ids: list[list[int]], params: SamplingParams) -> bool:
         """True when a sliding-window model's window is shorter than this call's context."""
+        return self._exceeds_window(max(len(p) for p in prompt_ids) + params.max_tokens - 1)
+
+    def _exceeds_window(self, longest: int) -> bool:
+        """True when a sliding-window model's window is shorter than a ``longest``-token context."""
         window = self._parts().max_context
-        return window is not None and max(len(p) for p in prompt_ids) + params.max_tokens - 1 > window
+        return window is not None and longest > window
 
     def _generate_continuous(
         self, prompt_ids: list[list[int]], params: SamplingParams, seed: int, prompt_offset: int
@@ -212,9 +274,49 @@ class NativeEngine(RolloutEngine):
         slots = self._slots_needed(len(prompt_ids), params.n)
         self._cache_shape = (slots, max(len(p) for p in prompt_ids) + params.max_tokens - 1)
         self.cache.ensure(parts, *self._cache_shape)
+        self._drive(parts, sched, params, seed)
+        return _result(sched)
+
+    def _turns_continuous(
+        self, requests: list[TurnRequest], params: SamplingParams, seed: int, longest: int
+    ) -> RolloutResult:
+        """The turns on the slot cache. It is allocated ``max_model_len`` long (or doubled when a turn outgrows it)
+        with a slot for every request and every other session held (a power of two, at most ``max_num_seqs``),
+        so that a rollout phase's later calls, for the same trajectories, find their sessions."""
+        parts = self._parts()
+        length = max(longest, self.max_model_len or 0)
+        if self.cache.length and length > self.cache.length:
+            length = max(length, 2 * self.cache.length)
+        self.sessions.sync(self.cache.generation)
+        held = self.sessions.count_except({r.session for r in requests})
+        self.cache.ensure(parts, bucket(len(requests) + held, self.max_num_seqs), length)
+        self._cache_shape = (self.cache.slots, self.cache.length)
+        self.sessions.sync(self.cache.generation)
+        sched = TurnScheduler(
+            requests,
+            eos_token_ids=set(self.eos_token_ids),
+            num_slots=min(self.cache.slots, self.max_num_seqs),
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked_prefill=self.enable_chunked_prefill,
+            sessions=self.sessions,
+        )
+        self._drive(parts, sched, params, seed)
+        self._metrics = {
+            "rollout/prefill_tokens": float(sched.prefill_tokens),
+            "rollout/prefill_reused_tokens": float(sched.reused_tokens),
+        }
+        result = _result(sched)
+        result.prompt_index = list(range(len(requests)))
+        return result
+
+    def _drive(
+        self, parts: DecoderParts, sched: Scheduler | TurnScheduler, params: SamplingParams, seed: int
+    ) -> None:
+        """Run ``sched``'s steps until every sample finished: forward, sample, record, copy shared prefixes."""
+        n = sched.n
         while not sched.done:
             plan = sched.schedule()
-            logits, rows, sample_ids, steps, finishing = self._step(parts, prompt_ids, plan, sched)
+            logits, rows, sample_ids, steps, finishing = self._step(parts, sched.prompts, plan, sched)
             tokens, logprobs = [], []
             if sample_ids:  # else: only part of a long prompt was prefilled
                 if rows is not None:
@@ -233,14 +335,16 @@ class NativeEngine(RolloutEngine):
             num = len(plan.decode)
             first = {
                 prompt: (
-                    tokens[num + k * params.n : num + (k + 1) * params.n],
-                    logprobs[num + k * params.n : num + (k + 1) * params.n],
+                    tokens[num + k * n : num + (k + 1) * n],
+                    logprobs[num + k * n : num + (k + 1) * n],
                 )
                 for k, prompt in enumerate(finishing)
             }
             for c in sched.complete(plan, tokens[:num], logprobs[:num], first):
                 self.cache.copy_prefix(c.src, c.dst, c.length)
-        return _result(sched)
+
+    def _lockstep(self) -> Lockstep:
+        return Lockstep(self.model, self.device, self.pad_token_id, self._eos, self.chunk_size)
 
     def _slots_needed(self, prompts: int, n: int) -> int:
         """Cache slots a call can occupy: ``max_num_seqs``, or fewer when the call has fewer samples.
@@ -254,7 +358,9 @@ class NativeEngine(RolloutEngine):
         """
         return bucket(min(prompts, self.chunk_size) * n, self.max_num_seqs)
 
-    def _step(self, parts: DecoderParts, prompts: list[list[int]], plan: Plan, sched: Scheduler):
+    def _step(
+        self, parts: DecoderParts, prompts: list[list[int]], plan: Plan, sched: Scheduler | TurnScheduler
+    ):
         """Run ``plan``'s forward; return logits and how to read them.
 
         Returns (logits, rows, sample_ids, steps, finishing): ``rows`` (None = all, in order) picks the logits row
@@ -264,7 +370,7 @@ class NativeEngine(RolloutEngine):
         n = sched.n
         decode = [(s.slot, s.position, s.tokens[-1]) for s in plan.decode]
         sample_ids = [s.sample_id for s in plan.decode]
-        steps = [len(s.tokens) for s in plan.decode]
+        steps = [s.step_offset + len(s.tokens) for s in plan.decode]
         if not plan.chunks and not self.enforce_eager:
             if self._static is None or self._static.cache_generation != self.cache.generation:
                 self._static = StaticDecoder(parts, self.cache)
@@ -281,7 +387,7 @@ class NativeEngine(RolloutEngine):
                 finishing.append(chunk.prefill.prompt)
                 logit_rows.append(offset - 1)
                 sample_ids += sched.first_sample_ids(chunk.prefill.prompt)
-                steps += [0] * n
+                steps += sched.first_steps(chunk.prefill.prompt)
         if finishing and n > 1:
             rows = list(range(len(decode))) + [
                 len(decode) + k for k in range(len(finishing)) for _ in range(n)
@@ -289,109 +395,6 @@ class NativeEngine(RolloutEngine):
         whole = len(logit_rows) == offset
         inputs = build_step_inputs(parts, decode, prefill, None if whole else logit_rows, self.device)
         return forward_step(parts, self.cache.k, self.cache.v, inputs), rows, sample_ids, steps, finishing
-
-    # ------------------------------------------------------------------ fallback path
-    def _generate_padded(
-        self, prompt_ids: list[list[int]], params: SamplingParams, seed: int, prompt_offset: int
-    ) -> RolloutResult:
-        result = RolloutResult()
-        for start in range(0, len(prompt_ids), self.chunk_size):
-            chunk = prompt_ids[start : start + self.chunk_size]
-            result.extend(self._padded_chunk(chunk, start, params, seed, prompt_offset))
-        return result
-
-    def _padded_chunk(
-        self, chunk: list[list[int]], start: int, params: SamplingParams, seed: int, prompt_offset: int
-    ) -> RolloutResult:
-        """Prefill ``chunk`` (local prompts start..) once with the model's forward, repeat the cache n times and
-        decode all rows in lockstep until every row finished or ``max_tokens``."""
-        n, max_tokens = params.n, params.max_tokens
-        logits, cache, full_mask, next_position = self._padded_prefill(chunk, n, max_tokens)
-        prompt_len = full_mask.shape[1] - max_tokens
-        rows = logits.shape[0]
-        first_id = (prompt_offset + start) * n
-        sample_ids = torch.arange(first_id, first_id + rows, device=self.device)
-        tokens = torch.full((rows, max_tokens), self.pad_token_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros(rows, max_tokens, dtype=torch.float32, device=self.device)
-        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        for step in range(max_tokens):
-            token, token_logprob = sample_tokens(
-                logits,
-                greedy=params.greedy,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                seed=seed,
-                sample_ids=sample_ids,
-                steps=torch.full_like(sample_ids, step),
-            )
-            token = token.masked_fill(finished, self.pad_token_id)
-            tokens[:, step] = token
-            logprobs[:, step] = token_logprob.masked_fill(finished, 0.0)
-            lengths += (~finished).long()
-            finished |= torch.isin(token, self._eos)
-            if step == max_tokens - 1 or bool(finished.all()):
-                break
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=full_mask[:, : prompt_len + step + 1],
-                position_ids=next_position,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
-            next_position = next_position + 1
-        del cache
-        prompt_index = [start + i for i in range(len(chunk)) for _ in range(n)]
-        return _lockstep_result(prompt_index, tokens, logprobs, lengths, self._eos)
-
-    def _padded_prefill(
-        self, chunk: list[list[int]], n: int, max_tokens: int
-    ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
-        """Prefill the left-padded prompts once and repeat the result for their ``n`` samples each.
-
-        Returns ``(logits, cache, full_mask, next_position)``: the last prompt position's logits ``[rows, V]`` and
-        the model's KV cache, one row per sample; the attention mask ``[rows, prompt_len + max_tokens]`` (the
-        decode columns already 1: every row decodes in lockstep until all finish); each row's next position id.
-        """
-        input_ids, attention_mask = left_pad(chunk, self.pad_token_id, self.device)
-        prompt_len = input_ids.shape[1]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)  # pads get 0; they are masked anyway
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
-        rows = logits.shape[0]
-        full_mask = torch.ones(rows, prompt_len + max_tokens, dtype=attention_mask.dtype, device=self.device)
-        full_mask[:, :prompt_len] = attention_mask.repeat_interleave(n, dim=0)
-        next_position = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
-        return logits, cache, full_mask, next_position
-
-
-def _lockstep_result(
-    prompt_index: list[int],
-    tokens: torch.Tensor,
-    logprobs: torch.Tensor,
-    lengths: torch.Tensor,
-    eos: torch.Tensor,
-) -> RolloutResult:
-    """The lockstep decode's ``[rows, max_tokens]`` buffers cut to each row's length; a row that ends on an EOS id
-    finished by ``eos``, any other by ``length``."""
-    hit_eos = torch.isin(tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1), eos)
-    lengths_l, tokens_l, logprobs_l = lengths.tolist(), tokens.tolist(), logprobs.tolist()
-    return RolloutResult(
-        prompt_index=prompt_index,
-        response_ids=[row[:k] for row, k in zip(tokens_l, lengths_l)],
-        response_logprobs=[row[:k] for row, k in zip(logprobs_l, lengths_l)],
-        finish_reasons=["eos" if e else "length" for e in hit_eos.tolist()],
-    )
 
 
 def _result(sched: Scheduler) -> RolloutResult:
@@ -404,15 +407,23 @@ def _result(sched: Scheduler) -> RolloutResult:
     )
 
 
-def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists into ``input_ids`` [B, L] int64 and ``attention_mask`` [B, L] int64 (1 = token)."""
-    width = max(len(r) for r in rows)
-    ids = [[pad_id] * (width - len(r)) + list(r) for r in rows]
-    mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
-    return (
-        torch.tensor(ids, dtype=torch.long, device=device),
-        torch.tensor(mask, dtype=torch.long, device=device),
-    )
+def _seed(params: SamplingParams) -> int:
+    return params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+
+
+def _validate_requests(requests: list[TurnRequest]) -> None:
+    """Raise ValueError unless ``requests`` is a non-empty list of well-formed TurnRequests."""
+    if not isinstance(requests, list) or not requests:
+        raise ValueError("requests must be a non-empty list of TurnRequest")
+    for i, r in enumerate(requests):
+        if not isinstance(r, TurnRequest):
+            raise ValueError(f"requests[{i}] is a {type(r).__name__}, not a TurnRequest")
+        if len(r.ids) == 0:
+            raise ValueError(f"requests[{i}].ids is empty; a turn needs at least one token of context")
+        for name in ("max_tokens", "sample_id", "position"):
+            value, low = getattr(r, name), 1 if name == "max_tokens" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"requests[{i}].{name}={value!r} must be an integer >= {low}")
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

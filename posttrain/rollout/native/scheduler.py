@@ -37,6 +37,7 @@ class Sample:
     slot: int = -1
     finish_reason: str | None = None
     position: int = -1  # where its last token goes when fed back: prompt length + generated tokens - 1
+    step_offset: int = 0  # noise index of its first token (a later turn of a trajectory starts past 0)
 
 
 @dataclass
@@ -182,6 +183,10 @@ class Scheduler:
         """Global sample ids of ``prompt``'s n samples (in order)."""
         base = (self.offset + prompt) * self.n
         return list(range(base, base + self.n))
+
+    def first_steps(self, prompt: int) -> list[int]:
+        """Noise index of the first token of each of ``prompt``'s n samples (0: a response starts here)."""
+        return [0] * self.n
 
     def complete(
         self,

@@ -1,0 +1,106 @@
+"""`posttrain explain`'s multi-turn plan: turns, the trajectory token budget, the environment, every tool."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+from rich.tree import Tree
+
+from posttrain.agents.build import SKYRL, resolve_env
+from posttrain.agents.check import sample_environment
+from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.names import TASK_ENVIRONMENTS
+
+
+def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
+    """The plan as data (explain --json), or None when multi-turn rollouts are off."""
+    mt, env = cfg.rollout.multi_turn, cfg.env
+    if not mt.enable:
+        return None
+    spec = resolve_env(env.path)
+    schemas: list[dict[str, Any]] = []
+    if spec.kind != SKYRL:
+        made = sample_environment(cfg)
+        schemas = made.tool_schemas() or []
+        made.close()
+    return {
+        "implied_by_task": cfg.data.task if cfg.data.task in TASK_ENVIRONMENTS else None,
+        "max_assistant_turns": mt.max_assistant_turns,
+        "max_user_turns": mt.max_user_turns,
+        "trajectory_budget_tokens": cfg.data.max_response_length,
+        "max_tokens_per_turn": mt.max_tokens_per_turn or None,
+        "max_tool_response_length": mt.max_tool_response_length,
+        "environment": spec.name,
+        "environment_kwargs": _kwargs_with_defaults(spec, env.kwargs),
+        "tools": schemas,
+    }
+
+
+def _kwargs_with_defaults(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`env.kwargs` with the constructor's defaults for the rest (SkyRL: env_config as given)."""
+    if spec.cls is None:
+        return dict(kwargs)
+    try:
+        bound = inspect.signature(spec.cls).bind_partial(**kwargs)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if k not in ("args", "kwargs")}
+
+
+def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
+    """The plan as explain prints it (None when multi-turn rollouts are off)."""
+    plan = multi_turn_plan(cfg)
+    if plan is None:
+        return None
+    mt = cfg.rollout.multi_turn
+    why = f"implied by data.task={plan['implied_by_task']}" if plan["implied_by_task"] else "on"
+    root = Tree(f"multi-turn rollouts (rollout.multi_turn.enable: {why}; format {mt.format})")
+    root.add(
+        f"turns: at most {mt.max_assistant_turns} assistant turns (rollout.multi_turn.max_assistant_turns) and "
+        f"{mt.max_user_turns} environment replies (rollout.multi_turn.max_user_turns) per trajectory"
+    )
+    budget = root.add(
+        f"trajectory budget: data.max_response_length={cfg.data.max_response_length} tokens after the prompt, "
+        "shared by the assistant turns and the environment replies; the trajectory ends when it is spent"
+    )
+    per_turn = (
+        f"at most {mt.max_tokens_per_turn} tokens (rollout.multi_turn.max_tokens_per_turn) or what is left"
+        if mt.max_tokens_per_turn
+        else "what is left of the budget (rollout.multi_turn.max_tokens_per_turn=0)"
+    )
+    budget.add(f"one assistant turn samples {per_turn}")
+    budget.add(
+        f"one tool result keeps at most {mt.max_tool_response_length} tokens "
+        f"(rollout.multi_turn.max_tool_response_length, cut on the {mt.tool_response_truncate_side})"
+    )
+    budget.add(
+        "assistant tokens count against the budget and are trained on; environment tokens (tool results, user "
+        "replies and the chat template's text between turns) count against the budget but are masked out of "
+        "the loss"
+    )
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in plan["environment_kwargs"].items())
+    root.add(f"environment: {plan['environment']}({kwargs}) (env.path={cfg.env.path!r}, env.kwargs)")
+    _tools_branch(root, cfg, plan["tools"])
+    root.add(
+        f"rewards: per-turn environment rewards go to {mt.turn_rewards} (rollout.multi_turn.turn_rewards); "
+        f"environment failures tolerated per step: {mt.max_env_failures} (rollout.multi_turn.max_env_failures)"
+    )
+    return root
+
+
+def _tools_branch(root: Tree, cfg: PostTrainConfig, schemas: list[dict[str, Any]]) -> None:
+    mt = cfg.rollout.multi_turn
+    if not schemas:
+        root.add("tools: none")
+        return
+    source = f"tool config {mt.tool_config_path!r}" if mt.tool_config_path else "the environment's"
+    tools = root.add(
+        f"tools ({len(schemas)}, {source}; at most {mt.max_parallel_calls} calls at once, "
+        f"{mt.tool_timeout_s:g} s each):"
+    )
+    for schema in schemas:
+        name = schema.get("function", {}).get("name", "?")
+        tools.add(f"{name}: {json.dumps(schema, sort_keys=True)}")

@@ -1,0 +1,140 @@
+"""Multi-turn rollouts inside a step: the agent loop (``posttrain.agents.driver``) over the rollout engine, its
+trajectories laid out as a :class:`RolloutResult` the single-turn machinery scores, batches and trains on.
+
+A trajectory becomes one sample: its own prompt (rendered with the tools and the environment's opening), every
+token after it as the response (assistant tokens with mask 1 and their engine log-probs, environment tokens with
+mask 0 and log-prob 0), and the trajectory itself in ``result.episodes`` for rewards, placement and metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.agents.build import EnvFactory, environment_factory
+from posttrain.agents.driver import MultiTurnSettings, engine_generate, run_trajectories
+from posttrain.agents.render import Renderer
+from posttrain.agents.trajectory import Trajectory, trajectory_metrics
+from posttrain.config.errors import ConfigError
+from posttrain.config.schema import PostTrainConfig
+from posttrain.data.records import PromptRecord
+from posttrain.parallel.shares import MAX, MIN, ShareMetrics
+from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams, TurnEngine
+
+
+@dataclass
+class AgentLoop:
+    """How a run rolls out multi-turn trajectories: one environment per trajectory from ``make_env``."""
+
+    make_env: EnvFactory
+    tokenizer: Any
+    settings: MultiTurnSettings
+    turn_rewards: str = "final"
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    def generate(
+        self,
+        engine: RolloutEngine,
+        records: list[PromptRecord],
+        params: SamplingParams,
+        prompt_offset: int = 0,
+        row_ids: list[int] | None = None,
+    ) -> RolloutResult:
+        """``params.n`` trajectories per record, prompt-major; trajectory j of record i has the global sample id
+        ``(prompt_offset + i) * n + j`` (its sampling noise), as a single-turn sample would."""
+        if not isinstance(engine, TurnEngine):
+            raise ConfigError(
+                f"rollout.multi_turn.enable=true needs a rollout engine that runs turns; {type(engine).__name__} "
+                "does not (use rollout.name=native or rollout.name=vllm)"
+            )
+        n = params.n
+        rows = [record_row(r) for r in records for _ in range(n)]
+        sample_ids = [(prompt_offset + i) * n + j for i in range(len(records)) for j in range(n)]
+        names = [
+            (row_ids[i] if row_ids else prompt_offset + i) for i in range(len(records)) for _ in range(n)
+        ]
+        trajectories = run_trajectories(
+            rows,
+            self.make_env,
+            engine_generate(engine, params),
+            self.tokenizer,
+            self.settings,
+            sample_ids,
+            names,
+        )
+        for traj in trajectories:
+            traj.metrics["template_drift"] = float(self.drifted(traj))
+        return trajectories_result(trajectories, n, self.eos_token_ids)
+
+    def drifted(self, traj: Trajectory) -> bool:
+        """Whether re-rendering the finished conversation gives other tokens than the trajectory holds."""
+        if "env_failures" in traj.metrics:
+            return False
+        renderer = Renderer(self.tokenizer, tools=traj.tools)
+        return renderer.drift(traj.messages, traj.prompt_ids + traj.response_ids).drifted
+
+
+def record_row(record: PromptRecord) -> dict[str, Any]:
+    """The row an environment sees: the record's extra fields, its prompt and its ground truth."""
+    return {**record.extra, "prompt": record.prompt, "ground_truth": record.ground_truth}
+
+
+def finish_reason(traj: Trajectory, eos_token_ids: set[int]) -> str:
+    """The sample's finish reason: "length" when the trajectory was cut (token budget or turn limit), else the
+    engine's reason for its last turn ("eos" or "stop")."""
+    if traj.finish_reason in ("length", "turn_limit") or not traj.turn_finish_reasons:
+        return "length"
+    if traj.response_ids and traj.response_ids[-1] in eos_token_ids:
+        return "eos"
+    return traj.turn_finish_reasons[-1] if traj.turn_finish_reasons[-1] != "length" else "stop"
+
+
+def trajectories_result(trajectories: list[Trajectory], n: int, eos_token_ids: set[int]) -> RolloutResult:
+    """The trajectories (``n`` per prompt, prompt-major) as one sample each (see the module docstring)."""
+    return RolloutResult(
+        prompt_index=[i // n for i in range(len(trajectories))],
+        response_ids=[t.response_ids for t in trajectories],
+        response_logprobs=[t.logprobs for t in trajectories],
+        finish_reasons=[finish_reason(t, eos_token_ids) for t in trajectories],
+        trainable_mask=[t.mask for t in trajectories],
+        prompt_ids=[t.prompt_ids for t in trajectories],
+        episodes=trajectories,
+    )
+
+
+def build_agent_loop(cfg: PostTrainConfig, tokenizer: Any) -> AgentLoop | None:
+    """The run's agent loop (``rollout.multi_turn.*``, ``env.*``), or None for single-turn runs."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    settings = MultiTurnSettings(
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+        max_response_length=cfg.data.max_response_length,
+        max_tokens_per_turn=mt.max_tokens_per_turn or None,
+        max_tool_response_length=mt.max_tool_response_length,
+        tool_response_truncate_side=mt.tool_response_truncate_side,
+        max_env_failures=mt.max_env_failures,
+    )
+    # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
+    return AgentLoop(environment_factory(cfg), tokenizer, settings, mt.turn_rewards, {tokenizer.eos_token_id})
+
+
+def episode_metrics(
+    episodes: list[Trajectory], metrics: ShareMetrics, how: dict[str, str], weight: int
+) -> None:
+    """Add the trajectories' numbers (``trajectory_metrics``) to ``metrics``: token totals, drifted templates
+    and failed environments as sums over the step (``how["sum"]``), extremes as extremes, the rest as means over
+    trajectories (``how["mean"]``)."""
+    values = trajectory_metrics(episodes)
+    values["multi_turn/template_drift"] = sum(e.metrics.get("template_drift", 0.0) for e in episodes)
+    values["multi_turn/env_failures"] = sum(e.metrics.get("env_failures", 0.0) for e in episodes)
+    for name, value in values.items():
+        if name.endswith("/max"):
+            metrics.add({name: value}, MAX)
+        elif name.endswith("/min"):
+            metrics.add({name: value}, MIN)
+        elif name.startswith(("tokens/", "multi_turn/", "tool_failures/")):
+            metrics.add({name: value}, how["sum"])
+        else:
+            metrics.add({name: value}, how["mean"], weight=weight)
