@@ -14,9 +14,8 @@ Turns end at the per-turn limit. The random tiny model seldom emits its end-of-t
 reports such a turn as ended (finish reason "stop") and the driver closes it with the template's eos, as it does
 for a model that stopped on its own: every trajectory gets exactly 3 turns.
 
-Modes: ``reuse`` (each trajectory's turns share a session: the engine keeps or re-finds the keys/values of the
-context so far), ``no reuse`` (``session=None``: every turn prefills its whole context). An engine without
-``generate_turns`` is driven through ``generate`` (one call per distinct turn limit, no reuse) and marked so.
+Modes: ``reuse`` (the driver gives each trajectory's turns one session: the engine keeps or re-finds the
+keys/values of the context so far), ``no reuse`` (``session=None``: every turn prefills its whole context).
 
 Each run starts from an empty cache (``release_memory`` before it; the same seeds give the same trajectories
 every round, and their keys/values must not be found from the round before).
@@ -34,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import statistics
 import sys
@@ -78,66 +78,27 @@ class FixedReplyEnv(Environment):
 
 
 class TurnAdapter:
-    """The driver's ``generate(prompts, limits)`` over an engine's ``generate_turns``.
-
-    Each context is matched to its trajectory by the trajectory's first-turn ids (the rendered prompt, distinct
-    per row), which gives the sample id and the position. Turns cut at their limit are reported as ended.
-    """
+    """The driver's ``generate(requests)`` over an engine's ``generate_turns``, counting calls, engine time and
+    prefill tokens. ``reuse=False`` drops each request's session (the engine then prefills whole contexts).
+    Turns cut at their limit are reported as ended (see the module docstring)."""
 
     def __init__(self, engine: Any, params: SamplingParams, reuse: bool) -> None:
         self.engine, self.params, self.reuse = engine, params, reuse
-        self.prompts: list[list[int]] = []
         self.prefill = {"rollout/prefill_tokens": 0.0, "rollout/prefill_reused_tokens": 0.0}
         self.calls = 0
         self.engine_s = 0.0  # wall seconds inside the engine's calls
 
-    def _sample(self, ids: list[int]) -> int:
-        for s, prompt in enumerate(self.prompts):
-            if ids[: len(prompt)] == prompt:
-                return s
-        self.prompts.append(list(ids))
-        return len(self.prompts) - 1
-
-    def __call__(self, prompts: list[list[int]], limits: list[int]) -> list[Generation]:
+    def __call__(self, requests: list[TurnRequest]) -> list[Generation]:
+        if not self.reuse:
+            requests = [dataclasses.replace(r, session=None) for r in requests]
         start = time.perf_counter()
-        try:
-            return self._generate(prompts, limits)
-        finally:
-            self.calls += 1
-            self.engine_s += time.perf_counter() - start
-
-    def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[Generation]:
-        samples = [self._sample(ids) for ids in prompts]
-        if not hasattr(self.engine, "generate_turns"):
-            return self._through_generate(prompts, limits)
-        requests = [
-            TurnRequest(
-                ids,
-                limit,
-                sample_id=s,
-                position=len(ids) - len(self.prompts[s]),
-                session=s if self.reuse else None,
-            )
-            for ids, limit, s in zip(prompts, limits, samples)
-        ]
         out = self.engine.generate_turns(requests, self.params)
+        self.engine_s += time.perf_counter() - start
+        self.calls += 1
         metrics = self.engine.generation_metrics()
         for key in self.prefill:
             self.prefill[key] += metrics.get(key, 0.0)
-        # A turn cut at its limit is reported as ended (see the module docstring).
         return [Generation(ids, lps, "stop") for ids, lps in zip(out.response_ids, out.response_logprobs)]
-
-    def _through_generate(self, prompts: list[list[int]], limits: list[int]) -> list[Generation]:
-        out: list[Any] = [None] * len(prompts)
-        for limit in sorted(set(limits)):
-            idx = [i for i, m in enumerate(limits) if m == limit]
-            params = SamplingParams(
-                max_tokens=limit, temperature=self.params.temperature, seed=self.params.seed
-            )
-            res = self.engine.generate([prompts[i] for i in idx], params)
-            for i, ids, lps in zip(idx, res.response_ids, res.response_logprobs):
-                out[i] = Generation(ids, lps, "stop")
-        return out
 
 
 def multi_turn(engine: Any, rows: list[dict], tok: Any, args: argparse.Namespace, reuse: bool, tool_s: float):
@@ -198,7 +159,12 @@ def build_engines(names: list[str], model: Any, tok: Any, directory: str, max_le
     engines: dict[str, Any] = {}
     if "native" in names:
         engines["native"] = NativeEngine(
-            model, eos, tok.pad_token_id, max_num_seqs=seqs, max_num_batched_tokens=max(2048, max_len)
+            model,
+            eos,
+            tok.pad_token_id,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=max(2048, max_len),
+            max_model_len=max_len,
         )
     if "vllm" in names:
         try:
@@ -249,7 +215,7 @@ def main() -> None:
         tok.save_pretrained(tmp)
         engines = build_engines(args.engines.split(","), model, tok, tmp, max_len, args.trajectories)
         for name, engine in engines.items():
-            label = name if hasattr(engine, "generate_turns") else f"{name} (generate, no reuse)"
+            label = name
             results = {mode: [run(fn, engine)] for mode, fn in modes.items()}  # warm-up: tokens, prefill
             times: dict[str, list[float]] = {mode: [] for mode in modes}
             for _ in range(args.repeats):
