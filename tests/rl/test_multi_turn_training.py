@@ -159,10 +159,13 @@ def test_grpo_in_an_environment_reports_the_trajectory_metrics(tiny_model_dir, t
         "reward/env_mean",
         "multi_turn/template_drift",
         "truncated/share",
+        "rollout/prefill_tokens",
+        "rollout/prefill_reused_tokens",
         "actor/pg_loss",
     ):
         assert all(key in m for m in metrics), key
     assert max(m["num_turns/max"] for m in metrics) > 1
+    assert max(m["rollout/prefill_reused_tokens"] for m in metrics) > 0  # later turns reuse their prefix
 
 
 COMBINATIONS = {
