@@ -85,8 +85,7 @@ class Scorer:
         scores = torch.tensor(rewards, dtype=torch.float32)
         if result.episodes is not None:  # the environment's rewards add to the reward function's
             env = torch.tensor([sum(e.turn_rewards) for e in result.episodes], dtype=torch.float32)
-            metrics["reward/env_mean"] = float(env.mean())
-            scores = scores + env
+            scores = scores + env  # (reward/env_mean is a trajectory metric: rl/collect/multi_turn.py)
         if self.reward_model is not None:
             texts = [i.response for i in inputs]
             rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts), dtype=torch.float32)
