@@ -172,6 +172,8 @@ def environment_factory(cfg: PostTrainConfig) -> EnvFactory:
     kwargs = dict(env.kwargs)
     if spec.cls is PythonEnv or uses_python(tools):  # the python tool's sandbox: built once, for the run
         configure_python_tool(cfg.sandbox)
+    if spec.cls is PythonEnv:  # the run's tool-call limits, unless env.kwargs sets its own
+        kwargs = {"max_parallel_calls": calls, "timeout_s": timeout, **kwargs}
     if spec.kind == "none":
         return lambda row: _plain_or_skyrl_row(row, tools, calls, timeout)
     if spec.kind == SKYRL:

@@ -69,5 +69,5 @@ def uses_python(tools: ToolSet) -> bool:
 class PythonEnv(ToolEnvironment):
     """A tool environment with the python tool: each ``<tool_call>`` to ``python`` runs in the sandbox."""
 
-    def __init__(self, max_parallel_calls: int = 4, timeout_s: float = 60.0) -> None:
+    def __init__(self, max_parallel_calls: int = 4, timeout_s: float = 30.0) -> None:
         super().__init__(python_tools(), max_parallel_calls, timeout_s)

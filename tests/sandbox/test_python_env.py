@@ -65,6 +65,11 @@ def test_env_path_python_runs_the_call_in_the_sandbox(tok, quick):
     assert isinstance(make_env({}), PythonEnv) and box.limits.time_limit_s == 2.0
     environment_factory(cfg)({})
     assert current_sandbox() is box  # built once per run, not per environment or call
+    own = environment_factory(config("env.path=python", "rollout.multi_turn.tool_timeout_s=7", *quick))({})
+    assert own.timeout_s == 7.0 and own.max_parallel_calls == 4
+    assert (
+        environment_factory(config("env.path=python", "env.kwargs.timeout_s=3", *quick))({}).timeout_s == 3.0
+    )
     code = "print(123456789123456789 * 987654321987654321)"
     traj = play(tok, cfg, code, max_response_length=400)
     assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
