@@ -31,6 +31,7 @@ from typing import Any
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
 from posttrain.agents.builtin import GuessNumberEnv
 from posttrain.agents.env import Environment, ToolEnvironment
+from posttrain.agents.python_tool import PythonEnv, configure_python_tool, uses_python
 from posttrain.agents.tool_config import load_tool_config
 from posttrain.agents.tools import ToolSet
 from posttrain.config.errors import ConfigError
@@ -43,7 +44,7 @@ SKYRL = "skyrl"
 
 def builtin_environments() -> dict[str, Callable[..., Environment]]:
     """The environments named by a bare word in `env.path` (each made with `env.kwargs`)."""
-    return {"guess_number": GuessNumberEnv}
+    return {"guess_number": GuessNumberEnv, "python": PythonEnv}
 
 
 @dataclass
@@ -169,6 +170,10 @@ def environment_factory(cfg: PostTrainConfig) -> EnvFactory:
     check_env_kwargs(spec, env.kwargs)
     calls, timeout = mt.max_parallel_calls, mt.tool_timeout_s
     kwargs = dict(env.kwargs)
+    if spec.cls is PythonEnv or uses_python(tools):  # the python tool's sandbox: built once, for the run
+        configure_python_tool(cfg.sandbox)
+    if spec.cls is PythonEnv:  # the run's tool-call limits, unless env.kwargs sets its own
+        kwargs = {"max_parallel_calls": calls, "timeout_s": timeout, **kwargs}
     if spec.kind == "none":
         return lambda row: _plain_or_skyrl_row(row, tools, calls, timeout)
     if spec.kind == SKYRL:

@@ -73,7 +73,7 @@ class EnvConfig:
 
     path: str = knob(
         "",
-        "The environment: a built-in name (guess_number) or 'path/to/file.py:ClassName' (posttrain's interface, "
+        "The environment: a built-in name (guess_number, python) or 'path/to/file.py:ClassName' (posttrain's interface, "
         "a TRL-style environment class, or a SkyRL environment via skyrl:<env_class>). Empty: the tools of "
         "`rollout.multi_turn.tool_config_path` (or none: plain turns).",
     )

@@ -19,6 +19,7 @@ from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord
 from posttrain.data.tasks.arithmetic import load_arithmetic, make_arithmetic_splits
 from posttrain.data.tasks.gsm8k import load_gsm8k, load_gsm8k_task
+from posttrain.data.tasks.python_arithmetic import load_python_arithmetic
 from posttrain.data.tasks.reasoning_gym import PREFIX as REASONING_GYM
 from posttrain.data.tasks.reasoning_gym import load_reasoning_gym
 
@@ -59,6 +60,14 @@ TASKS: dict[str, Task] = {
         load=load_gsm8k_task,
         default_reward="gsm8k",
         description="GSM8K-format files of your own; options train_path, val_path, instruction",
+    ),
+    "python_arithmetic": Task(
+        name="python_arithmetic",
+        load=load_python_arithmetic,
+        default_reward="arithmetic",
+        description="multi-turn: 'What is 48213957 * 30719284?' with the python tool (sandboxed); options "
+        "n_train, n_val, min_digits, max_digits",
+        environment="python",
     ),
 }
 

@@ -16,6 +16,7 @@ from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, ShareMetrics
+from posttrain.rewards import counts as reward_counts
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -130,6 +131,7 @@ class Scored:
 
 # How the scorer's metrics combine over ranks (each rank's own samples); every other one is a mean over samples.
 SCORER_REDUCTIONS = {"reward/num_failures": SUM, "reward/num_timeouts": SUM, "reward/time_s": MAX}
+SCORER_REDUCTIONS.update(dict.fromkeys(reward_counts.SUMMED, SUM))  # the code reward's counts
 
 
 def join_replicas(share: DataShare, lo: int, result: RolloutResult, scores: torch.Tensor) -> Scored:
