@@ -12,17 +12,27 @@ sandbox's own cost apart from interpreter start-up. The overhead is a row's medi
 subprocess's of the same language. (Python's start-up depends on the ``.pth`` files of its site-packages: a
 file that imports from a directory the sandbox does not show fails fast inside, so Python may start faster
 sandboxed than plain.) Rows alternate in rounds so that load from other jobs hits them alike.
+
+``--grpo-steps N`` measures instead what the code reward adds to a GRPO step on the built-in code data
+(``examples/code/tiny_code.jsonl``, 4 prompts x 4 samples a step, the tiny model): N steps with
+``reward.function=code`` against N with ``exact_match`` (no sandbox), the same seed, each at the default
+``reward.timeout_s`` (a worker process); and a step's worth (16) of correct programs scored by the code reward
+(every case runs), at ``sandbox.max_concurrent`` 4 (the default) and 8::
+
+    python3 benchmarks/bench_sandbox.py --grpo-steps 4
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from posttrain.sandbox import Limits, LocalSandbox, RunRequest
 from posttrain.sandbox.build import Sandbox
@@ -65,11 +75,91 @@ def batched(box: Sandbox, n: int) -> float:
     return n / (time.monotonic() - start)
 
 
+CODE_DATA = Path(__file__).resolve().parents[1] / "examples/code/tiny_code.jsonl"
+SOLUTIONS = [  # right answers to the six problems of CODE_DATA, in its order
+    "a, b = map(int, input().split())\nprint(a + b)",
+    "print(input()[::-1])",
+    "for i in range(1, int(input()) + 1):\n    print(i)",
+    "def add(a, b):\n    return a + b",
+    "def is_palindrome(s):\n    return s == s[::-1]",
+    "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+]
+
+
+def grpo_run(model: Path, run_dir: Path, reward: str, steps: int) -> list[dict]:
+    from posttrain.config.load import build_config
+    from posttrain.rl.train_command import run_training
+    from posttrain.utils.metrics import read_metrics
+
+    overrides = [f"model.path={model}", f"trainer.run_dir={run_dir}", "trainer.loggers=[jsonl]"]
+    overrides += [f"trainer.total_steps={steps}", "trainer.test_freq=0", f"data.train_files=[{CODE_DATA}]"]
+    overrides += [
+        "data.answer_key=answer",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        "data.max_prompt_length=256",
+    ]
+    overrides += ["data.max_response_length=64", "actor.ppo_mini_batch_size=4", f"reward.function={reward}"]
+    overrides += ["actor.ppo_micro_batch_size_per_gpu=16"]
+    run_training(build_config(overrides=overrides), quiet=True)
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def scoring_a_step(max_concurrent: int, rounds: int) -> list[float]:
+    """Seconds to score 16 correct programs (every test case runs) with the code reward, in the runner."""
+    from posttrain.config.schema.sandbox import SandboxConfig
+    from posttrain.rewards import RewardInput, RewardRunner, resolve_reward_function
+    from posttrain.rewards.code import configure_code_reward
+
+    rows = [json.loads(line) for line in CODE_DATA.open()]
+    samples = [
+        RewardInput("", f"```python\n{SOLUTIONS[i % 6]}\n```", rows[i % 6]["answer"]) for i in range(16)
+    ]
+    configure_code_reward(SandboxConfig(max_concurrent=max_concurrent))
+    out = []
+    with RewardRunner(resolve_reward_function("code"), timeout_s=10.0) as runner:
+        for _ in range(rounds):
+            rewards, metrics = runner.score(samples)
+            assert rewards == [1.0] * 16, rewards
+            out.append(metrics["reward/time_s"])
+    return out
+
+
+def grpo_steps(steps: int) -> None:
+    from posttrain.models.tiny import create_tiny_model_dir
+
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    with tempfile.TemporaryDirectory() as d:
+        model = create_tiny_model_dir(Path(d) / "model", seed=0)
+        for reward in ("exact_match", "code"):
+            runs = grpo_run(model, Path(d) / reward, reward, steps)[1:]  # the first step warms up
+            step = statistics.median(m["timing/step"] for m in runs)
+            scoring = statistics.median(m["reward/time_s"] for m in runs)
+            rollout = statistics.median(m.get("timing/rollout", float("nan")) for m in runs)
+            print(
+                f"GRPO step, reward {reward:12} step {step:6.2f} s   scoring {scoring * 1e3:7.1f} ms   "
+                f"rollout {rollout:6.2f} s   ({len(runs)} steps after the first)"
+            )
+            if reward == "code":
+                counts = {k.split("/")[-1]: runs[-1][k] for k in runs[-1] if k.startswith("reward/code/")}
+                print(f"  last step's code counts: {counts}")
+    for k in (4, 8):
+        times = scoring_a_step(k, 3)
+        print(
+            f"16 correct programs (52 cases), max_concurrent {k}: {statistics.median(times):.2f} s per step"
+        )
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=40, help="executions per row and round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--grpo-steps", type=int, default=0, help="measure the code reward in N GRPO steps")
     args = parser.parse_args()
+    if args.grpo_steps:
+        grpo_steps(args.grpo_steps)
+        return
     limits = Limits(time_limit_s=10)
     local = LocalSandbox(limits)
     rows: dict[str, list[float]] = {}

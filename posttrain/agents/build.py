@@ -5,7 +5,8 @@
 `env.path` names the environment:
 
 - empty: the tools of `rollout.multi_turn.tool_config_path` are the environment (a turn without a tool call ends
-  the episode); without a tool config, plain turns (the first assistant turn ends it);
+  the episode); without a tool config, plain turns (the first assistant turn ends it); a row in SkyRL's format
+  (one with ``env_class``) gets that skyrl-gym environment;
 - a built-in name (:func:`builtin_environments`), made with `env.kwargs`;
 - ``path/to/file.py:ClassName``: a subclass of :class:`~posttrain.agents.env.Environment` (made with
   `env.kwargs`), or a TRL-style class (no ``step`` method; its public methods are the tools, ``reset(**row)``
@@ -30,6 +31,7 @@ from typing import Any
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
 from posttrain.agents.builtin import CalculatorEnv, GuessNumberEnv
 from posttrain.agents.env import Environment, ToolEnvironment
+from posttrain.agents.python_tool import PythonEnv, configure_python_tool, uses_python
 from posttrain.agents.tool_config import load_tool_config
 from posttrain.agents.tools import ToolSet
 from posttrain.config.errors import ConfigError
@@ -42,7 +44,7 @@ SKYRL = "skyrl"
 
 def builtin_environments() -> dict[str, Callable[..., Environment]]:
     """The environments named by a bare word in `env.path` (each made with `env.kwargs`)."""
-    return {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv}
+    return {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv, "python": PythonEnv}
 
 
 @dataclass
@@ -122,8 +124,13 @@ def check_env_kwargs(spec: EnvSpec, kwargs: dict[str, Any]) -> None:
         unknown = [k for k in kwargs if k not in accepted]
         key = f"env.kwargs.{unknown[0]}" if unknown else "env.kwargs"
         value = kwargs[unknown[0]] if unknown else kwargs
+        shown = ", ".join(
+            p.name + ("" if p.default is p.empty else f"={p.default!r}")
+            for p in signature.parameters.values()
+            if p.name in accepted
+        )
         raise ConfigError(
-            f"{key}={value!r} does not fit {spec.name}{signature} ({exc}); its constructor takes "
+            f"{key}={value!r} does not fit {spec.name}({shown}) ({exc}); its constructor takes "
             f"{accepted or 'no arguments'}: set env.kwargs.NAME=VALUE for those only"
         ) from None
 
@@ -142,6 +149,19 @@ def load_tools(cfg: PostTrainConfig) -> ToolSet:
         raise type(exc)(message) from exc
 
 
+def _plain_or_skyrl_row(row: dict[str, Any], tools: ToolSet, calls: int, timeout: float) -> Environment:
+    """Without `env.path`: the tool environment, or skyrl-gym for a row in SkyRL's format (with ``env_class``)."""
+    if row.get("env_class"):
+        if len(tools):
+            raise ConfigError(
+                f"a row names env_class={row['env_class']!r} (SkyRL's format) and "
+                "rollout.multi_turn.tool_config_path is set: SkyRL environments run their own tools; drop the "
+                "tool config, or the rows' env_class"
+            )
+        return SkyRLEnvironment()
+    return ToolEnvironment(tools, calls, timeout)
+
+
 def environment_factory(cfg: PostTrainConfig) -> EnvFactory:
     """``make_env(row)`` for this run's multi-turn rollouts (see the module docstring)."""
     mt, env = cfg.rollout.multi_turn, cfg.env
@@ -150,8 +170,12 @@ def environment_factory(cfg: PostTrainConfig) -> EnvFactory:
     check_env_kwargs(spec, env.kwargs)
     calls, timeout = mt.max_parallel_calls, mt.tool_timeout_s
     kwargs = dict(env.kwargs)
+    if spec.cls is PythonEnv or uses_python(tools):  # the python tool's sandbox: built once, for the run
+        configure_python_tool(cfg.sandbox)
+    if spec.cls is PythonEnv:  # the run's tool-call limits, unless env.kwargs sets its own
+        kwargs = {"max_parallel_calls": calls, "timeout_s": timeout, **kwargs}
     if spec.kind == "none":
-        return lambda row: ToolEnvironment(tools, calls, timeout)
+        return lambda row: _plain_or_skyrl_row(row, tools, calls, timeout)
     if spec.kind == SKYRL:
         if len(tools):
             raise ConfigError(

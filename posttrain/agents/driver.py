@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -214,7 +215,9 @@ async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Rende
             return
         if gen.finish_reason == "length":  # cut at max_tokens_per_turn: the environment still answers
             traj.truncations.append("turn token limit")
+        started = time.perf_counter()
         step = await _env_call(env, "step", text, index)
+        traj.env_step_seconds.append(time.perf_counter() - started)
         traj.turn_rewards.append(float(step.reward))
         if step.done or not step.messages:
             traj.finish_reason = "stop"

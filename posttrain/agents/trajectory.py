@@ -28,6 +28,7 @@ class Trajectory:
     truncations: why anything was cut ("tool output: ...", "trajectory budget", "turn limit").
     sample_id: the global sample id its turns were sampled under.
     tools: the tool schemas rendered in its prompt (None: no tools).
+    env_step_seconds: how long each environment step took (tool calls included).
     turn_finish_reasons: the engine's finish reason of each assistant turn ("eos", "stop" or "length").
     """
 
@@ -44,6 +45,7 @@ class Trajectory:
     num_user_turns: int = 0
     sample_id: int = 0
     tools: list[dict[str, Any]] | None = None
+    env_step_seconds: list[float] = field(default_factory=list)
     turn_finish_reasons: list[str] = field(default_factory=list)
 
     def add_assistant(self, ids: list[int], logprobs: list[float]) -> None:
@@ -90,7 +92,9 @@ def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     ``num_turns/*`` counts assistant and environment turns together (as verl does); ``tool_call_counts/*`` the
     tool calls per trajectory; ``tools/call_frequency`` the share of trajectories with a tool call and
     ``tools/failure_frequency`` the share of tool calls that failed; ``tool_failures/<kind>`` the failures of
-    each kind; ``truncated/share`` the trajectories that ended on ``length`` or ``turn_limit``.
+    each kind; ``truncated/share`` the trajectories that ended on ``length`` or ``turn_limit``;
+    ``tool_call_counts/<tool>`` the calls of each tool per trajectory; ``tools/latency_mean_s`` the mean time of
+    a tool call; ``env/step_time_mean_s`` the mean time of an environment step (its tool calls included).
     """
     if not trajectories:
         return {}
@@ -117,4 +121,15 @@ def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "reward/env_mean": sum(t.reward for t in trajectories) / n,
     }
     out.update(failures)
+    per_tool: dict[str, float] = {}
+    for t in trajectories:
+        for key, value in t.metrics.items():
+            if key.startswith("tool_calls/"):
+                name = "tool_call_counts/" + key.split("/", 1)[1]
+                per_tool[name] = per_tool.get(name, 0.0) + value / n
+    out.update(per_tool)
+    steps = [s for t in trajectories for s in t.env_step_seconds]
+    out["env/step_time_mean_s"] = sum(steps) / len(steps) if steps else 0.0
+    tool_seconds = sum(t.metrics.get("tool_seconds", 0.0) for t in trajectories)
+    out["tools/latency_mean_s"] = tool_seconds / sum(calls) if sum(calls) else 0.0
     return out

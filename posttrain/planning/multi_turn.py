@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.tree import Tree
 
-from posttrain.agents.build import SKYRL, resolve_env
+from posttrain.agents.build import SKYRL, load_tools, resolve_env
 from posttrain.agents.check import sample_environment
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.schema.names import TASK_ENVIRONMENTS
@@ -74,7 +74,7 @@ def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
     budget.add(f"one assistant turn samples {per_turn}")
     budget.add(
         f"one tool result keeps at most {mt.max_tool_response_length} tokens "
-        f"(rollout.multi_turn.max_tool_response_length, cut on the {mt.tool_response_truncate_side})"
+        f"(rollout.multi_turn.max_tool_response_length; tool_response_truncate_side={mt.tool_response_truncate_side})"
     )
     budget.add(
         "assistant tokens count against the budget and are trained on; environment tokens (tool results, user "
@@ -84,9 +84,14 @@ def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
     kwargs = ", ".join(f"{k}={v!r}" for k, v in plan["environment_kwargs"].items())
     root.add(f"environment: {plan['environment']}({kwargs}) (env.path={cfg.env.path!r}, env.kwargs)")
     _tools_branch(root, cfg, plan["tools"])
+    placement = {
+        "final": "summed onto the trajectory's last token",
+        "per_turn": "each on the last token of its assistant turn",
+    }[mt.turn_rewards]
     root.add(
-        f"rewards: per-turn environment rewards go to {mt.turn_rewards} (rollout.multi_turn.turn_rewards); "
-        f"environment failures tolerated per step: {mt.max_env_failures} (rollout.multi_turn.max_env_failures)"
+        f"rewards: the environment's per-turn rewards are {placement} (rollout.multi_turn.turn_rewards="
+        f"{mt.turn_rewards}); environments that may fail per step: {mt.max_env_failures} "
+        "(rollout.multi_turn.max_env_failures)"
     )
     return root
 
@@ -99,8 +104,10 @@ def _tools_branch(root: Tree, cfg: PostTrainConfig, schemas: list[dict[str, Any]
     source = f"tool config {mt.tool_config_path!r}" if mt.tool_config_path else "the environment's"
     tools = root.add(
         f"tools ({len(schemas)}, {source}; at most {mt.max_parallel_calls} calls at once, "
-        f"{mt.tool_timeout_s:g} s each):"
+        f"{mt.tool_timeout_s:g} s each unless the tool sets its own):"
     )
+    timeouts = {name: tool.timeout_s for name, tool in load_tools(cfg).tools.items() if tool.timeout_s}
     for schema in schemas:
         name = schema.get("function", {}).get("name", "?")
-        tools.add(f"{name}: {json.dumps(schema, sort_keys=True)}")
+        own = f" (timeout {timeouts[name]:g} s)" if name in timeouts else ""
+        tools.add(f"{name}{own}: {json.dumps(schema, sort_keys=True)}")

@@ -12,7 +12,8 @@ CodeContests-style data), in one of two forms:
 The program is the last fenced code block of the response (```` ```python ````), else the whole response.
 The score is the fraction of cases passed, or 1.0/0.0 with ``sandbox.code_reward.mode=all_or_nothing``. A
 program that does not compile scores 0 after one run; a case over the time or memory limit fails. The counts
-(cases, passes, compile errors, time and memory limits, sandbox errors) are kept in :data:`COUNTS`.
+(cases, passes, compile errors, time and memory limits, sandbox errors) are kept in :data:`COUNTS` and reach the
+step's metrics as ``reward/code/<name>`` (:mod:`posttrain.rewards.counts`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
+from posttrain.rewards import counts
 from posttrain.sandbox.build import Sandbox, build_sandbox
 from posttrain.sandbox.types import MEMORY_LIMIT, SANDBOX_ERROR, TIME_LIMIT, RunRequest, RunResult
 
@@ -170,6 +172,7 @@ class CodeReward:
 def _count(**kw: int) -> None:
     with _LOCK:
         COUNTS.update(kw)
+    counts.add("code", {name: kw.get(name, 0) for name in counts.CODE_COUNTS})
 
 
 _DEFAULT: CodeReward | None = None

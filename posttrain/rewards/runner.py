@@ -23,13 +23,14 @@ import signal
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from posttrain.config.errors import ConfigError
+from posttrain.rewards import counts
 from posttrain.rewards.call import OutputLog, call_one, failure_kind
 from posttrain.utils.console import warn_once
 
@@ -55,7 +56,7 @@ class RewardInput:
 
 
 def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connection, parent_pid: int) -> None:
-    """Worker loop: receive a list of ``(index, args)``, send ``(index, ok, value)`` per sample."""
+    """Worker loop: receive a list of ``(index, args)``, send ``(index, ok, value, output, counts)`` per sample."""
     parent_conn.close()  # keep only our end, so a closed trainer end reads as EOF here
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, not ours
     # A forked worker inherits the trainer's SIGTERM handler (which raises in the trainer's loop); here the
@@ -74,7 +75,7 @@ def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connecti
         if batch is None:
             return
         for index, sample in batch:
-            conn.send((index, *call_one(fn, sample)))
+            conn.send((index, *call_one(fn, sample), counts.take()))
 
 
 @contextlib.contextmanager
@@ -200,6 +201,9 @@ class RewardRunner:
                 "reward.timeout_s > 0 to run it in worker processes.",
             )
         self._counts = {"failures": 0, "timeouts": 0}
+        self._kept: Counter[str] = (
+            Counter()
+        )  # the function's own counts in this call (posttrain.rewards.counts)
         methods = mp.get_all_start_methods()
         self._ctx = mp.get_context("fork" if "fork" in methods else "spawn")
         self._workers: list[_Worker | None] = [None] * num_workers
@@ -218,9 +222,12 @@ class RewardRunner:
 
     def score(self, samples: list[RewardInput]) -> tuple[list[float], dict[str, float]]:
         """Rewards in sample order, and metrics ``reward/num_failures`` (every sample given
-        ``failure_reward``, timeouts included), ``reward/num_timeouts`` and ``reward/time_s``."""
+        ``failure_reward``, timeouts included), ``reward/num_timeouts`` and ``reward/time_s``, plus the counts
+        the function kept (``reward/<name>``, :mod:`posttrain.rewards.counts`)."""
         start = time.perf_counter()
         self._counts = {"failures": 0, "timeouts": 0}
+        counts.take()  # drop what was counted outside a call (a start-up probe, say)
+        self._kept = Counter()
         args = [(s.prompt, s.response, s.ground_truth, s.extra) for s in samples]
         if self.timeout_s is None:
             rewards = self._score_in_process(args)
@@ -237,6 +244,8 @@ class RewardRunner:
             "reward/num_timeouts": float(self._counts["timeouts"]),
             "reward/time_s": time.perf_counter() - start,
         }
+        self._kept.update(counts.take())  # those counted in this process
+        metrics.update({f"reward/{name}": value for name, value in sorted(self._kept.items())})
         return rewards, metrics
 
     def _score_in_process(self, args: list[tuple[Any, ...]]) -> list[float]:
@@ -279,7 +288,8 @@ class RewardRunner:
         worker = busy[w]
         try:
             while worker.pending and worker.conn.poll():
-                index, ok, value, output = worker.conn.recv()
+                index, ok, value, output, kept = worker.conn.recv()
+                self._kept.update(kept)
                 assert index == worker.pending[0], "reward worker answered out of order"
                 worker.pending.popleft()
                 self._output.note(index, output)

@@ -254,6 +254,11 @@ def build_engine(
         max_num_batched_tokens=r.max_num_batched_tokens,
         enable_chunked_prefill=r.enable_chunked_prefill,
         enforce_eager=r.enforce_eager,
+        # Multi-turn: a cache as long as a whole trajectory from the start, so no turn outgrows it (which would
+        # end the sessions whose prefixes later turns reuse).
+        max_model_len=(r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length)
+        if r.multi_turn.enable
+        else None,
     )
 
 

@@ -157,6 +157,8 @@ def test_skyrl_environment_by_name_or_row():
     assert isinstance(env, SkyRLEnvironment) and env.env_class == "gsm8k_multi_turn"
     assert env.env_config == {"max_turns": 3}
     assert environment_factory(config("env.path=skyrl"))({}).env_class is None  # the row's env_class decides
+    assert isinstance(environment_factory(config())({"env_class": "gsm8k"}), SkyRLEnvironment)
+    assert isinstance(environment_factory(config())({"prompt": "hi"}), ToolEnvironment)
 
 
 def test_env_kwargs_must_fit_the_constructor():

@@ -168,6 +168,19 @@ def test_an_environment_that_raises_names_itself_and_the_row(tok):
         )
 
 
+def test_environment_failures_under_the_cap_are_kept_untrained_and_counted(tok):
+    rows = [{"prompt": p} for p in "abcd"]
+    make = lambda r: Broken() if r["prompt"] in "bd" else Environment()  # noqa: E731
+    capped = MultiTurnSettings(max_env_failures=2)
+    trajs = run_trajectories(rows, make, scripted(tok, lambda c: "x"), tok, capped, row_ids=[10, 11, 12, 13])
+    failed = [t for t in trajs if t.metrics.get("env_failures")]
+    assert len(failed) == 2 and all(sum(t.mask) == 0 and t.reward == 0.0 for t in failed)
+    assert "Broken.step failed on row 11" in failed[0].truncations[0]
+    assert all(sum(t.mask) > 0 for t in trajs if t not in failed)
+    with pytest.raises(EnvironmentFailure, match="2 trajectories of 4 failed .*max_env_failures=1"):
+        run_trajectories(rows, make, scripted(tok, lambda c: "x"), tok, MultiTurnSettings(max_env_failures=1))
+
+
 def hf_generate(model, tok):
     """transformers' generate behind the driver's callable: one prompt at a time, sampled, with the log-probs of
     the distribution it sampled from."""

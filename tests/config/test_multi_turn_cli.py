@@ -8,6 +8,7 @@ import pytest
 from posttrain import cli
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
+from posttrain.planning.multi_turn import multi_turn_plan
 from posttrain.rl import build
 
 ON = "rollout.multi_turn.enable=true"
@@ -122,6 +123,13 @@ def test_multi_turn_task_cannot_be_turned_off():
     assert build_config(overrides=["data.task=calculator", "env.path=x.py:Y"]).env.path == "x.py:Y"
     with pytest.raises(ConfigError, match="rollout.multi_turn.enable=false, but data.task=guess_number"):
         build_config(overrides=["data.task=guess_number", "rollout.multi_turn.enable=false"])
+
+
+def test_the_plan_says_a_task_implies_multi_turn():
+    plan = multi_turn_plan(build_config(overrides=["data.task=guess_number", "env.kwargs.high=9"]))
+    assert plan["implied_by_task"] == "guess_number"
+    assert plan["environment"] == "posttrain.agents.builtin.GuessNumberEnv"
+    assert plan["environment_kwargs"] == {"low": 1, "high": 9, "max_turns": 7}
 
 
 def test_explain_prints_the_multi_turn_plan(here, capsys):

@@ -311,3 +311,26 @@ def test_verls_sandbox_fusion_url_selects_that_backend():
     cfg = build_config(overrides=["reward_model.sandbox_fusion.url=http://10.0.0.5:8080"])
     assert cfg.sandbox.backend == "sandbox_fusion"
     assert cfg.sandbox.sandbox_fusion.url == ["http://10.0.0.5:8080"]
+
+
+def test_verl_multi_turn_keys_map_to_ours():
+    verl = "actor_rollout_ref.rollout.multi_turn."
+    cfg = build_config(
+        overrides=[
+            f"{verl}enable=true",
+            f"{verl}max_assistant_turns=3",
+            f"{verl}max_user_turns=2",
+            f"{verl}max_parallel_calls=1",
+            f"{verl}max_tool_response_length=64",
+            f"{verl}tool_response_truncate_side=left",
+            f"{verl}format=chatml",
+            f"{verl}tokenization_sanity_check_mode=strict",
+        ]
+    )
+    mt = cfg.rollout.multi_turn
+    assert (mt.enable, mt.max_assistant_turns, mt.max_user_turns, mt.max_parallel_calls) == (True, 3, 2, 1)
+    assert (mt.max_tool_response_length, mt.tool_response_truncate_side, mt.format) == (64, "left", "hermes")
+    with pytest.raises(ConfigError, match="simulated users are environments: env.path"):
+        build_config(overrides=[f"{verl}interaction_config_path=users.yaml"])
+    with pytest.raises(ConfigError, match="rollout.multi_turn.\\* and env.\\*"):
+        build_config(overrides=[f"{verl}no_such_key=1"])

@@ -79,7 +79,7 @@ def test_arithmetic_reward_negative_answer():
 
 
 def test_registry():
-    assert set(TASKS) == {"arithmetic", "gsm8k", "calculator", "guess_number"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "calculator", "guess_number", "python_arithmetic"}
     for task in TASKS.values():
         assert task.default_reward in REWARD_FUNCTIONS
     train, val = load_task("arithmetic", seed=0, n_train=20, n_val=5)
@@ -87,6 +87,6 @@ def test_registry():
     with pytest.raises(ValueError, match="no option.*n_test.*n_train"):
         load_task("arithmetic", seed=0, n_test=5)
     with pytest.raises(
-        ValueError, match=r"unknown task 'math'.*\['arithmetic', 'calculator', 'gsm8k', 'guess_number'\]"
+        ValueError, match=r"unknown task 'math'.*\['arithmetic', 'calculator', 'gsm8k', 'guess_number'"
     ):
         get_task("math")

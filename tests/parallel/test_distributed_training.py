@@ -71,6 +71,13 @@ CRITIC = {
     "critic.forward_micro_batch_size_per_gpu": 4,
     "critic.use_remove_padding": "true",
 }
+MULTI_TURN = {  # trajectories of the guess_number environment: assistant and environment tokens in one response
+    "rollout.multi_turn.enable": "true",
+    "env.path": "guess_number",
+    "env.kwargs.max_turns": 3,
+    "rollout.multi_turn.max_tokens_per_turn": 4,
+    "data.max_response_length": 16,  # a trajectory still fits one micro-batch's 80 tokens
+}
 SP2 = {
     "actor.ulysses_sequence_parallel_size": 2,
     "ref.ulysses_sequence_parallel_size": 2,
@@ -84,6 +91,7 @@ SP2 = {
     [
         (PACKED_DYNAMIC, {}),
         (CRITIC, {}),
+        ({**PACKED_DYNAMIC, **MULTI_TURN}, {}),
         # 2 ranks = one DP rank of two SP ranks; per-GPU token budgets halve so each micro-batch is the same.
         ({**PACKED_DYNAMIC, "actor.use_kl_loss": "true"}, SP2),
         # LoRA under FSDP2: only adapters train; the reference is the actor with adapters disabled.
@@ -98,7 +106,13 @@ SP2 = {
             {},
         ),
     ],
-    ids=["grpo-packed-dynamic", "ppo-critic", "ulysses-sp2-packed-kl", "lora-kl"],
+    ids=[
+        "grpo-packed-dynamic",
+        "ppo-critic",
+        "multi-turn-packed-dynamic",
+        "ulysses-sp2-packed-kl",
+        "lora-kl",
+    ],
 )
 def test_two_ranks_train_like_one(tmp_path, tiny_model_dir, extra, two_ranks_only):
     one = tmp_path / "one"

@@ -8,6 +8,7 @@
 - per-turn reward placement, the trajectory metrics, and a GRPO run in an environment end to end.
 """
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,7 +28,7 @@ from posttrain.train.losses import actor_loss_fn
 from tests.helpers import read_metrics, small_config
 
 MULTI_TURN = ["rollout.multi_turn.enable=true"]
-GUESS = [*MULTI_TURN, "env.path=guess_number", "data.max_response_length=24"]
+GUESS = [*MULTI_TURN, "env.path=guess_number", "env.kwargs.max_turns=3", "data.max_response_length=24"]
 GUESS += ["rollout.multi_turn.max_tokens_per_turn=4", "rollout.multi_turn.max_assistant_turns=3"]
 
 
@@ -158,7 +159,38 @@ def test_grpo_in_an_environment_reports_the_trajectory_metrics(tiny_model_dir, t
         "reward/env_mean",
         "multi_turn/template_drift",
         "truncated/share",
+        "rollout/prefill_tokens",
+        "rollout/prefill_reused_tokens",
         "actor/pg_loss",
     ):
         assert all(key in m for m in metrics), key
     assert max(m["num_turns/max"] for m in metrics) > 1
+    assert max(m["rollout/prefill_reused_tokens"] for m in metrics) > 0  # later turns reuse their prefix
+
+
+COMBINATIONS = {
+    "lora": ["model.lora_rank=4", "model.lora_alpha=8"],
+    "packed-dynamic": [
+        "model.use_remove_padding=true",
+        "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_gpu=96",
+        "actor.log_prob_max_token_len_per_gpu=96",
+    ],
+    "rollouts-ahead": ["async_training.enable=true"],
+    "dapo": [
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=seq_reward",
+        "reward.overlong_buffer.enable=true",
+        "reward.overlong_buffer.len=4",
+    ],
+    "ppo-critic": ["algorithm.adv_estimator=gae"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_multi_turn_trains_with(tiny_model_dir, tmp_path, name):
+    run = tmp_path / "run"
+    run_training(small_config(tiny_model_dir, run, *GUESS, *COMBINATIONS[name]), quiet=True)
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["tokens/assistant"] > 0 and m["actor/pg_loss"] == m["actor/pg_loss"] for m in metrics)

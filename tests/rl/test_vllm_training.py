@@ -94,3 +94,24 @@ def test_vllm_follows_a_lora_policy(vllm_model_dir, tmp_path, merge):
     for row in rows:
         assert row["rollout_corr/log_prob_abs_diff_max"] < 1e-4, row["step"]
     assert rows[-1]["actor/grad_norm"] > 0
+
+
+def test_vllm_multi_turn_trajectories_train_with_the_trainers_log_probs(vllm_model_dir, tmp_path):
+    """Multi-turn trajectories (guess_number) rolled out by vLLM: several turns per trajectory, environment
+    tokens in the response, and the engine's log-probs of the assistant tokens are the trainer's after every
+    weight push."""
+    rows = train(
+        vllm_model_dir,
+        tmp_path / "run",
+        "rollout.name=vllm",
+        "trainer.total_steps=2",
+        "rollout.multi_turn.enable=true",
+        "env.path=guess_number",
+        "rollout.multi_turn.max_tokens_per_turn=4",
+        "data.max_response_length=24",
+        "algorithm.rollout_correction.rollout_is=token",
+    )
+    assert len(rows) == 2
+    for row in rows:
+        assert row["num_turns/max"] > 1 and row["tokens/environment"] > 0
+        assert row["rollout_corr/log_prob_abs_diff_max"] < 1e-4, row["step"]

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import MistralConfig, MistralForCausalLM
 
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 from posttrain.rollout.base import SamplingParams, TurnEngine, TurnRequest
@@ -280,3 +281,37 @@ def test_bad_requests_are_refused(model, prompts):
     ):
         with pytest.raises(ValueError, match=match):
             engine.generate_turns(requests, GREEDY)
+
+
+def test_sliding_window_model_beyond_its_window_runs_turns_on_the_model_forward(prompts):
+    """A call whose context exceeds a sliding-window model's window goes to the fallback path (no reuse there);
+    within the window, the slot cache. Both give greedy recomputation's tokens."""
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        sliding_window=12,
+    )
+    model = MistralForCausalLM(config).eval()
+    engine = _engine(model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    short, long = [p for p in prompts if len(p) <= 5], [p for p in prompts if len(p) > 12]
+    for batch, reused in ((short, True), (long, False)):
+        (first, second), metrics = _exchange(engine, batch, GREEDY, turns=2, max_tokens=(2,))
+        for requests, out in (first, second):
+            assert out.response_ids == [_greedy(model, r.ids, r.max_tokens) for r in requests]
+        assert (metrics[1]["rollout/prefill_reused_tokens"] > 0) == reused
+
+
+def _greedy(model, ids, max_tokens):
+    """Reference: a full forward (no cache) for every new token, argmax, stop on eos (PAD here)."""
+    ids, start = list(ids), len(ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            if ids[-1] == PAD:
+                break
+    return ids[start:]

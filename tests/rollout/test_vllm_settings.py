@@ -188,6 +188,7 @@ def test_llm_arguments_cpu_cuda_tp_lora(monkeypatch):
 
     cpu = llm_kwargs(VLLMKnobs(max_model_len=256), "m", "fp32", 0, "cpu", CONFIG)
     assert cpu["dtype"] == "float32" and cpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["enable_prefix_caching"] is True  # multi-turn prefix reuse (generate_turns)
     assert cpu["kv_cache_memory_bytes"] == cpu_kv_cache_bytes(VLLMKnobs(max_model_len=256), CONFIG, "fp32")
     assert "gpu_memory_utilization" not in cpu and "enable_sleep_mode" not in cpu
     gpu = llm_kwargs(VLLMKnobs(gpu_memory_utilization=0.4), "m", "bf16", 0, "cuda", CONFIG)

@@ -34,12 +34,15 @@ class MultiTurnConfig:
     )
     max_tool_response_length: int = knob(
         256,
-        "Most tokens of one tool result kept in the trajectory (cut at `tool_response_truncate_side`).",
+        "Most tokens of one tool result kept in the trajectory (see `tool_response_truncate_side`).",
         unit="tokens",
         min=1,
     )
     tool_response_truncate_side: str = knob(
-        "middle", "Which part of a too-long tool result is dropped.", choices=TRUNCATE_SIDES
+        "middle",
+        "Which part of a too-long tool result is kept, as in verl: left = its beginning, right = its end, "
+        "middle = both ends (a marker shows where tokens were dropped).",
+        choices=TRUNCATE_SIDES,
     )
     tool_config_path: str = knob(
         "", "YAML or JSON file listing the tools (Python functions by path, optional explicit schemas)."
@@ -70,7 +73,7 @@ class EnvConfig:
 
     path: str = knob(
         "",
-        "The environment: a built-in name (guess_number) or 'path/to/file.py:ClassName' (posttrain's interface, "
+        "The environment: a built-in name (guess_number, python) or 'path/to/file.py:ClassName' (posttrain's interface, "
         "a TRL-style environment class, or a SkyRL environment via skyrl:<env_class>). Empty: the tools of "
         "`rollout.multi_turn.tool_config_path` (or none: plain turns).",
     )

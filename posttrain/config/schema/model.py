@@ -96,7 +96,8 @@ class DataConfig:
         "(your GSM8K-format data.train_files: question, answer ending in '#### <number>'; numeric verifier), "
         "or 'reasoning_gym:<name>' (a reasoning-gym task generated from trainer.seed, scored by its own "
         "score_answer; pip install 'posttrain[reasoning-gym]'). Multi-turn tasks (calculator: products with a "
-        "calculator tool; guess_number: a guessing dialogue) imply rollout.multi_turn.enable=true and play in "
+        "calculator tool; guess_number: a guessing dialogue; python_arithmetic: large products with the sandboxed python "
+        "tool) imply rollout.multi_turn.enable=true and play in "
         "their environment unless env.path names another.",
     )
     train_files: list[str] = knob(

@@ -16,5 +16,9 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 # The built-in multi-turn tasks and the environment (`env.path`) each is played in: posttrain.data.tasks'
 # Task.environment, which tests/agents/test_build.py keeps equal to this map (config cannot import data).
-TASK_ENVIRONMENTS = {"calculator": "calculator", "guess_number": "guess_number"}
+TASK_ENVIRONMENTS = {
+    "calculator": "calculator",
+    "guess_number": "guess_number",
+    "python_arithmetic": "python",
+}
 BUILTIN_TASKS = ("arithmetic", "gsm8k", *TASK_ENVIRONMENTS)

@@ -71,8 +71,8 @@ class RolloutConfig:
     )
     max_model_len: int = knob(
         0,
-        "vLLM only: longest prompt + response the engine accepts; 0 means data.max_prompt_length + "
-        "data.max_response_length.",
+        "Longest prompt + response the engine accepts (vLLM; the native engine with multi-turn rollouts sizes "
+        "its cache for it); 0 means data.max_prompt_length + data.max_response_length.",
         unit="tokens",
         min=0,
     )

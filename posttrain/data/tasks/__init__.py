@@ -21,6 +21,7 @@ from posttrain.data.tasks.arithmetic import load_arithmetic, make_arithmetic_spl
 from posttrain.data.tasks.calculator import calculator_reward, load_calculator
 from posttrain.data.tasks.gsm8k import load_gsm8k, load_gsm8k_task
 from posttrain.data.tasks.guess_number import environment_reward, load_guess_number
+from posttrain.data.tasks.python_arithmetic import load_python_arithmetic
 from posttrain.data.tasks.reasoning_gym import PREFIX as REASONING_GYM
 from posttrain.data.tasks.reasoning_gym import load_reasoning_gym
 
@@ -77,6 +78,14 @@ TASKS: dict[str, Task] = {
         description="multi-turn: find a hidden number from higher/lower hints within the turn limit; options "
         "n_train, n_val, low, high, max_turns",
         environment="guess_number",
+    ),
+    "python_arithmetic": Task(
+        name="python_arithmetic",
+        load=load_python_arithmetic,
+        default_reward="arithmetic",
+        description="multi-turn: 'What is 48213957 * 30719284?' with the python tool (sandboxed); options "
+        "n_train, n_val, min_digits, max_digits",
+        environment="python",
     ),
 }
 

@@ -16,6 +16,7 @@ from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, ShareMetrics
+from posttrain.rewards import counts as reward_counts
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -84,8 +85,7 @@ class Scorer:
         scores = torch.tensor(rewards, dtype=torch.float32)
         if result.episodes is not None:  # the environment's rewards add to the reward function's
             env = torch.tensor([sum(e.turn_rewards) for e in result.episodes], dtype=torch.float32)
-            metrics["reward/env_mean"] = float(env.mean())
-            scores = scores + env
+            scores = scores + env  # (reward/env_mean is a trajectory metric: rl/collect/multi_turn.py)
         if self.reward_model is not None:
             texts = [i.response for i in inputs]
             rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts), dtype=torch.float32)
@@ -131,6 +131,7 @@ class Scored:
 
 # How the scorer's metrics combine over ranks (each rank's own samples); every other one is a mean over samples.
 SCORER_REDUCTIONS = {"reward/num_failures": SUM, "reward/num_timeouts": SUM, "reward/time_s": MAX}
+SCORER_REDUCTIONS.update(dict.fromkeys(reward_counts.SUMMED, SUM))  # the code reward's counts
 
 
 def join_replicas(share: DataShare, lo: int, result: RolloutResult, scores: torch.Tensor) -> Scored:

@@ -27,12 +27,18 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import MAX, SINGLE_SHARE, DataShare, ShareMetrics
+from posttrain.rewards import counts as reward_counts
 from posttrain.rl.collect.generation import Scorer, sample_and_score
 from posttrain.rl.collect.multi_turn import AgentLoop
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 GEN_BATCH_SALT = 1000  # step_seed salts of the extra generation batches start here (0-2 are taken)
-SUMMED_METRICS = ("reward/num_failures", "reward/num_timeouts", "reward/time_s")  # the others are averaged
+SUMMED_METRICS = (
+    "reward/num_failures",
+    "reward/num_timeouts",
+    "reward/time_s",
+    *reward_counts.SUMMED,
+)  # the others are averaged
 UNSHAPED_METRICS = ("acc", "score")  # metrics read before the overlong penalty; the others after it
 
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.agents.build import EnvFactory, environment_factory
+from posttrain.agents.check import sample_environment
 from posttrain.agents.driver import MultiTurnSettings, engine_generate, run_trajectories
+from posttrain.agents.hermes import FAILURE_KINDS
 from posttrain.agents.render import Renderer
 from posttrain.agents.trajectory import Trajectory, trajectory_metrics
 from posttrain.config.errors import ConfigError
@@ -31,6 +33,7 @@ class AgentLoop:
     settings: MultiTurnSettings
     turn_rewards: str = "final"
     eos_token_ids: set[int] = field(default_factory=set)
+    tool_names: tuple[str, ...] = ()  # the tools a trajectory may call (their call counts are step metrics)
 
     def generate(
         self,
@@ -117,22 +120,42 @@ def build_agent_loop(cfg: PostTrainConfig, tokenizer: Any) -> AgentLoop | None:
         max_env_failures=mt.max_env_failures,
     )
     # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
-    return AgentLoop(environment_factory(cfg), tokenizer, settings, mt.turn_rewards, {tokenizer.eos_token_id})
+    sample = sample_environment(cfg)
+    tools = tuple(t["function"]["name"] for t in sample.tool_schemas() or [])
+    sample.close()
+    eos = {tokenizer.eos_token_id}
+    return AgentLoop(environment_factory(cfg), tokenizer, settings, mt.turn_rewards, eos, tools)
+
+
+def metric_names(tool_names: tuple[str, ...]) -> list[str]:
+    """The trajectory metrics every step of a run logs: the same names on every rank and at every step (ranks
+    reduce them position by position), whatever the trajectories did."""
+    base = trajectory_metrics([Trajectory(prompt_ids=[0], messages=[])])
+    names = [k for k in base if not k.startswith(("tool_failures/", "tool_call_counts/"))]
+    names += [f"tool_call_counts/{stat}" for stat in ("mean", "min", "max")]
+    names += [f"tool_failures/{kind}" for kind in FAILURE_KINDS]
+    names += [f"tool_call_counts/{tool}" for tool in tool_names if tool not in ("mean", "min", "max")]
+    return names + ["multi_turn/template_drift", "multi_turn/env_failures"]
 
 
 def episode_metrics(
-    episodes: list[Trajectory], metrics: ShareMetrics, how: dict[str, str], weight: int
+    episodes: list[Trajectory],
+    metrics: ShareMetrics,
+    how: dict[str, str],
+    weight: int,
+    tool_names: tuple[str, ...] = (),
 ) -> None:
-    """Add the trajectories' numbers (``trajectory_metrics``) to ``metrics``: token totals, drifted templates
-    and failed environments as sums over the step (``how["sum"]``), extremes as extremes, the rest as means over
-    trajectories (``how["mean"]``)."""
-    values = trajectory_metrics(episodes)
-    values["multi_turn/template_drift"] = sum(e.metrics.get("template_drift", 0.0) for e in episodes)
-    values["multi_turn/env_failures"] = sum(e.metrics.get("env_failures", 0.0) for e in episodes)
-    for name, value in values.items():
-        if name.endswith("/max"):
+    """Add the trajectories' numbers (``trajectory_metrics``, under :func:`metric_names`; 0 for what did not
+    happen) to ``metrics``: token totals, drifted templates and failed environments as sums over the step
+    (``how["sum"]``), extremes as extremes, the rest as means over trajectories (``how["mean"]``)."""
+    computed = trajectory_metrics(episodes)
+    computed["multi_turn/template_drift"] = sum(e.metrics.get("template_drift", 0.0) for e in episodes)
+    computed["multi_turn/env_failures"] = sum(e.metrics.get("env_failures", 0.0) for e in episodes)
+    for name in metric_names(tool_names):
+        value = computed.get(name, 0.0)
+        if name.endswith("/max") and name.startswith(("num_turns/", "tool_call_counts/")):
             metrics.add({name: value}, MAX)
-        elif name.endswith("/min"):
+        elif name.endswith("/min") and name.startswith(("num_turns/", "tool_call_counts/")):
             metrics.add({name: value}, MIN)
         elif name.startswith(("tokens/", "multi_turn/", "tool_failures/")):
             metrics.add({name: value}, how["sum"])

@@ -114,8 +114,8 @@ def assemble_rollout(
         local.add(dict(step_metrics.values), MAX)
     else:
         rollout_metrics(result, drawn.rewards, local, unshaped=unshaped)
-    if result.episodes is not None:
-        episode_metrics(result.episodes, local, how, weight)
+    if context.agent is not None:  # every rank adds the same names, also one that drew no sample
+        episode_metrics(result.episodes or [], local, how, weight, context.agent.tool_names)
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
         local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
     if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts

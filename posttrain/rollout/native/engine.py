@@ -4,8 +4,13 @@ For Llama/Qwen2-family decoders (``posttrain.rollout.native.decoder``) each prom
 is long) and its keys/values copied into the slots of its ``n`` samples; every forward then carries one decode
 token per running sample plus prefill chunks of waiting prompts, bounded by ``max_num_seqs`` and
 ``max_num_batched_tokens`` (``posttrain.rollout.native.scheduler``). Finished samples leave at once and waiting prompts
-take their slots. Other architectures run a simpler path through the model's own forward: prompts are
-left-padded, prefilled once, the cache repeated n times and decoded in lockstep.
+take their slots. Other architectures run a simpler path through the model's own forward
+(``posttrain.rollout.native.padded``): prompts are left-padded, prefilled once, the cache repeated n times and
+decoded in lockstep.
+
+``generate_turns`` runs the turns of multi-turn trajectories the same way, one sample per request
+(``posttrain.rollout.native.turns``); a request's session keeps its slot between turns, so the next turn
+prefills only what it adds (``posttrain.rollout.native.sessions``).
 
 Both paths draw tokens with ``posttrain.rollout.native.token_sampling``: a sample's randomness depends only on
 (seed, global sample id, token index), so results do not depend on batching, scheduling or how prompts are

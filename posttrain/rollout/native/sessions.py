@@ -11,7 +11,7 @@ when its next turn comes. Pure bookkeeping, no tensors.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Container, Hashable
 from dataclasses import dataclass
 
 
@@ -77,7 +77,7 @@ class SessionCache:
         self._entries[session] = CachedPrefix(slot=slot, ids=ids)
         return None if old is None or old.slot == slot else old.slot
 
-    def evict(self, spare: set[Hashable] | None = None) -> int | None:
+    def evict(self, spare: Container[Hashable] | None = None) -> int | None:
         """Drop the least recently used session not in ``spare`` and return its slot (None when there is none)."""
         for session in self._entries:
             if spare is None or session not in spare:

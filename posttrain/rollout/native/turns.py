@@ -65,6 +65,7 @@ class TurnScheduler:
         held = sessions.slots()
         self.free = [s for s in range(num_slots) if s not in held]  # ascending: already a heap
         self.prefill_tokens = self.reused_tokens = 0
+        self._no_slot = False
 
     @property
     def done(self) -> bool:
@@ -90,6 +91,7 @@ class TurnScheduler:
             chunks.append(chunk)
             budget -= chunk.length
         passed: deque[int] = deque()
+        self._no_slot = False  # set when a request found no slot: no later one of this step finds one either
         while self.waiting and budget > 0:
             index = self.waiting.popleft()
             pre = self._admit(index, budget, evict_wanted=False)
@@ -103,6 +105,7 @@ class TurnScheduler:
         self.waiting = passed
         if self.waiting and not (self.running or self.prefilling):
             # Nothing runs that could free a slot: the first waiting request takes a session this call wants.
+            self._no_slot = False
             pre = self._admit(self.waiting.popleft(), budget, evict_wanted=True)
             chunks.append(self._chunk(pre, budget))
         return Plan(decode=decode, chunks=chunks)
@@ -120,8 +123,9 @@ class TurnScheduler:
         elif self.free:
             slot = heapq.heappop(self.free)
         else:
-            slot = self.sessions.evict(spare=None if evict_wanted else set(self.wanted))
+            slot = None if self._no_slot else self.sessions.evict(spare=None if evict_wanted else self.wanted)
             if slot is None:
+                self._no_slot = True
                 return None
         if request.session is not None:
             self.wanted[request.session] -= 1

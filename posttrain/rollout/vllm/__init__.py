@@ -2,7 +2,7 @@
 by an in-process ``vllm.LLM``. Importing this package does not import vllm; building an engine does (and raises
 a ValueError with the install command when it is missing)."""
 
-from posttrain.rollout.vllm.engine import VLLMEngine, logprobs_match_trainer, sample_seed
+from posttrain.rollout.vllm.engine import VLLMEngine, logprobs_match_trainer, sample_seed, turn_seed
 from posttrain.rollout.vllm.factory import build_vllm_engine, knobs_from_config
 from posttrain.rollout.vllm.knobs import VLLMKnobs, check_vllm_settings, cpu_kv_cache_bytes, require_vllm
 from posttrain.rollout.vllm.weight_sync import plan_buckets
@@ -18,4 +18,5 @@ __all__ = [
     "plan_buckets",
     "require_vllm",
     "sample_seed",
+    "turn_seed",
 ]

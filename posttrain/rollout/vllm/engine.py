@@ -3,7 +3,9 @@
 Token ids in, ``RolloutResult`` out. Every sample is its own vLLM request (n=1) with a seed derived from
 (``params.seed``, global sample id), so a sample's randomness does not depend on batching, on how prompts are split
 between calls or data-parallel ranks (``prompt_offset``), or on ``max_num_seqs``; vLLM's prefix cache still
-prefills a prompt once for its n samples. ``vllm`` is imported only when an engine is built.
+prefills a prompt once for its n samples. The turns of multi-turn trajectories (``generate_turns``) are requests
+too, seeded by (seed, sample id, position); a turn whose context extends an earlier turn's reuses that turn's
+cached keys/values through the same prefix cache. ``vllm`` is imported only when an engine is built.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams, validate_prompts
+from posttrain.rollout.base import (
+    RolloutEngine,
+    RolloutResult,
+    SamplingParams,
+    TurnRequest,
+    validate_prompts,
+)
 from posttrain.rollout.vllm.knobs import VLLMKnobs, check_vllm_settings, llm_kwargs, require_vllm
 from posttrain.rollout.vllm.weight_sync import (
     checkpoint_names,
@@ -38,6 +46,19 @@ def _mix64(x: int) -> int:
 def sample_seed(seed: int, sample_id: int) -> int:
     """The vLLM request seed of global sample ``sample_id`` under ``seed``: a 63-bit int (fits int64)."""
     return _mix64((_mix64(seed & _MASK64) + sample_id + 1) & _MASK64) >> 1
+
+
+def turn_seed(seed: int, sample_id: int, position: int) -> int:
+    """The vLLM request seed of the turn of sample ``sample_id`` that starts at response index ``position``.
+
+    Position 0 is :func:`sample_seed` (a one-turn trajectory samples what ``generate`` samples); a later turn gets
+    a fresh 63-bit seed from (seed, sample id, position). vLLM draws a request's noise from one generator seeded
+    once, so (seed, sample id, position) rather than each token's index picks a turn's noise.
+    """
+    base = sample_seed(seed, sample_id)
+    if position == 0:
+        return base
+    return _mix64((_mix64(base << 1 | 1) + position) & _MASK64) >> 1
 
 
 def logprobs_match_trainer(params: SamplingParams) -> bool:
@@ -131,10 +152,47 @@ class VLLMEngine(RolloutEngine):
         outputs = self.llm.generate(prompts, requests, use_tqdm=False, lora_request=self._lora_request)
         elapsed = time.perf_counter() - start
         result = self._result(outputs, params.n)
-        self._gen_stats = {"seconds": elapsed, "tokens": float(sum(result.response_lengths))}
+        self._gen_stats = _stats(outputs, result, elapsed)
         return result
 
-    def _check_ready(self, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+    def generate_turns(self, requests: list[TurnRequest], params: SamplingParams) -> RolloutResult:
+        """One sample per :class:`TurnRequest`, in request order (``prompt_index[i] == i``); see
+        :class:`~posttrain.rollout.base.TurnEngine`.
+
+        Each request is one vLLM request with its own ``max_tokens`` and the seed
+        ``turn_seed(params.seed, sample_id, position)`` (``params.n`` and ``params.max_tokens`` are not used). A
+        request with a ``session`` may read vLLM's prefix cache (the earlier turns' keys/values, or another sample's
+        with the same prompt: cached blocks are shared by content); ``session=None`` computes its whole context.
+        ``generation_metrics`` then reports the prompt tokens computed and reused.
+        """
+        _check_turns(requests)
+        self._check_ready([r.ids for r in requests], params, max(r.max_tokens for r in requests))
+        self.wake_up()
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        common = self._common(params)
+        prompts, vparams = [], []
+        for r in requests:
+            prompts.append(self._tokens_prompt(r.ids))
+            request_seed = None if params.greedy else turn_seed(seed, r.sample_id, r.position)
+            vparams.append(
+                self._vparams(
+                    common,
+                    seed=request_seed,
+                    max_tokens=r.max_tokens,
+                    skip_reading_prefix_cache=r.session is None,
+                )
+            )
+        self._counters_before = self._read_counters()
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, vparams, use_tqdm=False, lora_request=self._lora_request)
+        elapsed = time.perf_counter() - start
+        result = self._result(outputs, 1)
+        self._gen_stats = _stats(outputs, result, elapsed)
+        return result
+
+    def _check_ready(
+        self, prompt_ids: list[list[int]], params: SamplingParams, max_tokens: int | None = None
+    ) -> None:
         if self._never_synced:
             raise ValueError(
                 f"the vLLM engine was started with rollout.load_format=dummy (random weights) and "
@@ -143,10 +201,11 @@ class VLLMEngine(RolloutEngine):
                 "rollout.load_format=auto"
             )
         longest = max(len(p) for p in prompt_ids)
-        if longest + params.max_tokens > self.knobs.max_model_len:
+        max_tokens = params.max_tokens if max_tokens is None else max_tokens
+        if longest + max_tokens > self.knobs.max_model_len:
             raise ValueError(
                 f"rollout.max_model_len={self.knobs.max_model_len} is shorter than the longest prompt ({longest}) "
-                f"+ max_tokens ({params.max_tokens}); raise rollout.max_model_len (0 = data.max_prompt_length + "
+                f"+ max_tokens ({max_tokens}); raise rollout.max_model_len (0 = data.max_prompt_length + "
                 "data.max_response_length) or shorten prompts"
             )
 
@@ -154,12 +213,21 @@ class VLLMEngine(RolloutEngine):
         self, prompt_ids: list[list[int]], params: SamplingParams, seed: int, prompt_offset: int
     ) -> tuple[list[Any], list[Any]]:
         """One (TokensPrompt, vllm.SamplingParams) per sample, prompt-major: S = len(prompt_ids) x n of each."""
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
+        common = self._common(params)
+        prompts, requests = [], []
+        for i, prompt in enumerate(prompt_ids):
+            tokens = self._tokens_prompt(prompt)
+            for j in range(params.n):
+                sample_id = (prompt_offset + i) * params.n + j
+                request_seed = None if params.greedy else sample_seed(seed, sample_id)
+                prompts.append(tokens)
+                requests.append(self._vparams(common, seed=request_seed, max_tokens=params.max_tokens))
+        return prompts, requests
 
-        common = {
+    def _common(self, params: SamplingParams) -> dict[str, Any]:
+        """The vLLM sampling settings every request of a call shares (all but seed and max_tokens)."""
+        common: dict[str, Any] = {
             "n": 1,
-            "max_tokens": params.max_tokens,
             "logprobs": 0,  # the sampled token's log-prob only
             "stop_token_ids": self.eos_token_ids,
             "ignore_eos": True,  # stop on our eos ids only (a stop token id is still returned in token_ids)
@@ -173,15 +241,19 @@ class VLLMEngine(RolloutEngine):
                 top_p=params.top_p,
                 top_k=0 if params.top_k == -1 else params.top_k,
             )
-        prompts, requests = [], []
-        for i, prompt in enumerate(prompt_ids):
-            tokens = TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
-            for j in range(params.n):
-                sample_id = (prompt_offset + i) * params.n + j
-                request_seed = None if params.greedy else sample_seed(seed, sample_id)
-                prompts.append(tokens)
-                requests.append(VSamplingParams(seed=request_seed, **common))
-        return prompts, requests
+        return common
+
+    @staticmethod
+    def _tokens_prompt(ids: list[int]) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=[int(t) for t in ids])
+
+    @staticmethod
+    def _vparams(common: dict[str, Any], **per_request: Any) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+
+        return VSamplingParams(**common, **per_request)
 
     def _result(self, outputs: list[Any], n: int) -> RolloutResult:
         result = RolloutResult()
@@ -275,12 +347,15 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory
     def release_memory(self) -> None:
         """CUDA with ``free_cache_engine``: vLLM sleep mode level 1 (KV cache dropped, weights offloaded to host
-        memory) so the trainer gets the GPU. On CPU a no-op: vLLM's sleep mode raises there (and a CPU engine
-        shares nothing with a GPU trainer). The CUDA path is written against vLLM's public API and is not
-        exercised by this project's tests (no GPU)."""
+        memory) so the trainer gets the GPU. Otherwise (CPU: vLLM's sleep mode raises there, and a CPU engine
+        shares nothing with a GPU trainer) only the prefix cache is emptied, so multi-turn sessions end here as
+        the engine interface says. The CUDA path is written against vLLM's public API and is not exercised by
+        this project's tests (no GPU)."""
         if self.device == "cuda" and self.knobs.free_cache_engine and not self._asleep_tags:
             self.llm.sleep(level=1)
             self._asleep_tags = ["weights", "kv_cache"]
+        elif not self._asleep_tags:
+            self.llm.reset_prefix_cache()
 
     def wake_up(self) -> None:
         """Undo :meth:`release_memory` before the next ``generate``: wake what is still asleep (the weights may
@@ -302,12 +377,18 @@ class VLLMEngine(RolloutEngine):
         return values
 
     def generation_metrics(self) -> dict[str, float]:
-        """Numbers of the last ``generate`` for logging: response tokens/s (always), and with
+        """Numbers of the last ``generate`` or ``generate_turns`` for logging: response tokens/s and prompt tokens
+        computed (``rollout/prefill_tokens``) and read from the prefix cache (``rollout/prefill_reused_tokens``,
+        vLLM's ``num_cached_tokens``) (always), and with
         ``disable_log_stats=False`` vLLM's own counts (prompt/generated tokens, prefix-cache hit rate,
         preemptions, KV-cache usage at the end)."""
         if not self._gen_stats:
             return {}
-        out = {"rollout/tokens_per_s": self._gen_stats["tokens"] / max(self._gen_stats["seconds"], 1e-9)}
+        out = {
+            "rollout/tokens_per_s": self._gen_stats["tokens"] / max(self._gen_stats["seconds"], 1e-9),
+            "rollout/prefill_tokens": self._gen_stats["prefill"],
+            "rollout/prefill_reused_tokens": self._gen_stats["reused"],
+        }
         if self.knobs.disable_log_stats:
             return out
         now, before = self._read_counters(), self._counters_before
@@ -328,3 +409,27 @@ class VLLMEngine(RolloutEngine):
             }
         )
         return out
+
+
+def _stats(outputs: list[Any], result: RolloutResult, elapsed: float) -> dict[str, float]:
+    """Seconds, response tokens, and prompt tokens computed / reused (vLLM's ``num_cached_tokens``) of a call."""
+    total = sum(len(o.prompt_token_ids) for o in outputs)
+    reused = sum(max(0, o.num_cached_tokens or 0) for o in outputs)
+    return {
+        "seconds": elapsed,
+        "tokens": float(sum(result.response_lengths)),
+        "prefill": float(total - reused),
+        "reused": float(reused),
+    }
+
+
+def _check_turns(requests: list[TurnRequest]) -> None:
+    """Raise ValueError unless ``requests`` is a non-empty list of turns with contexts and limits >= 1."""
+    if not requests:
+        raise ValueError("requests is empty; pass at least one TurnRequest")
+    validate_prompts([r.ids for r in requests])
+    for i, r in enumerate(requests):
+        for key in ("max_tokens", "sample_id", "position"):
+            value, low = getattr(r, key), 1 if key == "max_tokens" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"requests[{i}].{key}={value!r} must be an integer >= {low}")

@@ -242,6 +242,10 @@ def llm_kwargs(
         "tensor_parallel_size": k.tensor_model_parallel_size,
         # The sampled token's log-prob after temperature: the trainer's definition when top-k/top-p are off.
         "logprobs_mode": "processed_logprobs",
+        # Automatic prefix caching (vLLM's default, stated so the engine does not depend on it): the n samples of
+        # a prompt share its prefill, and a multi-turn trajectory's next turn reuses its earlier turns' keys and
+        # values. A turn without a session skips reading the cache (generate_turns).
+        "enable_prefix_caching": True,
     }
     if k.tensor_model_parallel_size > 1:
         # Every torchrun rank builds its own engine in its own process; vLLM joins consecutive ranks into TP groups

@@ -1,0 +1,78 @@
+"""Built-in task `python_arithmetic`: "What is 48213957 * 30719284?", far beyond a tiny model's head, easy for
+Python.
+
+The run plays it in the built-in ``python`` environment (:class:`posttrain.agents.python_tool.PythonEnv`): the
+model may write a ``<tool_call>`` to the ``python`` tool (e.g. ``print(48213957 * 30719284)``), reads the output
+in a tool message, then answers. The reward (``arithmetic``: the first number of the final assistant message
+equals the product) is 1.0 only for the exact product; the share of trajectories that call the tool is in the
+step metrics (``tools/call_frequency``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from posttrain.config.errors import DataError
+from posttrain.data.records import PromptRecord
+
+INSTRUCTION = "Use the python tool to compute it exactly, then answer with the number."
+
+
+def python_arithmetic_prompt(a: int, b: int) -> str:
+    return f"What is {a} * {b}? {INSTRUCTION}"
+
+
+def demonstration(a: int, b: int) -> list[dict[str, str]]:
+    """The messages of a solved problem (for an SFT warm start): a python call printing the product, the tool's
+    output, and the answer."""
+    call = json.dumps({"name": "python", "arguments": {"code": f"print({a} * {b})"}})
+    call = f"<tool_call>\n{call}\n</tool_call>"  # the hermes block (agents.hermes.tool_call_text)
+    return [
+        {"role": "user", "content": python_arithmetic_prompt(a, b)},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]
+
+
+def make_python_arithmetic_splits(
+    seed: int, n_train: int, n_val: int, min_digits: int = 6, max_digits: int = 9
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Disjoint train and held-out products of two ``min_digits``..``max_digits``-digit numbers (seeded)."""
+    if not 1 <= min_digits <= max_digits:
+        raise DataError(
+            f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, max_digits={max_digits}"
+        )
+    if n_train < 1 or n_val < 0:
+        raise DataError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
+    low, high = 10 ** (min_digits - 1), 10**max_digits - 1
+    if n_train + n_val > (high - low + 1) ** 2:
+        raise DataError(f"n_train + n_val = {n_train + n_val} exceeds the distinct problems of that size")
+    rng, seen, records = random.Random(seed), set(), []
+    while len(records) < n_train + n_val:
+        pair = (rng.randint(low, high), rng.randint(low, high))
+        if pair not in seen:
+            seen.add(pair)
+            records.append(_record(*pair))
+    return records[:n_train], records[n_train:]
+
+
+def _record(a: int, b: int) -> PromptRecord:
+    return PromptRecord(
+        prompt=python_arithmetic_prompt(a, b),
+        ground_truth=str(a * b),
+        extra={"task": "python_arithmetic", "a": a, "b": b},
+    )
+
+
+def load_python_arithmetic(
+    seed: int,
+    n_train: int = 2000,
+    n_val: int = 128,
+    min_digits: int = 6,
+    max_digits: int = 9,
+    max_operand: int | None = None,
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Task-registry entry point (``max_operand`` belongs to the arithmetic task and is not used here)."""
+    return make_python_arithmetic_splits(seed, n_train, n_val, min_digits, max_digits)
