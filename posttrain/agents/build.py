@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
-from posttrain.agents.builtin import GuessNumberEnv
+from posttrain.agents.builtin import CalculatorEnv, GuessNumberEnv
 from posttrain.agents.env import Environment, ToolEnvironment
 from posttrain.agents.python_tool import PythonEnv, configure_python_tool, uses_python
 from posttrain.agents.tool_config import load_tool_config
@@ -44,7 +44,7 @@ SKYRL = "skyrl"
 
 def builtin_environments() -> dict[str, Callable[..., Environment]]:
     """The environments named by a bare word in `env.path` (each made with `env.kwargs`)."""
-    return {"guess_number": GuessNumberEnv, "python": PythonEnv}
+    return {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv, "python": PythonEnv}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Pieces of the built-in agentic tasks: a safe ``calculator`` tool and the ``guess_number`` environment."""
+"""Pieces of the built-in agentic tasks: a safe ``calculator`` tool, its environment, and ``guess_number``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import random
 import re
 from typing import Any
 
-from posttrain.agents.env import Environment, Message, StepResult
+from posttrain.agents.env import Environment, Message, StepResult, ToolEnvironment
+from posttrain.agents.tools import ToolSet, make_tool
+from posttrain.data.tasks.guess_number import guess_number_rules
 
 MAX_EXPRESSION_CHARS = 200
 MAX_NODES = 64
@@ -68,6 +70,24 @@ def calculator(expression: str) -> str:
     return str(round(value, 6) if isinstance(value, float) else value)
 
 
+class CalculatorEnv(ToolEnvironment):
+    """The ``calculator`` task's environment: a :class:`ToolEnvironment` with the ``calculator`` tool.
+
+    ``show_schemas=False`` (the default) leaves the tool block out of the prompt. With the built-in tiny
+    tokenizer that block is over 500 tokens, ten times the rest of a trajectory; the SFT warm start teaches the
+    call format instead. Set it (`env.kwargs={show_schemas: true}`) for a model that reads tool schemas.
+    """
+
+    def __init__(
+        self, show_schemas: bool = False, max_parallel_calls: int = 4, timeout_s: float = 5.0
+    ) -> None:
+        super().__init__(ToolSet([make_tool(calculator)]), max_parallel_calls, timeout_s)
+        self.show_schemas = show_schemas
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        return super().tool_schemas() if self.show_schemas else None
+
+
 _INTEGER = re.compile(r"-?\d+")
 
 
@@ -75,8 +95,9 @@ class GuessNumberEnv(Environment):
     """Guess a hidden integer in [low, high]: each wrong guess is answered "Higher." or "Lower.".
 
     The reward is 1.0 when the number is found within ``max_turns`` guesses, else 0.0 (on the last turn). The row's
-    ``target`` (or ``extra.target``) is the number; without one it is drawn from ``row["seed"]``. A row without a
-    ``prompt`` gets the rules as its opening message.
+    ``target`` (or ``extra.target``) is the number; without one it is drawn from ``row["seed"]``. The row's
+    ``low``, ``high`` and ``max_turns`` (or in ``extra``: the built-in task writes them there) override the constructor's.
+    A row without a ``prompt`` gets the rules as its opening message.
     """
 
     def __init__(self, low: int = 1, high: int = 100, max_turns: int = 7) -> None:
@@ -87,6 +108,9 @@ class GuessNumberEnv(Environment):
 
     def reset(self, row: dict[str, Any]) -> list[Message] | None:
         extra = row.get("extra") or {}
+        self.low = int(row.get("low", extra.get("low", self.low)))
+        self.high = int(row.get("high", extra.get("high", self.high)))
+        self.max_turns = int(row.get("max_turns", extra.get("max_turns", self.max_turns)))
         target = row.get("target", extra.get("target"))
         if target is None:
             target = random.Random(row.get("seed", 0)).randint(self.low, self.high)
@@ -96,10 +120,7 @@ class GuessNumberEnv(Environment):
         return [{"role": "user", "content": self.rules()}]
 
     def rules(self) -> str:
-        return (
-            f"I am thinking of a whole number from {self.low} to {self.high}. Guess it in at most "
-            f"{self.max_turns} tries: answer with one number, and I will say higher or lower."
-        )
+        return guess_number_rules(self.low, self.high, self.max_turns)
 
     def step(self, text: str) -> StepResult:
         found = _INTEGER.findall(text)

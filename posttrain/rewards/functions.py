@@ -27,6 +27,7 @@ from posttrain.data.scorers import (
     math_verify_score,
     score_by_data_source,
 )
+from posttrain.data.tasks import calculator_reward, environment_reward
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
 from posttrain.data.tasks.reasoning_gym import reasoning_gym_reward
@@ -54,6 +55,8 @@ def data_source_reward(prompt: str, response: str, ground_truth: str | None, ext
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "exact_match": exact_match_reward,
     "arithmetic": arithmetic_reward,
+    "calculator": calculator_reward,
+    "environment": environment_reward,  # a multi-turn run's environment rewards alone (e.g. guess_number)
     "gsm8k": gsm8k_reward,
     "code": code_reward,
     "gsm8k_strict": gsm8k_strict,

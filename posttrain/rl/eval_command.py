@@ -17,7 +17,7 @@ from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
 from posttrain.rl.collect.multi_turn import build_agent_loop
 from posttrain.rl.collect.validation import validate
-from posttrain.rl.eval_report import report_eval
+from posttrain.rl.eval_report import report_eval, trajectory_summary
 from posttrain.rollout.weights import RolloutWeights
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
@@ -70,6 +70,12 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         agent = build_agent_loop(cfg, tokenizer)
         metrics = validate(
             engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows, agent=agent
+        )
+    if any(
+        "messages" in r for r in rows
+    ):  # a multi-turn task: success, turns and tool use of the trajectories
+        metrics.update(
+            {f"val/{k}": v for k, v in trajectory_summary(rows).items() if f"val/{k}" not in metrics}
         )
     report_eval(cfg, described, rows, metrics)
     return metrics

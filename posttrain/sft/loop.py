@@ -1,7 +1,8 @@
 """Supervised fine-tuning: loss on response tokens only, on the same batch machinery as RL.
 
-An SFT example is a prompt (chat template applied) and a target response followed by EOS. It is
-laid out like a rollout sample, so each optimizer step is the RL update's own
+An SFT example is a prompt (chat template applied) and a target response followed by EOS, or a whole
+conversation (multi-turn, with tool calls and tool results) trained on its assistant messages only
+(posttrain.sft.conversation). It is laid out like a rollout sample, so each optimizer step is the RL update's own
 (``posttrain.train.update.update_mini_batch``: global loss normalisation, micro-batches, clipping).
 """
 
@@ -24,6 +25,7 @@ from posttrain.data.records import PromptRecord
 from posttrain.forward.options import pass_options
 from posttrain.forward.passes import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
 from posttrain.models.prepare import check_policy_switches, prepare_policy
+from posttrain.sft.conversation import conversation_example, is_conversation
 from posttrain.train.trainable import Trainable
 from posttrain.train.update import update_mini_batch
 from posttrain.utils.console import TrainingDisplay
@@ -38,6 +40,13 @@ StepHook = Callable[[int, int, dict[str, float]], dict[str, float]]
 class SFTExample:
     prompt_ids: list[int]
     response_ids: list[int]
+    mask: list[int] | None = None  # 1 on the trained response tokens; None: all of them
+
+
+def _conversation(rec: PromptRecord, tokenizer, where: str, max_response_length: int) -> SFTExample:
+    """A multi-turn example: every assistant message of the record's messages is trained on."""
+    prompt, response, mask = conversation_example(list(rec.prompt), tokenizer, rec.extra.get("tools"), where)
+    return SFTExample(prompt, response[:max_response_length], mask[:max_response_length])
 
 
 def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int, max_response_length: int):
@@ -45,9 +54,19 @@ def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int
     template = bool(getattr(tokenizer, "chat_template", None))
     examples = []
     for i, rec in enumerate(records):
+        # Without a response, a prompt of messages with assistant turns is a whole conversation to learn; with
+        # one, earlier assistant turns are few-shot context, as before.
+        if template and rec.ground_truth is None and is_conversation(rec.prompt):
+            example = _conversation(rec, tokenizer, rec.source or f"SFT example {i}", max_response_length)
+            if len(example.prompt_ids) <= max_prompt_length and any(example.mask):
+                examples.append(example)
+            continue
         if rec.ground_truth is None:
             where = rec.source or f"SFT example {i}"
-            raise DataError(f"{where}: the response is null; every SFT example needs one (sft.response_key)")
+            raise DataError(
+                f"{where}: the response is null; every SFT example needs one (sft.response_key), or a "
+                "conversation prompt with assistant messages (data.prompt_key=messages sft.response_key='')"
+            )
         prompt = encode_prompt(rec.prompt, tokenizer, template, where=f"row {i}")
         response = tokenizer(str(rec.ground_truth), add_special_tokens=False)["input_ids"]
         response = (list(response) + [tokenizer.eos_token_id])[:max_response_length]
@@ -125,6 +144,7 @@ def _sft_step(
         [e.response_ids for e in chunk],
         list(range(len(chunk))),
         pad_token_id,
+        trainable_mask=[e.mask if e.mask is not None else [1] * len(e.response_ids) for e in chunk],
     )
     metrics = update_mini_batch(
         trainable,

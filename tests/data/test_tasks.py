@@ -79,12 +79,14 @@ def test_arithmetic_reward_negative_answer():
 
 
 def test_registry():
-    assert set(TASKS) == {"arithmetic", "gsm8k", "python_arithmetic"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "calculator", "guess_number", "python_arithmetic"}
     for task in TASKS.values():
         assert task.default_reward in REWARD_FUNCTIONS
     train, val = load_task("arithmetic", seed=0, n_train=20, n_val=5)
     assert (len(train), len(val)) == (20, 5)
     with pytest.raises(ValueError, match="no option.*n_test.*n_train"):
         load_task("arithmetic", seed=0, n_test=5)
-    with pytest.raises(ValueError, match=r"unknown task 'math'.*\['arithmetic', 'gsm8k'"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'math'.*\['arithmetic', 'calculator', 'gsm8k', 'guess_number'"
+    ):
         get_task("math")

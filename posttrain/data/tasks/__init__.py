@@ -18,7 +18,9 @@ from typing import Any
 from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord
 from posttrain.data.tasks.arithmetic import load_arithmetic, make_arithmetic_splits
+from posttrain.data.tasks.calculator import calculator_reward, load_calculator
 from posttrain.data.tasks.gsm8k import load_gsm8k, load_gsm8k_task
+from posttrain.data.tasks.guess_number import environment_reward, load_guess_number
 from posttrain.data.tasks.python_arithmetic import load_python_arithmetic
 from posttrain.data.tasks.reasoning_gym import PREFIX as REASONING_GYM
 from posttrain.data.tasks.reasoning_gym import load_reasoning_gym
@@ -60,6 +62,22 @@ TASKS: dict[str, Task] = {
         load=load_gsm8k_task,
         default_reward="gsm8k",
         description="GSM8K-format files of your own; options train_path, val_path, instruction",
+    ),
+    "calculator": Task(
+        name="calculator",
+        load=load_calculator,
+        default_reward="calculator",
+        description="multi-turn: 'What is 4821 * 307?' with a calculator tool; options n_train, n_val, "
+        "min_digits, max_digits",
+        environment="calculator",
+    ),
+    "guess_number": Task(
+        name="guess_number",
+        load=load_guess_number,
+        default_reward="environment",
+        description="multi-turn: find a hidden number from higher/lower hints within the turn limit; options "
+        "n_train, n_val, low, high, max_turns",
+        environment="guess_number",
     ),
     "python_arithmetic": Task(
         name="python_arithmetic",
@@ -103,6 +121,8 @@ def load_task(name: str, seed: int, **options: Any) -> tuple[list[PromptRecord],
 __all__ = [
     "TASKS",
     "Task",
+    "calculator_reward",
+    "environment_reward",
     "get_task",
     "load_arithmetic",
     "load_gsm8k",

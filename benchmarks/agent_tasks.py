@@ -1,0 +1,159 @@
+"""The built-in agentic tasks learn on CPU: SFT warm start on demonstrations, then GRPO, the held-out curve.
+
+Run::
+
+    python3 benchmarks/agent_tasks.py calculator          # or guess_number; --help for the sizes
+    python3 benchmarks/agent_tasks.py guess_number --grpo-steps 20 --out /tmp/gn
+
+For the task it runs the three commands of docs/agents.md ("Built-in tasks") as a user would, each as a
+subprocess with one torch thread:
+
+1. ``examples/agents/make_demos.py``: demonstration conversations of the task's training split;
+2. ``posttrain sft`` from ``builtin:base`` on them (assistant messages only are trained on);
+3. ``posttrain train`` with GRPO from the SFT model, multi-turn rollouts in the task's environment, validation on
+   the held-out problems before the first step (the warm start) and every ``--test-freq`` steps.
+
+It prints, per validation, the step, the training wall time so far, the held-out success (``val/accuracy``), the
+tool-call rate and the turns per trajectory, and writes them to ``<out>/curve.json``. Timings depend on the
+machine's load: run it on an idle machine for numbers to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What each task needs beyond the defaults: the lengths of its trajectories, its turns, and the run's sizes.
+SFT = {
+    "calculator": ["data.max_prompt_length=64", "data.max_response_length=192"],
+    "guess_number": ["data.max_prompt_length=96", "data.max_response_length=96"],
+}
+GRPO = {
+    "calculator": [
+        "data.max_prompt_length=64",
+        "data.max_response_length=192",
+        "rollout.multi_turn.max_assistant_turns=3",
+        "rollout.multi_turn.max_tokens_per_turn=96",
+    ],
+    "guess_number": [
+        "data.max_prompt_length=96",
+        "data.max_response_length=96",
+        "rollout.multi_turn.max_assistant_turns=5",
+        "rollout.multi_turn.max_tokens_per_turn=8",
+    ],
+}
+COMMON_SFT = [
+    "model.path=builtin:base",
+    "data.prompt_key=messages",
+    "sft.response_key=",
+    "sft.batch_size=32",
+    "sft.micro_batch_size_per_gpu=32",
+    "sft.epochs=1",
+    "trainer.test_freq=0",
+]
+COMMON_GRPO = [
+    "algorithm.adv_estimator=grpo",
+    "rollout.multi_turn.enable=true",
+    "data.num_val_examples=128",
+    "data.train_batch_size=16",
+    "rollout.n=8",
+    "actor.ppo_mini_batch_size=16",
+    "actor.ppo_micro_batch_size_per_gpu=32",
+    "actor.optim.lr=1e-4",
+    "rollout.val_greedy=false",  # the success rate of the sampled policy, which GRPO trains
+    "trainer.loggers=[console,jsonl]",
+]
+
+
+def run(cmd: list[str], log: Path) -> float:
+    """Run ``cmd`` (output to ``log``); its wall time. A failure prints the log's end and exits."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    with log.open("w") as out:
+        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if code:
+        sys.exit(f"{' '.join(cmd)} failed ({code}):\n{log.read_text()[-3000:]}")
+    return time.monotonic() - start
+
+
+def commands(task: str, out: Path, args) -> list[tuple[str, list[str]]]:
+    py = sys.executable
+    demos = out / "demos.jsonl"
+    n = args.sft_steps * 32
+    return [
+        ("demos", [py, "examples/agents/make_demos.py", task, str(demos), f"--n={n}", f"--seed={args.seed}"]),
+        (
+            "sft",
+            [py, "-m", "posttrain", "sft", *COMMON_SFT, *SFT[task], f"sft.train_files=[{demos}]",
+             f"sft.max_steps={args.sft_steps}", f"trainer.seed={args.seed}", f"trainer.run_dir={out / 'sft'}"],
+        ),
+        (
+            "grpo",
+            [py, "-m", "posttrain", "train", *COMMON_GRPO, *GRPO[task], f"data.task={task}",
+             f"model.path={out / 'sft' / 'sft_model'}", f"trainer.total_steps={args.grpo_steps}",
+             f"trainer.test_freq={args.test_freq}", f"trainer.seed={args.seed}", f"trainer.run_dir={out / 'grpo'}"],
+        ),
+    ]  # fmt: skip
+
+
+def _first(row: dict, *names: str) -> float | None:
+    for name in names:
+        if name in row:
+            return row[name]
+    return None
+
+
+def curve(metrics_file: Path) -> list[dict]:
+    """One point per validation: step, training seconds so far, success, tool-call rate, turns."""
+    points, seconds = [], 0.0
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line)
+        seconds += row.get("timing/step", 0.0)
+        if "val/accuracy" in row:
+            points.append(
+                {
+                    "step": row.get("step", 0),
+                    "train_s": round(seconds, 1),
+                    "success": row["val/accuracy"],
+                    "tool_call_rate": _first(row, "val/tool_call_frequency", "val/tool_call_rate"),
+                    "turns": _first(row, "val/num_turns_mean", "val/assistant_turns/mean"),
+                }
+            )
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("task", choices=sorted(GRPO))
+    parser.add_argument("--sft-steps", type=int, default=100)
+    parser.add_argument("--grpo-steps", type=int, default=30)
+    parser.add_argument("--test-freq", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="run directory (default: a new one under /tmp)"
+    )
+    args = parser.parse_args()
+    out = args.out or Path(f"/tmp/agent_tasks_{args.task}_{os.getpid()}")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, cmd in commands(args.task, out, args):
+        print(f"{name}: {' '.join(cmd)}", flush=True)
+        print(f"  {run(cmd, out / f'{name}.log'):.0f} s", flush=True)
+    points = curve(out / "grpo" / "metrics.jsonl")
+    print(f"{'step':>5} {'train s':>8} {'success':>8} {'tool calls':>10} {'turns':>6}")
+    for p in points:
+        rate = "" if p["tool_call_rate"] is None else f"{p['tool_call_rate']:.3f}"
+        turns = "" if p["turns"] is None else f"{p['turns']:.2f}"
+        print(f"{p['step']:>5} {p['train_s']:>8} {p['success']:>8.3f} {rate:>10} {turns:>6}")
+    (out / "curve.json").write_text(json.dumps(points, indent=1))
+    print(f"curve: {out / 'curve.json'}")
+
+
+if __name__ == "__main__":
+    main()
