@@ -8,10 +8,13 @@ splits (posttrain.data.tasks.arithmetic), so validation accuracy is measured on 
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
 
+from posttrain.config.load import build_config
+from posttrain.data.splits import load_splits
 from posttrain.data.tasks.arithmetic import make_arithmetic_splits
 
 REJECTED_KINDS = ("offset", "other", "refusal")
@@ -68,3 +71,31 @@ def write_arithmetic_pairs(
     """Pairs of ``n_train`` and ``n_val`` fresh problems (operands up to 99; disjoint splits)."""
     train, val = make_arithmetic_splits(seed, n_train, n_val)
     return write_pairs(out_dir, train, val, seed, kind=kind, max_offset=max_offset)
+
+
+def write_task_pairs(out_dir: str | Path, overrides: list[str] = (), **options) -> tuple[Path, Path]:
+    """Pairs of the built-in task's own problems (the splits `posttrain train` trains and validates on with
+    the same data.* and trainer.seed ``overrides``)."""
+    cfg = build_config(overrides=list(overrides))
+    splits = load_splits(cfg)
+    return write_pairs(out_dir, splits.train, splits.val, cfg.trainer.seed, **options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m posttrain.rm.demo",
+        description="Write preference pairs (train.jsonl, val.jsonl) from the built-in arithmetic task.",
+    )
+    ap.add_argument("out_dir")
+    ap.add_argument("overrides", nargs="*", help="data.* / trainer.seed overrides of the task, as for train")
+    ap.add_argument("--kind", default="offset", choices=REJECTED_KINDS, help="what the rejected answer is")
+    ap.add_argument("--per-problem", type=int, default=4, help="pairs per problem (distinct wrong answers)")
+    ap.add_argument("--max-offset", type=int, default=5, help="largest |wrong - right| of a near miss")
+    args = ap.parse_args(argv)
+    options = {"kind": args.kind, "per_problem": args.per_problem, "max_offset": args.max_offset}
+    for path in write_task_pairs(args.out_dir, args.overrides, **options):
+        print(f"{path}: {sum(1 for _ in path.open())} pairs")
+
+
+if __name__ == "__main__":
+    main()
