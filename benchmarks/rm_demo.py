@@ -91,10 +91,11 @@ def grpo(args, run_dir: Path, reward_model: Path | None) -> list[dict]:
 
 def print_curves(rows: list[dict]) -> None:
     print(f"{'step':>5} {'rm score':>9} {'rule acc (train)':>17} {'val acc (rule)':>15}")
-    for row in rows:
+    for row in rows:  # step 0: the validation before training only
         score = row.get("reward/model_score_mean", float("nan"))
+        rule = row.get("reward/rule_accuracy", float("nan"))
         val = f"{row['val/accuracy']:.3f}" if "val/accuracy" in row else ""
-        print(f"{row['step']:>5} {score:>9.3f} {row['reward/rule_accuracy']:>17.3f} {val:>15}")
+        print(f"{row['step']:>5} {score:>9.3f} {rule:>17.3f} {val:>15}")
 
 
 def plot(rows: list[dict], baseline: list[dict] | None, path: Path) -> None:
@@ -104,10 +105,11 @@ def plot(rows: list[dict], baseline: list[dict] | None, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    steps = [r["step"] for r in rows]
-    left.plot(steps, [r["reward/model_score_mean"] for r in rows])
+    trained = [r for r in rows if "reward/rule_accuracy" in r]
+    steps = [r["step"] for r in trained]
+    left.plot(steps, [r["reward/model_score_mean"] for r in trained])
     left.set(title="trained on: reward-model score", xlabel="GRPO step")
-    right.plot(steps, [r["reward/rule_accuracy"] for r in rows], label="rule accuracy, training samples")
+    right.plot(steps, [r["reward/rule_accuracy"] for r in trained], label="rule accuracy, training samples")
     val = [r for r in rows if "val/accuracy" in r]
     right.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "o-", label="held-out accuracy")
     if baseline:
@@ -130,9 +132,9 @@ def main() -> None:
     ap.add_argument("--model", default="builtin:tiny", help="model.path of the reward model's start")
     ap.add_argument("--kind", default="offset", choices=REJECTED_KINDS, help="what the rejected answer is")
     ap.add_argument("--per-problem", type=int, default=4, help="pairs per problem")
-    ap.add_argument("--steps", type=int, default=300, help="reward-model optimizer steps")
+    ap.add_argument("--steps", type=int, default=150, help="reward-model optimizer steps")
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--grpo-steps", type=int, default=40, help="0: the reward model only")
+    ap.add_argument("--grpo-steps", type=int, default=30, help="0: the reward model only")
     ap.add_argument("--test-freq", type=int, default=10, help="GRPO validation every N steps")
     ap.add_argument("--rule-baseline", action="store_true", help="also run GRPO on the rule reward")
     ap.add_argument("--run-dir", default="", help="default: a temporary directory")
