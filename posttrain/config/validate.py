@@ -89,6 +89,7 @@ def check_config(cfg: PostTrainConfig) -> None:
         )
     _check_filter_groups(cfg)
     _check_overlong_buffer(cfg)
+    _check_reward_weights(cfg)
     _check_ray_ranks(cfg)
 
 
@@ -134,6 +135,24 @@ def _check_overlong_buffer(cfg: PostTrainConfig) -> None:
             f"reward.overlong_buffer.len={o.len} must be between 1 and data.max_response_length={limit}: it is "
             "the number of tokens before the response limit over which the overlong penalty grows from 0 to "
             f"reward.overlong_buffer.penalty_factor; e.g. reward.overlong_buffer.len={max(1, limit // 4)}"
+        )
+
+
+def _check_reward_weights(cfg: PostTrainConfig) -> None:
+    """reward.rule_weight weighs the rule against a reward model; with none, or with both weights 0, it is a
+    mistake (posttrain.rewards.combine)."""
+    rw = cfg.reward
+    if not rw.model.enable and (rw.rule_weight != 1.0 or rw.model.normalize):
+        key = (
+            f"reward.rule_weight={rw.rule_weight}" if rw.rule_weight != 1.0 else "reward.model.normalize=true"
+        )
+        raise ConfigError(
+            f"{key} applies when a reward model scores the samples, but reward.model.enable=false; enable one "
+            "(reward.model.enable=true reward.model.path=DIR) or drop the key"
+        )
+    if rw.model.enable and rw.rule_weight == 0 and rw.model.weight == 0:
+        raise ConfigError(
+            "reward.rule_weight=0 and reward.model.weight=0 leave nothing to train on; give one a nonzero weight"
         )
 
 

@@ -49,7 +49,7 @@ def load_records(
     path = Path(path)
     if not path.exists():
         raise MissingPathError(f"prompt data file not found: {path}")
-    rows = list(_iter_rows(path))
+    rows = list(iter_rows(path))
     answer_key = _answer_key_for(path, rows, answer_key)
     records = [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in rows]
     if not records:
@@ -65,7 +65,7 @@ def first_records(
     path = Path(path)
     if not path.exists():
         raise MissingPathError(f"prompt data file not found: {path}")
-    head = list(itertools.islice(_iter_rows(path), rows))
+    head = list(itertools.islice(iter_rows(path), rows))
     answer_key = _answer_key_for(path, head, answer_key)
     return [_row_to_record(row, where, path, prompt_key, answer_key) for where, row in head]
 
@@ -78,8 +78,9 @@ def _answer_key_for(path: Path, rows: list[tuple[str, Any]], answer_key: str) ->
     return answer_key
 
 
-def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """Yield ``(location, row)`` pairs; ``location`` is e.g. ``"row 3"`` or ``"row 3 (line 5)"``."""
+def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, row)`` pairs of a .jsonl, .json or .parquet file or a saved dataset directory, checked as
+    UTF-8; ``location`` is e.g. ``"row 3"`` or ``"row 3 (line 5)"``, for error messages."""
     if path.is_dir():
         yield from _iter_saved_dataset(path)
     elif path.suffix == ".jsonl":

@@ -41,6 +41,7 @@ from posttrain.parallel.fsdp import offload_optimizer_state, shard_model
 from posttrain.parallel.runtime import DistContext, select_device
 from posttrain.parallel.shares import data_share
 from posttrain.rewards.code import configure_code_reward
+from posttrain.rewards.combine import RewardWeights
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -291,7 +292,7 @@ def build_reward_model(
         raise ConfigError(
             "reward.model.enable=true needs reward.model.path (a sequence-classification model dir)"
         )
-    return RewardModelScorer(
+    scorer = RewardModelScorer(
         m.path,
         micro_batch_size=rp.micro_batch_size_per_rank or 1,
         device=device,
@@ -301,6 +302,8 @@ def build_reward_model(
         remove_padding=m.use_remove_padding,
         max_row_tokens=m.remove_padding_max_row_tokens,
     )
+    RewardWeights.from_config(cfg, scorer.model.config)  # reward.model.normalize's stats, checked at build
+    return scorer
 
 
 def build_prompts(

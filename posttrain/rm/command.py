@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import load_tokenizer
 from posttrain.parallel.runtime import select_device
@@ -52,6 +53,15 @@ def _tokenized(cfg, tokenizer, pairs, what: str, quiet: bool):
     return kept, dropped
 
 
+def _model_config(cfg: PostTrainConfig) -> PostTrainConfig:
+    """The config the model directory is resolved with. data.train_files here are pairs, not the user's task:
+    builtin:tiny (the arithmetic demo's warm-started model, built from the data.task keys) is allowed, as the
+    start of the reward-model demonstration (docs/reward-models.md)."""
+    if cfg.model.path != "builtin:tiny":
+        return cfg
+    return apply_values(cfg, {"data.train_files": [], "data.val_files": [], "sft.train_files": []})
+
+
 def _build_model(cfg: PostTrainConfig, path: Path, tokenizer, device):
     model = load_reward_model(path, tokenizer.pad_token_id, cfg.model.dtype, device)
     return add_lora(model, cfg)
@@ -71,7 +81,7 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
 
 def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
     seed_everything(cfg.trainer.seed)
-    path = resolve_model_path(cfg, quiet=quiet)
+    path = resolve_model_path(_model_config(cfg), quiet=quiet)
     info = write_run_info(run_dir, cfg, path)
     if not quiet:
         print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")

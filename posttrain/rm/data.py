@@ -20,7 +20,7 @@ from typing import Any
 
 from posttrain.config.errors import DataError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.data.datasets import _iter_rows  # the shared reader of jsonl/json/parquet/saved datasets
+from posttrain.data.datasets import iter_rows  # the shared reader of jsonl/json/parquet/saved datasets
 
 Text = str | list[dict[str, str]]
 
@@ -104,7 +104,7 @@ def load_pairs(cfg: PostTrainConfig, files: list[str]) -> list[PreferencePair]:
         path = Path(f)
         if not path.exists():
             raise MissingPathError(f"preference data file not found: {path}")
-        rows = [_row_to_pair(row, f"{path}: {where}", cfg.rm) for where, row in _iter_rows(path)]
+        rows = [_row_to_pair(row, f"{path}: {where}", cfg.rm) for where, row in iter_rows(path)]
         if not rows:
             raise DataError(f"{path}: no rows found; a preference file needs at least one pair")
         pairs += rows

@@ -143,3 +143,23 @@ def test_lora_reward_model_exports_merged_and_scores_as_in_training(tmp_path, ti
     assert not torch.equal(
         base.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight
     )
+
+
+def test_lora_resume_after_a_kill_gives_the_same_final_weights(tmp_path, tiny_model_dir, data_dir):
+    """A LoRA run killed at step 3 resumes from its step-2 checkpoint (adapters, head, optimizer) and exports
+    the same merged classifier as the run never interrupted."""
+    lora = ["model.lora_rank=4", "model.lora_alpha=8"]
+    full = run_rm_command(
+        build_config(overrides=[*rm_args(tiny_model_dir, data_dir, tmp_path / "full"), *lora]), quiet=True
+    )
+    args = [*rm_args(tiny_model_dir, data_dir, tmp_path / "killed"), *lora]
+    crashed = _cli(args, env={"POSTTRAIN_TEST_CRASH": f"0:3:{tmp_path / 'crashed'}"})
+    assert crashed.returncode == 1, crashed.stderr[-2000:]
+    resumed = _cli(args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from" in resumed.stdout and "step 2" in resumed.stdout
+    a = load_file(str(full / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "reward_model" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6)

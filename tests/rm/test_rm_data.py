@@ -109,3 +109,21 @@ def test_rendering_matches_the_reward_model_scorer(tmp_path, tiny_model_dir):
     assert encode(tok, render(tok, "What is 2 + 2?", "4")) == scorer._encode(
         scorer.format("What is 2 + 2?", "4")
     )
+
+
+def test_builtin_tiny_is_allowed_as_the_start_of_a_reward_model(tmp_path):
+    """`posttrain train` refuses builtin:tiny beside the user's data files; for `posttrain rm` those files are
+    pairs, and the demo's model is resolved from the task keys alone (the same cached directory as train's)."""
+    from posttrain.config.errors import ConfigError
+    from posttrain.config.load import build_config
+    from posttrain.rm.command import _model_config
+    from posttrain.sft.builtin import check_builtin_choice, warm_start_key
+
+    cfg = build_config(
+        overrides=["model.path=builtin:tiny", f"data.train_files=[{tmp_path / 'pairs.jsonl'}]"]
+    )
+    with pytest.raises(ConfigError, match="builtin:tiny"):
+        check_builtin_choice(cfg)
+    resolved = _model_config(cfg)
+    check_builtin_choice(resolved)
+    assert warm_start_key(resolved) == warm_start_key(build_config(overrides=["model.path=builtin:tiny"]))

@@ -14,6 +14,16 @@ class RewardModelConfig:
 
     enable: bool = knob(False, "Score responses with the reward model at `path`.")
     path: str = knob("", "Local directory of an AutoModelForSequenceClassification with one label.")
+    weight: float = knob(
+        1.0,
+        "Weight of the reward model's score in the reward trained on (reward.rule_weight * rule + "
+        "reward.model.weight * score); logged apart as reward/model_score_mean.",
+    )
+    normalize: bool = knob(
+        False,
+        "Normalise the score with the reward_mean and reward_std stored in the model's config (`posttrain rm` "
+        "writes them) before weighting: (score - reward_mean) / reward_std.",
+    )
     micro_batch_size_per_gpu: int = knob(
         32, "Samples per reward-model forward pass.", unit="samples per DP rank", min=1
     )
@@ -78,5 +88,10 @@ class RewardConfig:
     timeout_s: float = knob(10.0, "Seconds one reward call may take (0 disables the guard).", min=0.0)
     failure_reward: float = knob(0.0, "Reward given when the function raises or times out.")
     fail_fast: bool = knob(False, "Abort the run on the first reward-function failure.")
+    rule_weight: float = knob(
+        1.0,
+        "Weight of the rule or function reward in the reward trained on when a reward model is enabled; 0 trains "
+        "on the reward model alone (the rule still runs: reward/rule_mean, reward/rule_accuracy, and validation).",
+    )
     model: RewardModelConfig = section(RewardModelConfig)
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig)

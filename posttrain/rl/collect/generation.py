@@ -17,6 +17,7 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, ShareMetrics
 from posttrain.rewards import counts as reward_counts
+from posttrain.rewards.combine import RewardWeights, combine_rewards
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -62,6 +63,7 @@ class Scorer:
     reward_model: RewardModelScorer | None
     tokenizer: object
     overlong: OverlongBuffer | None = None
+    weights: RewardWeights = RewardWeights()
 
     def penalties(self, result: RolloutResult) -> torch.Tensor:
         """[S] the overlong penalty of each of ``result``'s samples (zeros when the shaping is off)."""
@@ -74,24 +76,18 @@ class Scorer:
     ) -> tuple[torch.Tensor, dict]:
         """[S] rewards of ``result``'s samples; ``rows[p]`` is the record of the call's prompt p. The metrics have
         the same names with no sample (their values are then weightless zeros): ranks reduce them together."""
-        if len(result) == 0:
-            _, metrics = self.runner.score([])
-            if self.reward_model is not None:
-                metrics["reward/model_score_mean"] = 0.0
-            return torch.zeros(0), metrics
         records = [prompts.records[rows[p]] for p in result.prompt_index]
         inputs = reward_inputs(records, result, self.tokenizer)
         rewards, metrics = self.runner.score(inputs)
-        scores = torch.tensor(rewards, dtype=torch.float32)
-        if result.episodes is not None:  # the environment's rewards add to the reward function's
-            env = torch.tensor([sum(e.turn_rewards) for e in result.episodes], dtype=torch.float32)
-            scores = scores + env  # (reward/env_mean is a trajectory metric: rl/collect/multi_turn.py)
+        rm = None  # the reward model's scores; combined with the rule by posttrain.rewards.combine
         if self.reward_model is not None:
             texts = [i.response for i in inputs]
-            rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts), dtype=torch.float32)
-            metrics["reward/model_score_mean"] = float(rm.mean())
-            scores = scores + rm
-        return scores, metrics
+            rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts) if inputs else [])
+        scores, parts = combine_rewards(torch.tensor(rewards, dtype=torch.float32), rm, self.weights)
+        if result.episodes is not None:  # the environment's rewards add to the combined reward
+            env = torch.tensor([sum(e.turn_rewards) for e in result.episodes], dtype=torch.float32)
+            scores = scores + env  # (reward/env_mean is a trajectory metric: rl/collect/multi_turn.py)
+        return scores, {**metrics, **parts}
 
 
 def generate_share(

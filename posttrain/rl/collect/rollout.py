@@ -10,6 +10,7 @@ import torch
 from posttrain.algorithms.advantages import estimator_needs
 from posttrain.data.batch import RolloutBatch
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, ShareMetrics, select_share
+from posttrain.rewards.combine import RewardWeights
 from posttrain.rewards.overlong import overlong_metrics
 from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.generation import (
@@ -66,9 +67,9 @@ def rollout_phase(
 
 def context_scorer(context: RolloutContext) -> Scorer:
     """The rollout's scorer: the reward function or rule, the reward model, DAPO's overlong shaping."""
-    return Scorer(
-        context.reward_runner, context.reward_model, context.tokenizer, overlong_shaping(context.cfg)
-    )
+    rm = context.reward_model
+    weights = RewardWeights.from_config(context.cfg, rm.model.config if rm is not None else None)
+    return Scorer(context.reward_runner, rm, context.tokenizer, overlong_shaping(context.cfg), weights)
 
 
 def context_baselines(context: RolloutContext, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:
