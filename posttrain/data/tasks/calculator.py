@@ -28,6 +28,15 @@ def make_calculator_splits(
     seed: int, n_train: int, n_val: int, min_digits: int = 3, max_digits: int = 4
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Disjoint train and held-out products of two ``min_digits``..``max_digits``-digit numbers (seeded)."""
+    records = [_record(a, b) for a, b in product_pairs(seed, n_train, n_val, min_digits, max_digits)]
+    return records[:n_train], records[n_train:]
+
+
+def product_pairs(
+    seed: int, n_train: int, n_val: int, min_digits: int, max_digits: int
+) -> list[tuple[int, int]]:
+    """``n_train + n_val`` distinct (a, b) pairs of ``min_digits``..``max_digits``-digit numbers, drawn with
+    ``seed`` (the first ``n_train`` for training: no problem is in both splits)."""
     if not 1 <= min_digits <= max_digits:
         raise DataError(
             f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, max_digits={max_digits}"
@@ -39,8 +48,7 @@ def make_calculator_splits(
     if n_train + n_val > span * span:
         raise DataError(f"n_train + n_val = {n_train + n_val} exceeds the {span * span} distinct problems")
     picks = random.Random(seed).sample(range(span * span), n_train + n_val)
-    records = [_record(low + i // span, low + i % span) for i in picks]
-    return records[:n_train], records[n_train:]
+    return [(low + i // span, low + i % span) for i in picks]
 
 
 def _record(a: int, b: int) -> PromptRecord:

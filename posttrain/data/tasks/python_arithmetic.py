@@ -11,10 +11,9 @@ step metrics (``tools/call_frequency``).
 from __future__ import annotations
 
 import json
-import random
 
-from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord
+from posttrain.data.tasks.calculator import product_pairs
 
 INSTRUCTION = "Use the python tool to compute it exactly, then answer with the number."
 
@@ -40,21 +39,7 @@ def make_python_arithmetic_splits(
     seed: int, n_train: int, n_val: int, min_digits: int = 6, max_digits: int = 9
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Disjoint train and held-out products of two ``min_digits``..``max_digits``-digit numbers (seeded)."""
-    if not 1 <= min_digits <= max_digits:
-        raise DataError(
-            f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, max_digits={max_digits}"
-        )
-    if n_train < 1 or n_val < 0:
-        raise DataError(f"need n_train >= 1 and n_val >= 0, got n_train={n_train}, n_val={n_val}")
-    low, high = 10 ** (min_digits - 1), 10**max_digits - 1
-    if n_train + n_val > (high - low + 1) ** 2:
-        raise DataError(f"n_train + n_val = {n_train + n_val} exceeds the distinct problems of that size")
-    rng, seen, records = random.Random(seed), set(), []
-    while len(records) < n_train + n_val:
-        pair = (rng.randint(low, high), rng.randint(low, high))
-        if pair not in seen:
-            seen.add(pair)
-            records.append(_record(*pair))
+    records = [_record(a, b) for a, b in product_pairs(seed, n_train, n_val, min_digits, max_digits)]
     return records[:n_train], records[n_train:]
 
 
