@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -78,6 +79,24 @@ class Plan:
     @property
     def num_tokens(self) -> int:
         return len(self.decode) + sum(c.length for c in self.chunks)
+
+
+def prefill_chunks(
+    prefilling: list[Prefill], budget: int, chunk_of: Callable[[Prefill, int], Chunk | None]
+) -> tuple[list[Chunk], int]:
+    """The next chunks of the prompts being prefilled, oldest first, within ``budget`` tokens; returns them and
+    the budget left. ``chunk_of(prefill, budget)`` is None when the prompt does not fit unchunked: it then waits
+    for room, and so do the younger ones (their order is kept)."""
+    chunks: list[Chunk] = []
+    for pre in prefilling:
+        if budget <= 0:
+            break
+        chunk = chunk_of(pre, budget)
+        if chunk is None:
+            break
+        chunks.append(chunk)
+        budget -= chunk.length
+    return chunks, budget
 
 
 class Scheduler:
@@ -143,16 +162,7 @@ class Scheduler:
     def schedule(self) -> Plan:
         """The next forward's work: all running samples, then prefill chunks within the token budget."""
         decode = [self.running[s] for s in sorted(self.running)]
-        budget = self.budget - len(decode)
-        chunks: list[Chunk] = []
-        for pre in self.prefilling:
-            if budget <= 0:
-                break
-            chunk = self._chunk(pre, budget)
-            if chunk is None:
-                break  # without chunking, the oldest prompt waits for room; keep the order
-            chunks.append(chunk)
-            budget -= chunk.length
+        chunks, budget = prefill_chunks(self.prefilling, self.budget - len(decode), self._chunk)
         reserve = min(self.n, self.max_num_seqs)
         while (
             self.waiting

@@ -21,7 +21,7 @@ import heapq
 from collections import Counter, deque
 
 from posttrain.rollout.base import TurnRequest
-from posttrain.rollout.native.scheduler import Chunk, Plan, Prefill, Sample, SlotCopy
+from posttrain.rollout.native.scheduler import Chunk, Plan, Prefill, Sample, SlotCopy, prefill_chunks
 from posttrain.rollout.native.sessions import SessionCache, reusable_length
 
 
@@ -80,16 +80,7 @@ class TurnScheduler:
     def schedule(self) -> Plan:
         """The next forward's work: all running samples, then prefill chunks within the token budget."""
         decode = [self.running[s] for s in sorted(self.running)]
-        budget = self.budget - len(decode)
-        chunks: list[Chunk] = []
-        for pre in self.prefilling:
-            if budget <= 0:
-                break
-            chunk = self._chunk(pre, budget)
-            if chunk is None:
-                break  # without chunking, the oldest request waits for room; keep the order
-            chunks.append(chunk)
-            budget -= chunk.length
+        chunks, budget = prefill_chunks(self.prefilling, self.budget - len(decode), self._chunk)
         passed: deque[int] = deque()
         self._no_slot = False  # set when a request found no slot: no later one of this step finds one either
         while self.waiting and budget > 0:
