@@ -53,3 +53,48 @@ def test_config_and_errors():
         load_splits(build_config(overrides=["data.task=reasoning_gym:nope"]))
     with pytest.raises(ConfigError, match="reasoning_gym:<name>"):
         build_config(overrides=["data.task=aritmetic"])
+
+
+def test_task_options_reach_the_generator():
+    # data.task_options.* are the fields of the task's own config class: gcd's numbers stay within max_value.
+    cfg = build_config(
+        overrides=[
+            "data.task=reasoning_gym:gcd",
+            "data.task_options.max_value=12",
+            "data.num_train_examples=40",
+            "data.num_val_examples=8",
+        ]
+    )
+    splits = load_splits(cfg)
+    assert (len(splits.train), len(splits.val)) == (40, 8)
+    for r in splits.train + splits.val:
+        numbers = r.extra["reasoning_gym_entry"]["metadata"]["numbers"]
+        assert all(1 <= n <= 12 for n in numbers), r.prompt
+        assert int(r.ground_truth) <= 12
+    plain = load_splits(build_config(overrides=["data.task=reasoning_gym:gcd", "data.num_train_examples=40"]))
+    assert max(n for r in plain.train for n in r.extra["reasoning_gym_entry"]["metadata"]["numbers"]) > 12
+
+
+def test_task_option_errors_name_the_key():
+    def load(*overrides):
+        return load_splits(build_config(overrides=["data.task=reasoning_gym:gcd", *overrides]))
+
+    with pytest.raises(
+        ConfigError, match=r"'data.task_options.max_vale' = 3: .* no option 'max_vale'.*max_value"
+    ):
+        load("data.task_options.max_vale=3")
+    with pytest.raises(
+        ConfigError, match=r"data.task_options.min_value=20, .*refuses them \(max_value must be"
+    ):
+        load("data.task_options.min_value=20", "data.task_options.max_value=3")
+    with pytest.raises(ConfigError, match=r"'data.task_options.n_train' = 5: .*data.num_train_examples=5"):
+        load("data.task_options.n_train=5")
+    with pytest.raises(ConfigError, match=r"only \d+ distinct questions .* or widen data.task_options"):
+        load("data.task_options.max_value=8", "data.num_train_examples=60", "data.num_val_examples=10")
+
+
+def test_arithmetic_takes_its_options_from_the_config():
+    cfg = build_config(overrides=["data.task_options.ops=[-]", "data.num_train_examples=30"])
+    assert all("-" in r.prompt and "+" not in r.prompt for r in load_splits(cfg).train)
+    with pytest.raises(ConfigError, match=r"'data.task_options.digits'.*its options are"):
+        load_splits(build_config(overrides=["data.task_options.digits=3"]))
