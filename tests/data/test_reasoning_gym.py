@@ -98,3 +98,12 @@ def test_arithmetic_takes_its_options_from_the_config():
     assert all("-" in r.prompt and "+" not in r.prompt for r in load_splits(cfg).train)
     with pytest.raises(ConfigError, match=r"'data.task_options.digits'.*its options are"):
         load_splits(build_config(overrides=["data.task_options.digits=3"]))
+
+
+def test_validation_is_drawn_like_training_in_a_small_question_space():
+    # gcd retries for an answer above 1, so in a nearly exhausted space the questions first seen late are gcd-1
+    # ones: cut from the end, all 64 validation questions had answer 1. The split is made after a seeded shuffle.
+    train, val = load_task("reasoning_gym:gcd", seed=1, n_train=640, n_val=64, max_value=30)
+    share = sum(r.ground_truth == "1" for r in val) / len(val)
+    assert 0.2 < share < 0.7, share
+    assert abs(share - sum(r.ground_truth == "1" for r in train) / len(train)) < 0.2

@@ -10,6 +10,7 @@ on the whole response stripped.
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 from typing import Any
 
@@ -78,6 +79,10 @@ def load_reasoning_gym(
             + (" or widen data.task_options" if options else "")
         )
     records = [_record(name, entry) for entry in entries[:want]]
+    # Shuffled before the split: in a small question space the questions first seen late are the rare kinds
+    # (e.g. gcd 1 when the generator retries for a larger one), and a validation split cut from the end would
+    # hold only those.
+    random.Random(seed).shuffle(records)
     return records[:n_train], records[n_train:]
 
 
