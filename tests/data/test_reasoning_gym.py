@@ -107,3 +107,14 @@ def test_validation_is_drawn_like_training_in_a_small_question_space():
     share = sum(r.ground_truth == "1" for r in val) / len(val)
     assert 0.2 < share < 0.7, share
     assert abs(share - sum(r.ground_truth == "1" for r in train) / len(train)) < 0.2
+
+
+def test_explain_and_train_check_task_options_before_anything_loads():
+    from posttrain.planning.preflight import preflight
+
+    cfg = build_config(overrides=["data.task=reasoning_gym:gcd", "data.task_options.max_vale=40"])
+    with pytest.raises(ConfigError, match="'data.task_options.max_vale' = 40"):
+        preflight(cfg, "train", check_model=False)
+    preflight(
+        build_config(overrides=["data.task=reasoning_gym:gcd", "data.task_options.max_value=40"]), "train"
+    )
