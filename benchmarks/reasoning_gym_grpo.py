@@ -76,7 +76,7 @@ def accuracies(run_dir: Path) -> list[tuple[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft-epochs", type=int, default=1)
+    parser.add_argument("--sft-epochs", type=int, default=3)
     parser.add_argument("--grpo-steps", type=int, default=40)
     parser.add_argument("--run-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     args = parser.parse_args()
