@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.config.errors import DataError
+from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import load_records
 from posttrain.data.records import PromptRecord
@@ -53,8 +53,22 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
         n_train=d.num_train_examples,
         n_val=d.num_val_examples,
         max_operand=d.max_operand,
+        **task_options(cfg),
     )
     return Splits(train, val, reward or get_task(d.task).default_reward, d.task)
+
+
+def task_options(cfg: PostTrainConfig) -> dict:
+    """``data.task_options``, refusing the entries that have keys of their own (sizes, arithmetic's operand)."""
+    options = dict(cfg.data.task_options)
+    owned = {"n_train": "num_train_examples", "n_val": "num_val_examples", "max_operand": "max_operand"}
+    for name, key in owned.items():
+        if name in options:
+            raise ConfigError(
+                f"config key 'data.task_options.{name}' = {options[name]!r}: the task's {name} is set by "
+                f"data.{key}; set data.{key}={options[name]} instead"
+            )
+    return options
 
 
 def _reward_by_data_source(records: list[PromptRecord]) -> str:

@@ -186,6 +186,17 @@ def configure_code_reward(cfg: SandboxConfig) -> CodeReward:
     return _DEFAULT
 
 
+#: The reward names that run code in the sandbox (``data_source_code``: data with code sources).
+SANDBOX_REWARDS = ("code", "data_source_code")
+
+
+def configure_reward_sandbox(reward_spec: str, cfg: SandboxConfig) -> None:
+    """Build the `sandbox` section's sandbox when ``reward_spec`` runs code (a ConfigError now, at start-up, when
+    it cannot work here); every command that scores with a reward (train, eval, SFT validation) calls it."""
+    if reward_spec in SANDBOX_REWARDS:
+        configure_code_reward(cfg)
+
+
 def code_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
     """The `code` reward with the sandbox set by :func:`configure_code_reward` (the defaults if none was)."""
     reward = _DEFAULT or configure_code_reward(SandboxConfig())

@@ -40,7 +40,7 @@ from posttrain.parallel.data_parallel import DataParallel, data_parallel
 from posttrain.parallel.fsdp import offload_optimizer_state, shard_model
 from posttrain.parallel.runtime import DistContext, select_device
 from posttrain.parallel.shares import data_share
-from posttrain.rewards.code import configure_code_reward
+from posttrain.rewards.code import configure_reward_sandbox
 from posttrain.rewards.combine import RewardWeights
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
@@ -267,11 +267,7 @@ def build_reward_runner(cfg: PostTrainConfig, reward_spec: str, data_source: str
     """The reward function of ``reward_spec`` behind the `reward.*` guards (timeout, failure reward, fail fast);
     ``data_source`` is what a verl-style ``compute_score`` receives."""
     rw = cfg.reward
-    if reward_spec in (
-        "code",
-        "data_source_code",
-    ):  # the built-in code reward runs in the `sandbox` section's sandbox
-        configure_code_reward(cfg.sandbox)
+    configure_reward_sandbox(reward_spec, cfg.sandbox)  # code rewards run in the `sandbox` section's sandbox
     return RewardRunner(
         resolve_reward_function(reward_spec, data_source),
         timeout_s=rw.timeout_s or None,

@@ -141,6 +141,7 @@ TASK_KEYS = (
     "num_train_examples",
     "num_val_examples",  # the generator draws train and val together, so it shapes the train split too
     "max_operand",
+    "task_options",
     "max_prompt_length",  # longer prompts are dropped from the SFT examples
     "max_response_length",  # SFT targets are cut to it
 )

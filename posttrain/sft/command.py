@@ -75,10 +75,11 @@ def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
     if not quiet:
         print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
     tokenizer = load_tokenizer(path)
+    # Before the weights load: the validator builds the run's sandbox when its reward runs code.
+    validator = SFTValidator(cfg, tokenizer, val_records, reward) if val_records else None
     model = apply_lora(load_causal_lm(path, cfg.model.dtype, device), cfg)  # LoRA: only adapters train
     if is_lora_model(model) and not quiet:
         print(lora_memory_summary(model, uses_reference=False))
-    validator = SFTValidator(cfg, tokenizer, val_records, reward) if val_records else None
     logger = MetricsLogger(run_dir, backends=[b for b in cfg.trainer.loggers if b != "console"])
     try:
         if validator is not None and cfg.trainer.test_freq:

@@ -23,6 +23,7 @@ from posttrain.data.datasets import load_records, tokenize_prompts, warn_dropped
 from posttrain.data.fields import VERL_ANSWER_KEY, get_path, has_path, is_verl_row
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
+from posttrain.rewards.code import configure_reward_sandbox
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rollout.base import SamplingParams
@@ -70,6 +71,7 @@ class SFTValidator:
         records = kept.records
         self.cfg, self.tokenizer, self.records, self.prompts = cfg, tokenizer, records, kept.prompt_ids
         self.reward_fn = resolve_reward_function(reward_spec) if reward_spec else None
+        configure_reward_sandbox(reward_spec, cfg.sandbox)  # code is run in the run's sandbox, as in train
         self.answers = [answer_of(r, cfg.data.answer_key) for r in records]
         self.responses = [
             (

@@ -11,7 +11,7 @@ model.enable_gradient_checkpointing model.enable_activation_offload model.use_li
 model.lora_rank model.lora_alpha model.target_modules model.lora_dropout model.lora_merge model.lora_adapter_path
 data.task data.train_files data.val_files data.prompt_key data.answer_key data.train_batch_size
 data.val_batch_size data.max_prompt_length data.max_response_length data.overlong_prompts
-data.num_train_examples data.num_val_examples data.max_operand
+data.num_train_examples data.num_val_examples data.max_operand data.task_options
 rollout.n rollout.temperature rollout.top_p rollout.top_k rollout.chunk_size rollout.val_n rollout.val_greedy
 rollout.max_num_seqs rollout.max_num_batched_tokens rollout.enable_chunked_prefill rollout.enforce_eager
 rollout.name rollout.gpu_memory_utilization rollout.max_model_len rollout.tensor_model_parallel_size

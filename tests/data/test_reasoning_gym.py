@@ -53,3 +53,68 @@ def test_config_and_errors():
         load_splits(build_config(overrides=["data.task=reasoning_gym:nope"]))
     with pytest.raises(ConfigError, match="reasoning_gym:<name>"):
         build_config(overrides=["data.task=aritmetic"])
+
+
+def test_task_options_reach_the_generator():
+    # data.task_options.* are the fields of the task's own config class: gcd's numbers stay within max_value.
+    cfg = build_config(
+        overrides=[
+            "data.task=reasoning_gym:gcd",
+            "data.task_options.max_value=12",
+            "data.num_train_examples=40",
+            "data.num_val_examples=8",
+        ]
+    )
+    splits = load_splits(cfg)
+    assert (len(splits.train), len(splits.val)) == (40, 8)
+    for r in splits.train + splits.val:
+        numbers = r.extra["reasoning_gym_entry"]["metadata"]["numbers"]
+        assert all(1 <= n <= 12 for n in numbers), r.prompt
+        assert int(r.ground_truth) <= 12
+    plain = load_splits(build_config(overrides=["data.task=reasoning_gym:gcd", "data.num_train_examples=40"]))
+    assert max(n for r in plain.train for n in r.extra["reasoning_gym_entry"]["metadata"]["numbers"]) > 12
+
+
+def test_task_option_errors_name_the_key():
+    def load(*overrides):
+        return load_splits(build_config(overrides=["data.task=reasoning_gym:gcd", *overrides]))
+
+    with pytest.raises(
+        ConfigError, match=r"'data.task_options.max_vale' = 3: .* no option 'max_vale'.*max_value"
+    ):
+        load("data.task_options.max_vale=3")
+    with pytest.raises(
+        ConfigError, match=r"data.task_options.min_value=20, .*refuses them \(max_value must be"
+    ):
+        load("data.task_options.min_value=20", "data.task_options.max_value=3")
+    with pytest.raises(ConfigError, match=r"'data.task_options.n_train' = 5: .*data.num_train_examples=5"):
+        load("data.task_options.n_train=5")
+    with pytest.raises(ConfigError, match=r"only \d+ distinct questions .* or widen data.task_options"):
+        load("data.task_options.max_value=8", "data.num_train_examples=60", "data.num_val_examples=10")
+
+
+def test_arithmetic_takes_its_options_from_the_config():
+    cfg = build_config(overrides=["data.task_options.ops=[-]", "data.num_train_examples=30"])
+    assert all("-" in r.prompt and "+" not in r.prompt for r in load_splits(cfg).train)
+    with pytest.raises(ConfigError, match=r"'data.task_options.digits'.*its options are"):
+        load_splits(build_config(overrides=["data.task_options.digits=3"]))
+
+
+def test_validation_is_drawn_like_training_in_a_small_question_space():
+    # gcd retries for an answer above 1, so in a nearly exhausted space the questions first seen late are gcd-1
+    # ones: cut from the end, all 64 validation questions had answer 1. The split is made after a seeded shuffle.
+    train, val = load_task("reasoning_gym:gcd", seed=1, n_train=640, n_val=64, max_value=30)
+    share = sum(r.ground_truth == "1" for r in val) / len(val)
+    assert 0.2 < share < 0.7, share
+    assert abs(share - sum(r.ground_truth == "1" for r in train) / len(train)) < 0.2
+
+
+def test_explain_and_train_check_task_options_before_anything_loads():
+    from posttrain.planning.preflight import preflight
+
+    cfg = build_config(overrides=["data.task=reasoning_gym:gcd", "data.task_options.max_vale=40"])
+    with pytest.raises(ConfigError, match="'data.task_options.max_vale' = 40"):
+        preflight(cfg, "train", check_model=False)
+    preflight(
+        build_config(overrides=["data.task=reasoning_gym:gcd", "data.task_options.max_value=40"]), "train"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from posttrain.config.fields import knob
 from posttrain.config.schema.names import DTYPES
@@ -134,4 +135,11 @@ class DataConfig:
         19,
         "Largest operand of the built-in arithmetic task (19: 610 distinct problems; 99: 15,050).",
         min=1,
+    )
+    task_options: dict[str, Any] = knob(
+        default_factory=dict,
+        help="Options of the built-in task (data.task_options.NAME=VALUE): for arithmetic min_digits, "
+        "max_digits, ops, allow_negative; for reasoning_gym:<name> the fields of that task's own config "
+        "(e.g. data.task_options.max_value=20 for reasoning_gym:gcd). Sizes stay data.num_train_examples "
+        "and data.num_val_examples.",
     )

@@ -97,7 +97,8 @@ def get_task(name: str) -> Task:
             name=name,
             load=functools.partial(load_reasoning_gym, name[len(REASONING_GYM) :]),
             default_reward="reasoning_gym",
-            description="reasoning-gym's generated task; options n_train, n_val",
+            description="reasoning-gym's generated task; options n_train, n_val and the fields of the task's own "
+            "config (e.g. min_value, max_value)",
         )
     if name not in TASKS:
         raise DataError(
@@ -111,10 +112,15 @@ def load_task(name: str, seed: int, **options: Any) -> tuple[list[PromptRecord],
     """``get_task(name).load(seed, **options)`` with an error naming unknown options."""
     task = get_task(name)
     parameters = inspect.signature(task.load).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return task.load(seed, **options)  # the task checks its own options (reasoning-gym: its config class)
     unknown = sorted(set(options) - set(parameters) - {"seed"})
     if unknown:
         valid = [p for p in parameters if p != "seed"]
-        raise DataError(f"task {name!r} has no option(s) {unknown}; its options are {valid}")
+        raise DataError(
+            f"config key 'data.task_options.{unknown[0]}': task {name!r} has no option(s) {unknown}; "
+            f"its options are {valid}"
+        )
     return task.load(seed, **options)
 
 

@@ -9,6 +9,8 @@ on the whole response stripped.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import re
 from typing import Any
 
@@ -50,16 +52,23 @@ def check_task_name(name: str) -> None:
 
 
 def load_reasoning_gym(
-    name: str, seed: int, n_train: int = 1000, n_val: int = 100, max_operand: int | None = None
+    name: str,
+    seed: int,
+    n_train: int = 1000,
+    n_val: int = 100,
+    max_operand: int | None = None,
+    **options: Any,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """``n_train`` training and ``n_val`` validation records of reasoning-gym task ``name``, generated from
-    ``seed``, no question in both. ``max_operand`` belongs to the arithmetic task and is not used here."""
+    ``seed``, no question in both. ``options`` go to the task's own config class (``data.task_options``: e.g.
+    ``max_value`` of gcd); ``max_operand`` belongs to the arithmetic task and is not used here."""
     check_task_name(name)
     rg = _package()
+    check_task_options(name, options)
     want = n_train + n_val
     size = want
     for _ in range(_MAX_ROUNDS):
-        entries = _distinct(rg.create_dataset(name, seed=seed, size=size))
+        entries = _distinct(rg.create_dataset(name, seed=seed, size=size, **options))
         if len(entries) >= want:
             break
         size *= 2
@@ -67,9 +76,44 @@ def load_reasoning_gym(
         raise DataError(
             f"reasoning-gym task {name!r} gave only {len(entries)} distinct questions from {size} generated; "
             f"lower data.num_train_examples + data.num_val_examples (now {want})"
+            + (" or widen data.task_options" if options else "")
         )
     records = [_record(name, entry) for entry in entries[:want]]
+    # Shuffled before the split: in a small question space the questions first seen late are the rare kinds
+    # (e.g. gcd 1 when the generator retries for a larger one), and a validation split cut from the end would
+    # hold only those.
+    random.Random(seed).shuffle(records)
     return records[:n_train], records[n_train:]
+
+
+def check_task_options(name: str, options: dict[str, Any]) -> None:
+    """A ConfigError naming ``data.task_options.<key>`` when task ``name``'s config class has no such field or
+    refuses the values (the package's own checks)."""
+    from reasoning_gym.factory import DATASETS  # the package's own registry: name -> (dataset, config class)
+
+    config_cls = DATASETS[name][1]
+    fields = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
+    for key in options:
+        if key not in fields:
+            raise ConfigError(
+                f"config key 'data.task_options.{key}' = {options[key]!r}: reasoning-gym task {name!r} has no "
+                f"option {key!r}; its options are {fields}"
+            )
+    try:
+        config = config_cls(**options, seed=0, size=1)
+        if hasattr(config, "validate"):
+            config.validate()
+    except (AssertionError, ValueError, TypeError) as exc:
+        shown = ", ".join(f"data.task_options.{k}={v!r}" for k, v in options.items())
+        raise ConfigError(
+            f"config keys {shown}: reasoning-gym task {name!r} refuses them ({exc or type(exc).__name__}); "
+            f"its defaults are {_defaults(config_cls, fields)}"
+        ) from exc
+
+
+def _defaults(config_cls: Any, fields: list[str]) -> dict[str, Any]:
+    plain = config_cls(seed=0, size=1)
+    return {name: getattr(plain, name) for name in fields}
 
 
 def _distinct(dataset: Any) -> list[dict[str, Any]]:
