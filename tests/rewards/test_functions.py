@@ -41,6 +41,8 @@ def test_registry_names():
         "data_source",
         "data_source_code",
         "code",
+        "calculator",
+        "environment",
     }
     for name, fn in REWARD_FUNCTIONS.items():
         assert resolve_reward_function(name) is fn
@@ -96,6 +98,6 @@ def test_import_error_names_spec(tmp_path):
 def test_unknown_name():
     with pytest.raises(
         ValueError,
-        match=r"neither a built-in \(\['arithmetic', 'code', 'data_source', 'data_source_code', 'exact_match', ",
+        match=r"neither a built-in \(\['arithmetic', 'calculator', 'code', 'data_source', 'data_source_code', ",
     ):
         resolve_reward_function("exactmatch")
