@@ -81,6 +81,27 @@ class Plan:
         return len(self.decode) + sum(c.length for c in self.chunks)
 
 
+def next_chunk(pre: Prefill, prompt_length: int, budget: int, chunked: bool) -> Chunk | None:
+    """The next chunk of ``pre``'s prompt within ``budget`` tokens; None when the rest does not fit and prompts
+    are not chunked."""
+    remaining = prompt_length - pre.done
+    if remaining > budget and not chunked:
+        return None
+    length = min(remaining, budget)
+    return Chunk(prefill=pre, start=pre.done, length=length, last=length == remaining)
+
+
+def append_token(sample: Sample, token: int, logprob: float, eos: set[int], max_tokens: int) -> None:
+    """Record a sampled token; the sample finishes on an eos token ("eos") or at ``max_tokens`` ("length")."""
+    sample.tokens.append(token)
+    sample.logprobs.append(logprob)
+    sample.position += 1
+    if token in eos:
+        sample.finish_reason = "eos"
+    elif len(sample.tokens) >= max_tokens:
+        sample.finish_reason = "length"
+
+
 def prefill_chunks(
     prefilling: list[Prefill], budget: int, chunk_of: Callable[[Prefill, int], Chunk | None]
 ) -> tuple[list[Chunk], int]:
@@ -183,11 +204,7 @@ class Scheduler:
         return Plan(decode=decode, chunks=chunks)
 
     def _chunk(self, pre: Prefill, budget: int) -> Chunk | None:
-        remaining = len(self.prompts[pre.prompt]) - pre.done
-        if remaining > budget and not self.chunked:
-            return None
-        length = min(remaining, budget)
-        return Chunk(prefill=pre, start=pre.done, length=length, last=length == remaining)
+        return next_chunk(pre, len(self.prompts[pre.prompt]), budget, self.chunked)
 
     def first_sample_ids(self, prompt: int) -> list[int]:
         """Global sample ids of ``prompt``'s n samples (in order)."""
@@ -231,13 +248,7 @@ class Scheduler:
         return copies + self._place_pending()
 
     def _append(self, sample: Sample, token: int, logprob: float) -> None:
-        sample.tokens.append(token)
-        sample.logprobs.append(logprob)
-        sample.position += 1
-        if token in self.eos:
-            sample.finish_reason = "eos"
-        elif len(sample.tokens) >= self.max_tokens:
-            sample.finish_reason = "length"
+        append_token(sample, token, logprob, self.eos, self.max_tokens)
 
     def _start_samples(self, pre: Prefill, tokens: list[int], logprobs: list[float]) -> list[SlotCopy]:
         """Prefill of ``pre.prompt`` ended: create its n samples, give them slots, release its claim."""

@@ -21,7 +21,16 @@ import heapq
 from collections import Counter, deque
 
 from posttrain.rollout.base import TurnRequest
-from posttrain.rollout.native.scheduler import Chunk, Plan, Prefill, Sample, SlotCopy, prefill_chunks
+from posttrain.rollout.native.scheduler import (
+    Chunk,
+    Plan,
+    Prefill,
+    Sample,
+    SlotCopy,
+    append_token,
+    next_chunk,
+    prefill_chunks,
+)
 from posttrain.rollout.native.sessions import SessionCache, reusable_length
 
 
@@ -129,11 +138,7 @@ class TurnScheduler:
         return pre
 
     def _chunk(self, pre: Prefill, budget: int) -> Chunk | None:
-        remaining = len(self.prompts[pre.prompt]) - pre.done
-        if remaining > budget and not self.chunked:
-            return None
-        length = min(remaining, budget)
-        return Chunk(prefill=pre, start=pre.done, length=length, last=length == remaining)
+        return next_chunk(pre, len(self.prompts[pre.prompt]), budget, self.chunked)
 
     def complete(
         self,
@@ -175,13 +180,7 @@ class TurnScheduler:
         return []
 
     def _append(self, sample: Sample, token: int, logprob: float) -> None:
-        sample.tokens.append(token)
-        sample.logprobs.append(logprob)
-        sample.position += 1
-        if token in self.eos:
-            sample.finish_reason = "eos"
-        elif len(sample.tokens) >= self.requests[sample.prompt].max_tokens:
-            sample.finish_reason = "length"
+        append_token(sample, token, logprob, self.eos, self.requests[sample.prompt].max_tokens)
 
     def _retire(self, sample: Sample) -> None:
         """A sample finished: its session keeps the slot (the last token was never fed back), else it is free."""
