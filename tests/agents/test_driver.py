@@ -252,6 +252,8 @@ def test_step_metrics_under_verl_and_trl_names(tok):
     assert m["tool_failures/raised"] == 1.0 and m["tool_failures/unknown_tool"] == 1.0
     assert m["truncated/share"] == 0.0
     assert m["tokens/assistant"] + m["tokens/environment"] == sum(len(t.response_ids) for t in trajs)
+    assert m["tool_call_counts/calculator"] == 2 / 3 and m["tool_call_counts/nope"] == 1 / 3
+    assert m["tools/latency_mean_s"] > 0 and m["env/step_time_mean_s"] > 0
 
 
 def long_output(n: int) -> str:

@@ -19,8 +19,9 @@ from posttrain.config.schema import ActorConfig
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
 from posttrain.models.hf import load_causal_lm
+from posttrain.parallel.shares import ShareMetrics
 from posttrain.rl.collect.generation import Scored, scored_batch
-from posttrain.rl.collect.multi_turn import AgentLoop
+from posttrain.rl.collect.multi_turn import AgentLoop, episode_metrics
 from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
@@ -194,3 +195,16 @@ def test_multi_turn_trains_with(tiny_model_dir, tmp_path, name):
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["tokens/assistant"] > 0 and m["actor/pg_loss"] == m["actor/pg_loss"] for m in metrics)
+
+
+def test_every_rank_logs_the_same_trajectory_metric_names(tiny_model_dir):
+    """Ranks reduce metrics position by position: a rank with no trajectory (or trajectories that called no
+    tool) must add the same names as one whose trajectories did everything."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    result = guess_trajectories(load_causal_lm(tiny_model_dir).float(), tokenizer)
+    how = {"mean": "mean", "sum": "sum"}
+    full, empty = ShareMetrics(), ShareMetrics()
+    episode_metrics(result.episodes, full, how, len(result), ("calculator",))
+    episode_metrics([], empty, how, 0, ("calculator",))
+    assert sorted(full.values) == sorted(empty.values)
+    assert "tool_call_counts/calculator" in full.values and full.values["num_turns/max"] > 1
