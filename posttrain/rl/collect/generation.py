@@ -21,7 +21,7 @@ from posttrain.rewards.combine import RewardWeights, combine_rewards
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
-from posttrain.rl.collect.multi_turn import AgentLoop
+from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards
 from posttrain.rl.collect.validation import CORRECT_THRESHOLD, reward_inputs
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
@@ -84,9 +84,9 @@ class Scorer:
             texts = [i.response for i in inputs]
             rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts) if inputs else [])
         scores, parts = combine_rewards(torch.tensor(rewards, dtype=torch.float32), rm, self.weights)
-        if result.episodes is not None:  # the environment's rewards add to the combined reward
-            env = torch.tensor([sum(e.turn_rewards) for e in result.episodes], dtype=torch.float32)
-            scores = scores + env  # (reward/env_mean is a trajectory metric: rl/collect/multi_turn.py)
+        scores = scores + torch.tensor(
+            env_rewards(result), dtype=torch.float32
+        )  # multi-turn: the environment's
         return scores, {**metrics, **parts}
 
 

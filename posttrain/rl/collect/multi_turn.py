@@ -82,6 +82,14 @@ def record_row(record: PromptRecord) -> dict[str, Any]:
     return {**record.extra, "prompt": record.prompt, "ground_truth": record.ground_truth}
 
 
+def env_rewards(result: RolloutResult) -> list[float]:
+    """[S] the environment's reward of each sample (the sum over its turns; 0.0 for single-turn samples). It adds
+    to the reward function's score, in training and in validation alike."""
+    if result.episodes is None:
+        return [0.0] * len(result)
+    return [e.reward for e in result.episodes]
+
+
 def finish_reason(traj: Trajectory, eos_token_ids: set[int]) -> str:
     """The sample's finish reason: "length" when the trajectory was cut (token budget or turn limit), else the
     engine's reason for its last turn ("eos" or "stop")."""

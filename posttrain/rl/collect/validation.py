@@ -15,7 +15,7 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.records import PromptRecord
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rl.collect.multi_turn import AgentLoop
+from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 CORRECT_THRESHOLD = 1.0
@@ -129,9 +129,7 @@ def _generate_and_score(engine, tokenizer, runner, records, ids, params, offset,
         result = engine.generate(ids, params, **({"prompt_offset": offset} if offset else {}))
     inputs = reward_inputs([records[p] for p in result.prompt_index], result, tokenizer)
     scores, _ = runner.score(inputs)
-    if result.episodes is not None:
-        scores = [s + e.reward for s, e in zip(scores, result.episodes)]
-    return result, inputs, scores
+    return result, inputs, [s + env for s, env in zip(scores, env_rewards(result))]
 
 
 def episode_counts(episode) -> tuple[int, float]:
