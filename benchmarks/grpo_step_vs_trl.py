@@ -3,7 +3,12 @@
 Run::
 
     pip install "posttrain[bench]"          # or: pip install trl==1.16.0 (TRL is never a runtime dependency)
-    python3 benchmarks/grpo_step_vs_trl.py  # ~10 minutes on 2 CPU cores; --help for options
+    python3 benchmarks/grpo_step_vs_trl.py  # the three shapes below, ~15 minutes on one core; --help for options
+
+By default it times three shapes, ``--shapes 8x8x32 16x4x32 8x8x128`` (prompts x samples per prompt x response
+token limit), with random weights (``--model random``: nearly every response runs to the limit) and one
+optimizer step per rollout, and ends with a summary: each trainer's median step, the speed-up at posttrain's
+defaults, and the step's FLOP floor at this machine's measured matmul rate (below).
 
 A *step* is one rollout and the optimizer steps trained on it. Both trainers get:
 
@@ -13,9 +18,9 @@ A *step* is one rollout and the optimizer steps trained on it. Both trainers get
   gradient_checkpointing=False``);
 - the same prompts: the built-in arithmetic task's training problems (``posttrain.data.tasks.arithmetic``) through
   the same chat template, and the same reward (posttrain's ``arithmetic_reward``, wrapped for TRL);
-- the same work per step: ``--prompts`` prompts x ``--n`` samples (256 by default: the built-in job's rollout),
-  at most ``--max-tokens`` response tokens (8, the built-in job's ``data.max_response_length``), temperature 1,
-  no top-k/top-p; ``--optimizer-steps`` AdamW steps per rollout (2, as in the built-in job) on equal shares of
+- the same work per step: ``prompts`` prompts x ``n`` samples, at most ``max-tokens`` response tokens (one
+  ``--shapes`` entry each), temperature 1, no top-k/top-p; ``--optimizer-steps`` AdamW steps per rollout
+  (default 1; the built-in job's shape is ``--shapes 32x8x8 --optimizer-steps 2 --model builtin``) on equal shares of
   the samples, each as one forward/backward micro-batch; old log-probs recomputed once per rollout when the
   samples serve more than one optimizer step, and by neither trainer with ``--optimizer-steps 1`` (TRL then
   takes them from the update's own forward, and posttrain's plan does the same); no reference model, no KL term (TRL ``beta=0``,
@@ -35,12 +40,18 @@ runs to ``--max-tokens`` on both sides. posttrain keeps a prompt's samples in on
 samples across its two optimizer steps (same amount of work). posttrain's dual-clip (``actor.clip_ratio_c``) has no TRL counterpart
 (a clamp; negligible compute).
 
-posttrain runs in the variants of ``VARIANTS`` (``--variants``): verl's defaults; with
-``actor.use_prefix_grouper`` (each prompt computed once for its samples); and with
-``algorithm.rollout_correction.bypass_mode`` as well (the engine's log-probs serve as the old log-probs, so that
-pass is skipped). All three compute the same quantities (tests/models/test_prefix_grouper.py,
-tests/rl/test_throughput_options.py). ``--model builtin`` (default) uses the model ``posttrain train``
-trains (the tiny Qwen2 after its SFT warm start: short answers, then eos); ``--model random`` the untrained one.
+posttrain runs in the variants of ``VARIANTS`` (``--variants``): its defaults (which include the prefix grouper
+whenever ``rollout.n`` > 1); verl's padded layout (``actor.use_prefix_grouper=false``, the previous default); and
+the defaults with ``algorithm.rollout_correction.bypass_mode`` (the engine's log-probs serve as the old
+log-probs, which matters only with several optimizer steps per rollout). All compute the same quantities
+(tests/forward/test_prefix_grouper.py, tests/rl/test_throughput_options.py). ``--model builtin`` uses the model
+``posttrain train`` trains (the tiny Qwen2 after its SFT warm start: short answers, then eos).
+
+The FLOP floor of a step is the matrix-multiply work no trainer can skip, timed at the rate this process
+measures for a ``[4096, hidden] x [hidden, intermediate]`` fp32 product: ``2 N T_roll`` for the rollout and
+``6 N T_upd`` for the update's forward and backward, with ``N`` the model's matrix parameters (linear layers and
+the LM head) and ``T`` = each prompt once plus every response token (posttrain's mean response length);
+attention, norms and sampling are left out, so the floor is below what any implementation can reach.
 
 Each round builds a fresh trainer of each kind, runs one untimed warm-up step, then ``--steps`` timed steps;
 rounds alternate (TRL, posttrain, TRL, ...) so that load from other processes hits both alike. Printed: the
@@ -81,12 +92,10 @@ from posttrain.utils.seed import seed_everything
 # quantities (tests/models/test_prefix_grouper.py, tests/rl/test_throughput_options.py).
 VARIANTS = {
     "posttrain": [],
-    "posttrain +prefix grouper": ["actor.use_prefix_grouper=true"],
-    "posttrain +prefix grouper +bypass": [
-        "actor.use_prefix_grouper=true",
-        "algorithm.rollout_correction.bypass_mode=true",
-    ],
+    "posttrain, verl's padded layout": ["actor.use_prefix_grouper=false"],
+    "posttrain +bypass": ["algorithm.rollout_correction.bypass_mode=true"],
 }
+DEFAULTS = "posttrain"
 
 
 def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path, extra: list[str] = ()):
@@ -240,68 +249,70 @@ def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> list[tuple[
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--optimizer-steps", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per round (after one warm-up step)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--model",
-        choices=("builtin", "random"),
-        default="builtin",
-        help="builtin: the built-in job's warm-started tiny Qwen2 (answers, then stops: short, ragged responses); "
-        "random: the same architecture with random weights (nearly every response runs to --max-tokens)",
-    )
-    parser.add_argument(
-        "--variants",
-        nargs="+",
-        choices=sorted(VARIANTS),
-        default=list(VARIANTS),
-        help="posttrain configurations to time (each against the same TRL runs)",
-    )
-    args = parser.parse_args()
-    if args.prompts % args.optimizer_steps:
-        parser.error("--prompts must be a multiple of --optimizer-steps")
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    print("command: python3 " + " ".join(sys.argv))
-    print(f"torch {torch.__version__}, {args.threads} threads; load average at start: {os.getloadavg()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.model == "builtin":
-            # The model `posttrain train` trains by default: the tiny Qwen2 after its SFT warm start (cached).
-            model_dir = builtin_model_dir(build_config(overrides=[]))
-        else:
-            model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
-        print(f"model: {args.model} ({model_dir.name})")
-        variants = {name: VARIANTS[name] for name in args.variants}
-        times: dict[str, list[tuple[float, float]]] = {
-            "TRL GRPOTrainer": [],
-            **{name: [] for name in variants},
-        }
-        phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
-        for round_ in range(args.rounds):
-            trl_times = run_trl(args, model_dir, seed=round_)
-            times["TRL GRPOTrainer"] += trl_times
+def matmul_rate(hidden: int, intermediate: int, repeats: int = 20) -> float:
+    """FLOP/s of a ``[4096, hidden] x [hidden, intermediate]`` fp32 product on this process's threads (median)."""
+    a, b = torch.randn(4096, hidden), torch.randn(hidden, intermediate)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * 4096 * hidden * intermediate / statistics.median(times)
+
+
+def flop_floor(model_dir: Path, prompts: int, n: int, prompt_len: float, response_len: float) -> float:
+    """Matrix-multiply FLOPs of one step that no trainer can skip (module docstring)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    kv = c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    layer = c.hidden_size * (2 * c.hidden_size + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    params = c.num_hidden_layers * layer + c.vocab_size * c.hidden_size  # + the LM head
+    tokens = prompts * prompt_len + prompts * n * response_len
+    return 2 * params * tokens + 6 * params * tokens
+
+
+def mean_prompt_tokens(cfg, model_dir: Path) -> float:
+    """Mean length of the chat-formatted training prompts, in tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    records = load_splits(cfg).train
+    lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r.prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for r in records
+    ]
+    return statistics.mean(lengths)
+
+
+def time_shape(args: argparse.Namespace, model_dir: Path, variants: dict[str, list[str]]) -> dict:
+    """Alternating rounds of TRL and each posttrain variant at one shape; prints its tables, returns medians."""
+    times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], **{name: [] for name in variants}}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    for round_ in range(args.rounds):
+        trl_times = run_trl(args, model_dir, seed=round_)
+        times["TRL GRPOTrainer"] += trl_times
+        print(f"  round {round_ + 1}: TRL (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in trl_times]}")
+        for name, extra in variants.items():
+            pt_times, pt_phases = run_posttrain(args, model_dir, round_, extra)
+            times[name] += pt_times
+            phases[name].append(pt_phases)
             print(
-                f"  round {round_ + 1}: TRL (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in trl_times]}"
+                f"  round {round_ + 1}: {name} (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in pt_times]}"
             )
-            for name, extra in variants.items():
-                pt_times, pt_phases = run_posttrain(args, model_dir, round_, extra)
-                times[name] += pt_times
-                phases[name].append(pt_phases)
-                print(
-                    f"  round {round_ + 1}: {name} (wall, CPU) s "
-                    f"{[tuple(round(x, 2) for x in t) for t in pt_times]}"
-                )
     # CPU seconds of the process measure the work done even when other jobs take the cores away part of the
     # time (one thread: CPU time = wall time on an idle machine); with several threads only wall time is fair.
     clock = 1 if args.threads == 1 else 0
-    reference = statistics.median(t[clock] for t in times["TRL GRPOTrainer"])
+    medians = {name: statistics.median(t[clock] for t in ts) for name, ts in times.items()}
+    reference = medians["TRL GRPOTrainer"]
     rows = [
         {
             "trainer": name,
@@ -309,7 +320,7 @@ def main() -> None:
             "median wall s/step": round(statistics.median(t[0] for t in ts), 3),
             "min-max wall s": f"{min(t[0] for t in ts):.2f}-{max(t[0] for t in ts):.2f}",
             "steps timed": len(ts),
-            "speed-up vs TRL": round(reference / statistics.median(t[clock] for t in ts), 2),
+            "speed-up vs TRL": round(reference / medians[name], 2),
         }
         for name, ts in times.items()
     ]
@@ -317,8 +328,7 @@ def main() -> None:
     print_table(
         f"GRPO step: {args.prompts} prompts x n={args.n}, <= {args.max_tokens} response tokens, "
         f"{args.optimizer_steps} optimizer steps per rollout, tiny Qwen2 ({args.model} weights) fp32, "
-        f"{args.threads} CPU threads; "
-        f"speed-up from {'CPU' if clock else 'wall'} time",
+        f"{args.threads} CPU threads; speed-up from {'CPU' if clock else 'wall'} time",
         rows,
     )
     # Phases in order of first appearance over every variant; one that did not run (the old-log-prob pass
@@ -331,6 +341,99 @@ def main() -> None:
         }
         phase_rows.append({"variant": name, **mean})
     print_table("posttrain step phases (mean wall seconds)", phase_rows)
+    response_len = statistics.mean(p["response_length/mean"] for runs in phases.values() for p in runs)
+    return {"medians": medians, "response_len": response_len}
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        prompts, n, tokens = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: write PROMPTSxNxTOKENS, e.g. 8x8x32") from None
+    return prompts, n, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        default=[(8, 8, 32), (16, 4, 32), (8, 8, 128)],
+        help="PROMPTSxNxTOKENS: prompts per step x samples per prompt x response token limit",
+    )
+    parser.add_argument("--optimizer-steps", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round (after one warm-up step)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--model",
+        choices=("builtin", "random"),
+        default="random",
+        help="random: the tiny Qwen2 with random weights (nearly every response runs to the token limit); "
+        "builtin: the built-in job's warm-started model (answers, then stops: short, ragged responses)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=sorted(VARIANTS),
+        default=list(VARIANTS),
+        help="posttrain configurations to time (each against the same TRL runs)",
+    )
+    args = parser.parse_args()
+    if DEFAULTS not in args.variants:
+        parser.error(f"--variants must include {DEFAULTS!r} (the summary compares the defaults)")
+    for prompts, _, _ in args.shapes:
+        if prompts % args.optimizer_steps:
+            parser.error(f"prompts ({prompts}) must be a multiple of --optimizer-steps")
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print("command: python3 " + " ".join(sys.argv))
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; load average at start: {os.getloadavg()}"
+    )
+    summary = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "builtin":
+            # The model `posttrain train` trains by default: the tiny Qwen2 after its SFT warm start (cached).
+            model_dir = builtin_model_dir(build_config(overrides=[]))
+        else:
+            model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
+        print(f"model: {args.model} ({model_dir.name})")
+        variants = {name: VARIANTS[name] for name in args.variants}
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(model_dir)
+        rate = matmul_rate(hf.hidden_size, hf.intermediate_size)
+        print(f"measured matmul rate: {rate / 1e9:.1f} GFLOP/s")
+        for prompts, n, tokens in args.shapes:
+            args.prompts, args.n, args.max_tokens = prompts, n, tokens
+            print(f"\n== shape {prompts}x{n}x{tokens}")
+            result = time_shape(args, model_dir, variants)
+            prompt_len = mean_prompt_tokens(posttrain_config(args, model_dir, Path(tmp)), model_dir)
+            floor = flop_floor(model_dir, prompts, n, prompt_len, result["response_len"]) / rate
+            m = result["medians"]
+            summary.append(
+                {
+                    "shape (prompts x n x tokens)": f"{prompts}x{n}x{tokens}",
+                    "mean prompt / response tokens": f"{prompt_len:.1f} / {result['response_len']:.1f}",
+                    "TRL s": round(m["TRL GRPOTrainer"], 3),
+                    "posttrain s (defaults)": round(m[DEFAULTS], 3),
+                    "speed-up at defaults": round(m["TRL GRPOTrainer"] / m[DEFAULTS], 2),
+                    "FLOP floor s": round(floor, 3),
+                    "TRL / floor": round(m["TRL GRPOTrainer"] / floor, 1),
+                    "posttrain / floor": round(m[DEFAULTS] / floor, 1),
+                }
+            )
+    print()
+    print_table(
+        f"Summary: median {'CPU' if args.threads == 1 else 'wall'} seconds per step, {args.rounds} alternating "
+        f"rounds x {args.steps} steps, {args.model} weights, {args.optimizer_steps} optimizer step(s) per rollout, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, matmul {rate / 1e9:.1f} GFLOP/s",
+        summary,
+    )
     print(f"load average at end: {os.getloadavg()}")
 
 

@@ -305,8 +305,18 @@ def _set(cfg: Any, key: str, value: Any) -> None:
     setattr(cfg, leaf, value)
 
 
+def prefix_grouper_by_default(cfg: PostTrainConfig) -> bool:
+    """What ``actor.use_prefix_grouper: null`` means: on where it is exact and saves work, i.e. with several
+    samples per prompt, no Ulysses SP (it works on whole sequences) and no packing (``model.use_remove_padding``
+    chooses packed rows, with flash-attention's varlen kernel on GPUs, which takes no per-sequence mask)."""
+    return cfg.rollout.n > 1 and cfg.actor.ulysses_sequence_parallel_size == 1 and not cfg.model.use_remove_padding
+
+
 def resolve_inherited(cfg: PostTrainConfig) -> PostTrainConfig:
-    """Fill each unset (null) key of :data:`INHERITED` with its source key's value, in place."""
+    """Fill each unset (null) key of :data:`INHERITED` with its source key's value, in place (after the
+    automatic ones: ``actor.use_prefix_grouper``)."""
+    if cfg.actor.use_prefix_grouper is None:
+        cfg.actor.use_prefix_grouper = prefix_grouper_by_default(cfg)
     for key, source in INHERITED.items():
         if _get(cfg, key) is None:
             _set(cfg, key, _get(cfg, source))

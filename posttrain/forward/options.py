@@ -41,6 +41,7 @@ import torch
 from posttrain.config.schema import PostTrainConfig
 from posttrain.forward.packed import preferred_attn_implementation
 from posttrain.forward.passes import ForwardOptions
+from posttrain.forward.shared_prefix import register_shared_prefix_attention
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,9 @@ def pass_options(cfg: PostTrainConfig, device: torch.device) -> PassOptions:
 
 
 def attn_implementation(use_remove_padding: bool, device: torch.device, prefix_grouper: bool = False) -> str:
-    """flash-attention 2 for packed passes on CUDA when ``flash_attn`` is installed (one row per micro-batch,
-    varlen kernel), otherwise sdpa (padded batches, packed rows with a block-diagonal mask, and the prefix
-    grouper's 4-D mask, which flash-attention cannot take)."""
-    return preferred_attn_implementation(device) if use_remove_padding and not prefix_grouper else "sdpa"
+    """The prefix grouper's shared-prefix attention when its passes group prompts (sdpa in every other call);
+    otherwise flash-attention 2 for packed passes on CUDA when ``flash_attn`` is installed (one row per
+    micro-batch, varlen kernel), else sdpa (padded batches, packed rows with a block-diagonal mask)."""
+    if prefix_grouper:
+        return register_shared_prefix_attention()
+    return preferred_attn_implementation(device) if use_remove_padding else "sdpa"

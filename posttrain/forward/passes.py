@@ -14,9 +14,10 @@ How a pass is computed is set by one frozen :class:`ForwardOptions` per pass (bu
   ``[b * R, V]`` fp32 logits tensor; with ``chunk_checkpoint`` backward recomputes each chunk's logits.
 * ``offload_activations``: tensors saved for backward by the transformer body go to (pinned) CPU memory
   during the forward, on CUDA only (:func:`activation_offload_context`).
-* ``prefix_grouper``: the rows of a micro-batch that share a prompt run it once: one segment per prompt
-  (prompt, then each response with positions restarting at the prompt length) under a 4-D attention mask
-  (:mod:`posttrain.forward.prefix_grouper`); implies packing, so ``remove_padding`` is moot.
+* ``prefix_grouper``: the rows of a micro-batch that share a prompt run it once: one flat row of unique tokens
+  (each prompt, then its responses with positions restarting at the prompt length) whose attention runs per
+  sequence (:mod:`posttrain.forward.prefix_grouper`, :mod:`posttrain.forward.shared_prefix`); no padding at
+  all, so ``remove_padding`` is moot.
 * ``sp_group``: Ulysses sequence parallelism (:mod:`posttrain.parallel.ulysses`). Every rank of the group
   passes the same micro-batch; each runs the body on its slice of the (padded or packed) sequence, computes
   log-probs/values at the response positions it holds, and the per-token results are gathered, so every rank
@@ -39,7 +40,8 @@ from posttrain.config.errors import ConfigError
 from posttrain.data.batch import RolloutBatch
 from posttrain.forward.chunked_head import chunked_logprobs_entropy
 from posttrain.forward.packed import _uses_flash_attention, packed_causal_lm_forward
-from posttrain.forward.prefix_grouper import group_by_prompt, prefix_attention_mask
+from posttrain.forward.prefix_grouper import group_by_prompt
+from posttrain.forward.shared_prefix import SHARED_PREFIX_ATTENTION, SharedPrefixPlan
 from posttrain.models.registry import PACKING_VERIFIED, check_packing_supported
 from posttrain.parallel import ulysses
 
@@ -54,8 +56,8 @@ class ForwardOptions:
     Attributes:
         remove_padding: pack each micro-batch's real tokens into rows (no pad tokens through the model).
         max_row_tokens: row capacity for packed rows with dense attention (sdpa/eager); raised to the longest
-            sequence of the micro-batch when shorter. Not used by ``prefix_grouper`` (rows as long as the
-            longest segment). Ignored with flash-attention, where the whole micro-batch
+            sequence of the micro-batch when shorter. Not used by ``prefix_grouper`` (one flat row, attention
+            per sequence). Ignored with flash-attention, where the whole micro-batch
             is one row (the varlen kernel's cost is ``sum(len_i ** 2)`` whatever the layout).
         logprob_chunk_size: tokens per chunk of the chunked log-prob/entropy head; None: full logits.
         chunk_checkpoint: with chunking, recompute each chunk's logits in backward (fused) instead of keeping
@@ -205,13 +207,16 @@ def grouped_response_hidden_states(
 ) -> torch.Tensor:
     """[B, R, H] hidden states from the shared-prompt forward (:mod:`posttrain.forward.prefix_grouper`), aligned
     exactly like :func:`response_hidden_states`; zeros past a row's response."""
-    layout = _grouped_layout(model, batch, options)
+    layout, plan = _grouped_layout(model, batch)
     with _offload(options, batch):
         out = model.get_decoder()(
             input_ids=layout.input_ids,
-            attention_mask=layout.attention_mask,  # 4-D: transformers uses it as given
+            # A 4-D mask is used as given (transformers builds none); this empty one is never read: the
+            # shared-prefix attention takes its masks from the plan.
+            attention_mask=torch.empty(1, 1, 0, 0, dtype=torch.bool, device=layout.input_ids.device),
             position_ids=layout.position_ids,
             use_cache=False,
+            shared_prefix=plan,
         )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return _at_responses(hidden, layout)
@@ -227,7 +232,7 @@ class _Layout:
 
     input_ids: torch.Tensor  # [rows, L]
     position_ids: torch.Tensor  # [rows, L]
-    attention_mask: torch.Tensor | None  # [rows, L] padded rows; None packed rows; [rows, 1, L, L] grouped
+    attention_mask: torch.Tensor | None  # [rows, L] padded rows; None packed or grouped rows
     rows: torch.Tensor  # [B, R] long
     cols: torch.Tensor  # [B, R] long
     valid: torch.Tensor | None  # [B, R] bool
@@ -266,19 +271,17 @@ def _packed_layout(model: nn.Module, batch: RolloutBatch, options: ForwardOption
     return _Layout(packed.input_ids, packed.position_ids, None, rows, cols, valid, packed)
 
 
-def _grouped_layout(model: nn.Module, batch: RolloutBatch, options: ForwardOptions) -> _Layout:
-    """Shared-prompt segments packed into rows, with their 4-D attention mask (boolean for sdpa, additive
-    for eager; other attention back-ends take no custom mask)."""
-    impl = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
-    if impl not in ("sdpa", "eager"):
-        raise ConfigError(
-            f"actor.use_prefix_grouper=true needs sdpa or eager attention (a 4-D mask), the model uses {impl!r}; "
-            "load it with attn_implementation='sdpa' or set actor.use_prefix_grouper=false"
+def _grouped_layout(model: nn.Module, batch: RolloutBatch) -> tuple[_Layout, SharedPrefixPlan]:
+    """The micro-batch as the prefix grouper's flat row of unique tokens, and its attention plan."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != SHARED_PREFIX_ATTENTION:
+        raise ValueError(
+            f"the prefix grouper needs the model loaded with attn_implementation={SHARED_PREFIX_ATTENTION!r} "
+            f"(posttrain.forward.shared_prefix.register_shared_prefix_attention()), it uses {impl!r}"
         )
     groups = group_by_prompt(batch)
-    dtype = model.get_input_embeddings().weight.dtype
-    mask = prefix_attention_mask(groups, boolean=impl == "sdpa", dtype=dtype)
-    return _Layout(groups.input_ids, groups.position_ids, mask, groups.rows, groups.cols, groups.valid)
+    layout = _Layout(groups.input_ids, groups.position_ids, None, groups.rows, groups.cols, groups.valid)
+    return layout, groups.attention
 
 
 def _at_responses(per_position: torch.Tensor, layout: _Layout) -> torch.Tensor:

@@ -161,7 +161,9 @@ def _derived_facts(facts: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None:
     facts.add(f"optimizer steps per rollout: {a.optimizer_steps_per_step}")
     if cfg.actor.use_prefix_grouper:
         facts.add(
-            f"prefix grouper: each prompt runs once for its samples in a micro-batch{_grouper_note(cfg, plan)}"
+            f"prefix grouper: each prompt runs once for its samples in a micro-batch, no padding"
+            f"{_grouper_note(cfg, plan)} (actor.use_prefix_grouper, on by default with rollout.n > 1; false: "
+            "verl's padded rows)"
         )
     if plan.rollout_staleness:
         k, steps = plan.rollout_staleness, a.optimizer_steps_per_step

@@ -208,14 +208,11 @@ def micro_batch_tokens(
     return -(-tokens // sp), -(-response // sp)
 
 
-def prefix_mask_bytes(
-    tokens: int, micro: int | None, group_size: int, prompt_len: int, response_len: int
-) -> int:
-    """Upper bound of the prefix grouper's boolean attention mask: one byte per (query, key) cell of each
-    segment (a prompt + its samples' responses), i.e. at most ``tokens x L`` for segments of at most ``L`` tokens.
-    ``micro`` None (token budget): a segment holds up to all ``group_size`` samples of its prompt."""
-    samples = group_size if micro is None else min(int(micro), group_size)
-    return tokens * min(prompt_len + samples * response_len, tokens)
+def prefix_mask_bytes(response_tokens: int, prompt_len: int, response_len: int) -> int:
+    """The prefix grouper's boolean attention mask (:mod:`posttrain.forward.shared_prefix`): one byte per (query,
+    key) cell of each response, ``R x (P + R)`` for a response padded to ``R`` reading its prompt padded to ``P``;
+    for max-length samples that is ``response_tokens x (P + R)`` (the prompts' own attention needs no mask)."""
+    return response_tokens * (prompt_len + response_len)
 
 
 def _group_size(cfg: PostTrainConfig, plan: BatchPlan, role: str) -> int:
@@ -307,7 +304,6 @@ def _resident(
 def _micro_batch(cfg: PostTrainConfig, plan: BatchPlan, p: UpdatePlan | ForwardPlan) -> tuple[int, int, int]:
     """(tokens, response tokens, prefix-grouper mask bytes) of this pass's largest micro-batch on one GPU."""
     d, group = cfg.data, _group_size(cfg, plan, p.role)
-    micro = None if p.use_dynamic_bsz else p.micro_batch_size_per_rank
     tokens, resp = micro_batch_tokens(
         p.use_dynamic_bsz,
         p.micro_batch_size_per_rank,
@@ -317,7 +313,7 @@ def _micro_batch(cfg: PostTrainConfig, plan: BatchPlan, p: UpdatePlan | ForwardP
         p.sp_size,
         group,
     )
-    mask = prefix_mask_bytes(tokens, micro, group, d.max_prompt_length, d.max_response_length) if group else 0
+    mask = prefix_mask_bytes(resp, d.max_prompt_length, d.max_response_length) if group else 0
     return tokens, resp, mask
 
 

@@ -175,7 +175,7 @@ def build_policy(
     device = dist.device
     # Sharded models on CUDA keep fp32 master weights and compute in model.dtype (FSDP2 mixed precision).
     master_dtype = "fp32" if dist.distributed and device.type == "cuda" else cfg.model.dtype
-    # The reference is a copy of this module: either pass's prefix grouper needs its 4-D mask attention.
+    # The reference is a copy of this module: either pass's prefix grouper needs the shared-prefix attention.
     grouped = cfg.actor.use_prefix_grouper or (plan.ref is not None and cfg.ref.use_prefix_grouper)
     attn = attn_implementation(cfg.model.use_remove_padding, device, grouped)
     policy = load_causal_lm(model_path, master_dtype, device, attn)

@@ -38,7 +38,7 @@ def check_rl_switches(cfg: PostTrainConfig, device: torch.device, uses_ref: bool
     policy_config = read_model_config(cfg.model.path)
     check_policy_switches(cfg, device, policy_config)
     if a.use_prefix_grouper or (uses_ref and cfg.ref.use_prefix_grouper):
-        check_prefix_grouper(cfg, policy_config)
+        check_prefix_grouper(cfg)
     if policy_config is not None:
         if a.entropy_from_logits_with_chunking:
             check_plain_lm_head(policy_config, "actor.entropy_from_logits_with_chunking")

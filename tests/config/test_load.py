@@ -115,4 +115,21 @@ def test_inherited_keys_follow_their_source_unless_set():
     assert cfg.critic.remove_padding_max_row_tokens == cfg.model.remove_padding_max_row_tokens
     own = build_config(overrides=["actor.use_dynamic_bsz=true", "ref.log_prob_use_dynamic_bsz=false"])
     assert own.ref.log_prob_use_dynamic_bsz is False
-    assert build_config().ref.use_prefix_grouper is False
+    assert build_config(overrides=["actor.use_prefix_grouper=false"]).ref.use_prefix_grouper is False
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ([], True),  # the built-in job: rollout.n = 8
+        (["rollout.n=1"], False),  # nothing to share
+        (["model.use_remove_padding=true"], False),  # packed rows (flash-attention's varlen kernel on GPUs)
+        (["actor.ulysses_sequence_parallel_size=2"], False),  # the attention works on whole sequences
+        (["actor.use_prefix_grouper=false"], False),  # verl's layout
+        (["rollout.n=1", "actor.use_prefix_grouper=true"], True),  # as set
+    ],
+)
+def test_prefix_grouper_is_on_by_default_where_it_is_exact_and_saves_work(overrides, expected):
+    cfg = build_config(overrides=overrides)
+    assert cfg.actor.use_prefix_grouper is expected
+    assert cfg.ref.use_prefix_grouper is expected

@@ -4,7 +4,7 @@ A batch of three prompts answered four times each (plus a prompt answered once, 
 response-less row), variable lengths, on tiny fp32 models: the grouped forward's log-probs, entropy and values,
 and the gradient of one optimizer step of the GRPO loss (KL + entropy) under several micro-batch splits, must
 equal the padded single-micro-batch reference. Also: the layout itself (positions, what each token may see,
-where each prediction sits), sdpa and eager, another architecture, LoRA, and the refusals.
+where each prediction sits), another architecture, LoRA, gradient checkpointing, and the refusals.
 
 Numbers compare fp32-close (tests.helpers: the grouped pass runs other shapes in another order), the layout
 exactly."""
@@ -18,7 +18,8 @@ from posttrain.batching.micro import micro_batch_rows, rank_micro_batches, rank_
 from posttrain.config.schema import ActorConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.forward.passes import ForwardOptions, critic_values, policy_logprobs
-from posttrain.forward.prefix_grouper import group_by_prompt, prefix_attention_mask
+from posttrain.forward.prefix_grouper import group_by_prompt
+from posttrain.forward.shared_prefix import register_shared_prefix_attention
 from posttrain.models.critic import CriticModel
 from posttrain.parallel.data_parallel import DataParallel
 from posttrain.train.losses import actor_loss_fn
@@ -34,7 +35,9 @@ GROUPED = ForwardOptions(prefix_grouper=True)
 ACTOR_CFG = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
 
 
-def tiny_model(arch: str = "qwen2", attn: str = "sdpa") -> torch.nn.Module:
+def tiny_model(arch: str = "qwen2", attn: str | None = None, **extra) -> torch.nn.Module:
+    """The grouped passes need the shared-prefix attention; it runs sdpa in every plain call."""
+    attn = attn or register_shared_prefix_attention()
     torch.manual_seed(0)
     common = dict(
         vocab_size=VOCAB,
@@ -44,6 +47,7 @@ def tiny_model(arch: str = "qwen2", attn: str = "sdpa") -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
+        **extra,
     )
     if arch == "llama":
         return LlamaForCausalLM._from_config(LlamaConfig(**common), attn_implementation=attn).float()
@@ -79,12 +83,10 @@ def grouped_batch() -> RolloutBatch:
 def test_layout_shares_each_prompt_and_restarts_positions():
     batch = grouped_batch()
     groups = group_by_prompt(batch)
-    segment_ids = groups.segment_ids.tolist()  # ids 0-4: the five prompts' segments; larger: pad columns
-    assert max(len({s for s in row if s < 5}) for row in segment_ids) >= 2  # short segments share a row
+    assert groups.input_ids.shape[0] == 1  # one flat row
     plain_tokens = int(batch.attention_mask.sum())
-    grouped_tokens = sum(s < 5 for row in segment_ids for s in row)
     assert groups.prompt_tokens_saved == 3 * 5 + 3 * 11 + 3 * 3 + 2  # the repeated prompts of A, B, C and E
-    assert grouped_tokens == plain_tokens - groups.prompt_tokens_saved
+    assert groups.input_ids.numel() == plain_tokens - groups.prompt_tokens_saved  # no padding at all
     # Each prediction reads the token before the predicted one, at the position the plain row gives it.
     p = batch.prompt_width
     for i in range(batch.num_rows):
@@ -92,20 +94,38 @@ def test_layout_shares_each_prompt_and_restarts_positions():
             r, c = int(groups.rows[i, t]), int(groups.cols[i, t])
             assert groups.input_ids[r, c] == batch.input_ids[i, p + t - 1]
             assert groups.position_ids[r, c] == batch.position_ids[i, p + t - 1]
-    # A response token sees its prompt and its own earlier tokens: as many keys as in its plain row.
-    allowed = prefix_attention_mask(groups, boolean=True, dtype=torch.float32)[:, 0]
+    # A response token sees its prompt and its own earlier tokens: exactly the tokens of its plain row before it.
+    plan = groups.attention
+    row = groups.input_ids[0]
+    flat = {}  # flat column -> (response, query slot)
+    for s_, tokens in enumerate(plan.response_tokens.tolist()):
+        for q, col in enumerate(tokens):
+            flat.setdefault(col, (s_, q))
     for i in range(batch.num_rows):
-        for t in range(int(batch.response_mask[i].sum())):
-            r, c = int(groups.rows[i, t]), int(groups.cols[i, t])
-            assert int(allowed[r, c].sum()) == int(batch.position_ids[i, p + t - 1]) + 1
-    additive = prefix_attention_mask(groups, boolean=False, dtype=torch.float32)[:, 0]
-    assert torch.equal(additive == 0, allowed)
+        n = int(batch.response_mask[i].sum())
+        for t in range(1, n):
+            s_, q = flat[int(groups.cols[i, t])]
+            seen = plan.response_keys[s_][plan.response_mask[s_, 0, q]]
+            plain = batch.input_ids[i][batch.attention_mask[i].bool()][: int(batch.position_ids[i, p + t - 1]) + 1]
+            assert row[seen].tolist() == plain.tolist()
+    # Every token's output comes from exactly one query slot.
+    assert plan.output_index.unique().numel() == plan.output_index.numel() == row.numel()
 
 
-@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen2", "eager"), ("llama", "sdpa")])
-def test_logprobs_entropy_and_values_equal_padded(arch, attn):
+def test_gradient_checkpointing_keeps_the_grouped_gradient():
+    """Backward recomputes each layer's forward: it must run the shared-prefix attention again (the plan travels
+    with the layer's arguments), or the gradients would be those of one causal sequence."""
+    ref_grads, _ = one_step(PADDED, None, 10_000)
+    model = tiny_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    grads, _ = one_step(GROUPED, 4, None, model=model)
+    assert_grads_equal(grads, ref_grads, "grouped with gradient checkpointing")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_logprobs_entropy_and_values_equal_padded(arch):
     batch = grouped_batch()
-    model = tiny_model(arch, attn).eval()
+    model = tiny_model(arch).eval()
     with torch.no_grad():
         ref_lp, ref_ent = policy_logprobs(model, batch, temperature=TEMPERATURE, with_entropy=True)
         lp, ent = policy_logprobs(model, batch, temperature=TEMPERATURE, with_entropy=True, options=GROUPED)
@@ -118,6 +138,19 @@ def test_logprobs_entropy_and_values_equal_padded(arch, attn):
         ref_values = critic_values(critic, batch)
         values = critic_values(critic, batch, GROUPED)
     torch.testing.assert_close(values[mask], ref_values[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_layers_equal_padded():
+    """A window shorter than the rows: each token sees only its own row's last few positions, prompt included."""
+    batch = grouped_batch()
+    window = dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)  # every layer windowed
+    with torch.no_grad():
+        ref_lp, _ = policy_logprobs(tiny_model(**window).eval(), batch, temperature=TEMPERATURE)
+        lp, _ = policy_logprobs(tiny_model(**window).eval(), batch, temperature=TEMPERATURE, options=GROUPED)
+        full, _ = policy_logprobs(tiny_model().eval(), batch, temperature=TEMPERATURE, options=GROUPED)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(lp[mask], ref_lp[mask], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(full[mask], ref_lp[mask], atol=1e-3)  # the window matters in this batch
 
 
 def one_step(options: ForwardOptions, micro: int | None, budget: int | None, model=None, rows=None):
@@ -155,12 +188,20 @@ def test_lora_adapter_gradient_equals_padded():
         assert_fp32_close(g, r)
 
 
-def test_flash_attention_is_refused():
+def test_a_model_without_the_shared_prefix_attention_is_refused():
     batch = grouped_batch()
-    model = tiny_model()
-    model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="actor.use_prefix_grouper=true needs sdpa or eager"):
+    model = tiny_model(attn="sdpa")
+    with pytest.raises(ValueError, match="attn_implementation='posttrain_shared_prefix'"):
         policy_logprobs(model, batch, options=GROUPED)
+
+
+def test_plain_calls_of_the_shared_prefix_model_equal_sdpa():
+    """Loaded for the grouper, the model's every other call (padded rows, rollout fallbacks) is sdpa's."""
+    batch = grouped_batch()
+    with torch.no_grad():
+        ours, _ = policy_logprobs(tiny_model().eval(), batch, temperature=TEMPERATURE)
+        sdpa, _ = policy_logprobs(tiny_model(attn="sdpa").eval(), batch, temperature=TEMPERATURE)
+    assert torch.equal(ours, sdpa)
 
 
 def test_row_without_prompt_is_refused():

@@ -329,10 +329,10 @@ def test_starting_points_make_valid_plans(path):
 
 @pytest.mark.parametrize("micro", [4, 8, 16])
 def test_prefix_grouper_estimate_counts_what_the_grouper_computes(micro):
-    """With actor.use_prefix_grouper, a micro-batch's tokens are those the grouper's packed rows hold (each prompt
+    """With actor.use_prefix_grouper, a micro-batch's tokens are those the grouper's row holds (each prompt
     once), and its attention mask is within the estimate's bound; the critic's passes are unchanged."""
     from posttrain.data.batch import build_rollout_batch
-    from posttrain.forward.prefix_grouper import group_by_prompt, prefix_attention_mask
+    from posttrain.forward.prefix_grouper import group_by_prompt
 
     P, R, n = 6, 4, 8
     base = [
@@ -362,8 +362,8 @@ def test_prefix_grouper_estimate_counts_what_the_grouper_computes(micro):
     groups = group_by_prompt(
         build_rollout_batch(rows, responses, [i // n for i in range(micro)], pad_token_id=0)
     )
-    computed = groups.input_ids.numel()  # every cell of the packed rows goes through the model
-    mask = prefix_attention_mask(groups, boolean=True, dtype=torch.float32)
+    computed = groups.input_ids.numel()  # every token of the flat row goes through the model
+    mask = groups.attention.response_mask
     for phase in ("actor_update", "old_log_prob"):
         assert est[True].phase(phase).detail["micro_batch_tokens"] == computed
         assert est[False].phase(phase).detail["micro_batch_tokens"] == micro * (P + R)

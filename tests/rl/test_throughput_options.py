@@ -136,25 +136,19 @@ def test_bypass_mode_places_the_engine_log_probs_and_names_missing_ones():
         rollout_log_probs(result, batch)
 
 
-def test_prefix_grouper_refuses_sequence_parallel_and_sliding_windows(tiny_model_dir, tmp_path):
-    from transformers import Qwen2Config
-
+def test_prefix_grouper_refuses_sequence_parallel(tiny_model_dir, tmp_path):
     cfg = small_config(tiny_model_dir, tmp_path / "run", "actor.use_prefix_grouper=true")
     cfg.actor.ulysses_sequence_parallel_size = 2
     with pytest.raises(
         ValueError, match=r"actor\.use_prefix_grouper=true cannot be combined with actor\.ulysses"
     ):
-        check_prefix_grouper(cfg, None)
-    windowed = Qwen2Config(num_hidden_layers=1, hidden_size=32, use_sliding_window=True, sliding_window=8)
-    cfg = small_config(model_dir(tmp_path, windowed), tmp_path / "run", "actor.use_prefix_grouper=true")
-    with pytest.raises(ValueError, match=r"actor\.use_prefix_grouper=true: model_type='qwen2' uses sliding"):
-        check_rl_switches(cfg, CPU, uses_ref=False, uses_critic=False)
+        check_prefix_grouper(cfg)
 
 
-def test_prefix_grouper_loads_sdpa_even_where_packing_picks_flash_attention(monkeypatch):
+def test_prefix_grouper_loads_the_shared_prefix_attention_even_where_packing_picks_flash(monkeypatch):
     monkeypatch.setattr(throughput, "preferred_attn_implementation", lambda device: "flash_attention_2")
     assert throughput.attn_implementation(True, CPU) == "flash_attention_2"
-    assert throughput.attn_implementation(True, CPU, prefix_grouper=True) == "sdpa"
+    assert throughput.attn_implementation(True, CPU, prefix_grouper=True) == "posttrain_shared_prefix"
 
 
 @pytest.fixture

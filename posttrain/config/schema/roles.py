@@ -107,12 +107,13 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = knob(
         1, "GPUs sharing each sequence (Ulysses); DP size = world size / this.", unit="GPUs", min=1
     )
-    use_prefix_grouper: bool = knob(
-        False,
-        "Run each prompt once for all its samples in a micro-batch (prompt, then every response, under a "
-        "4-D attention mask) in the actor update, old log-probs and reference log-probs. Same numbers, "
-        "fewer tokens: saves (n - 1) prompt copies per group. sdpa attention, no Ulysses SP "
-        "(docs/throughput.md).",
+    use_prefix_grouper: bool | None = knob(
+        None,
+        "Run each prompt once for all its samples in a micro-batch (one row of unique tokens: each prompt, then "
+        "its responses, attention per sequence) in the actor update, old log-probs and reference log-probs. "
+        "Same numbers, fewer tokens: no (n - 1) prompt copies per group and no padding. null (default): on "
+        "when rollout.n > 1, actor.ulysses_sequence_parallel_size is 1 and model.use_remove_padding is off; "
+        "false gives verl's padded layout (docs/throughput.md).",
     )
     policy_loss: str = knob(
         "vanilla",
