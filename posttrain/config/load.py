@@ -309,7 +309,11 @@ def prefix_grouper_by_default(cfg: PostTrainConfig) -> bool:
     """What ``actor.use_prefix_grouper: null`` means: on where it is exact and saves work, i.e. with several
     samples per prompt, no Ulysses SP (it works on whole sequences) and no packing (``model.use_remove_padding``
     chooses packed rows, with flash-attention's varlen kernel on GPUs, which takes no per-sequence mask)."""
-    return cfg.rollout.n > 1 and cfg.actor.ulysses_sequence_parallel_size == 1 and not cfg.model.use_remove_padding
+    return (
+        cfg.rollout.n > 1
+        and cfg.actor.ulysses_sequence_parallel_size == 1
+        and not cfg.model.use_remove_padding
+    )
 
 
 def resolve_inherited(cfg: PostTrainConfig) -> PostTrainConfig:

@@ -109,7 +109,9 @@ def group_by_prompt(batch: RolloutBatch) -> PrefixGroups:
     width = max(offset, 1)
     return PrefixGroups(
         input_ids=torch.cat(tokens)[None].to(device) if tokens else torch.zeros(1, 1, dtype=torch.long),
-        position_ids=torch.cat(positions)[None].to(device) if positions else torch.zeros(1, 1, dtype=torch.long),
+        position_ids=torch.cat(positions)[None].to(device)
+        if positions
+        else torch.zeros(1, 1, dtype=torch.long),
         attention=shared_prefix_plan(prompt_spans, response_spans, device),
         rows=torch.zeros(b, r_width, dtype=torch.long, device=device),
         cols=cols.clamp(0, width - 1).to(device),

@@ -32,7 +32,12 @@ import torch.nn.functional as F
 
 SHARED_PREFIX_ATTENTION = "posttrain_shared_prefix"
 
-__all__ = ["SHARED_PREFIX_ATTENTION", "SharedPrefixPlan", "register_shared_prefix_attention", "shared_prefix_plan"]
+__all__ = [
+    "SHARED_PREFIX_ATTENTION",
+    "SharedPrefixPlan",
+    "register_shared_prefix_attention",
+    "shared_prefix_plan",
+]
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,9 @@ def test_layout_shares_each_prompt_and_restarts_positions():
         for t in range(1, n):
             s_, q = flat[int(groups.cols[i, t])]
             seen = plan.response_keys[s_][plan.response_mask[s_, 0, q]]
-            plain = batch.input_ids[i][batch.attention_mask[i].bool()][: int(batch.position_ids[i, p + t - 1]) + 1]
+            plain = batch.input_ids[i][batch.attention_mask[i].bool()][
+                : int(batch.position_ids[i, p + t - 1]) + 1
+            ]
             assert row[seen].tolist() == plain.tolist()
     # Every token's output comes from exactly one query slot.
     assert plan.output_index.unique().numel() == plan.output_index.numel() == row.numel()
