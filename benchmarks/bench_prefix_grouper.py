@@ -9,7 +9,8 @@ of the table (responses vary uniformly between half and all of the given length)
 
 - ``padded``: left-padded prompts, right-padded responses (``ForwardOptions()``, verl's default);
 - ``packed``: ``model.use_remove_padding`` with the default 512-token rows;
-- ``grouped``: ``actor.use_prefix_grouper`` (each prompt once, rows as long as the longest segment).
+- ``grouped``: ``actor.use_prefix_grouper`` (one row: each prompt once, every response, no padding; attention
+  per sequence through the shared-prefix attention, which the model is loaded with: sdpa for the other layouts).
 
 ``tokens`` is what the model body computes (padded: rows x width; packed: real tokens; grouped: one prompt per
 group + every response). Times are medians of ``--repeats`` alternated runs (CPU seconds of the process).
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posttrain.data.batch import RolloutBatch, build_rollout_batch  # noqa: E402
 from posttrain.forward.passes import ForwardOptions, policy_logprobs  # noqa: E402
 from posttrain.forward.prefix_grouper import group_by_prompt  # noqa: E402
+from posttrain.forward.shared_prefix import register_shared_prefix_attention  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 
@@ -89,6 +91,7 @@ def main() -> None:
     print("command: python3 " + " ".join(sys.argv))
     print(f"torch {torch.__version__}, 1 thread; load average at start: {os.getloadavg()}")
     model = build_tiny_model(build_tiny_tokenizer(), seed=0).train()
+    model.config._attn_implementation = register_shared_prefix_attention()  # sdpa in the other layouts' calls
     rows = []
     for shape in args.shapes:
         prompt_len, response_len = (int(x) for x in shape.split(":"))

@@ -35,6 +35,20 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` together, sharing one row-wise logsumexp
+    (the same values bit for bit, one pass over ``[N, V]`` fewer)."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}"
+        )
+    logits = logits.to(_compute_dtype(logits))
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+    probs = torch.softmax(logits, dim=-1)
+    return picked - lse, lse - (probs * logits).sum(dim=-1)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax distribution: ``logsumexp(z) - sum(softmax(z) * z)``.
 

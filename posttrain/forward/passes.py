@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from posttrain.algorithms.logprobs import logprobs_and_entropy, logprobs_from_logits
 from posttrain.batching.packing import PackedBatch, pack_sequences
 from posttrain.config.errors import ConfigError
 from posttrain.data.batch import RolloutBatch
@@ -395,8 +395,9 @@ def _logprobs_from_hidden(
     logits = lm_head_logits(model, hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = logprobs_from_logits(logits, labels)
-    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+    if with_entropy:
+        return logprobs_and_entropy(logits, labels)
+    return logprobs_from_logits(logits, labels), None
 
 
 def _scatter_rows(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:

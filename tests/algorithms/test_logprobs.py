@@ -6,6 +6,7 @@ import torch
 
 from posttrain.algorithms.logprobs import (
     entropy_from_logits,
+    logprobs_and_entropy,
     logprobs_from_logits,
 )
 
@@ -62,3 +63,15 @@ def test_entropy_matches_numpy():
     np.testing.assert_allclose(entropy_from_logits(z).numpy(), expected, rtol=1e-12)
     uniform = torch.zeros(2, 8)
     np.testing.assert_allclose(entropy_from_logits(uniform).numpy(), np.log(8), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_logprobs_and_entropy_together_equal_each_alone_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 37, generator=g) * 4).to(dtype)
+    labels = torch.randint(0, 37, (3, 5), generator=g)
+    logp, entropy = logprobs_and_entropy(logits, labels)
+    assert torch.equal(logp, logprobs_from_logits(logits, labels))
+    assert torch.equal(entropy, entropy_from_logits(logits))
+    with pytest.raises(ValueError, match="labels shape"):
+        logprobs_and_entropy(logits, labels[:, :2])
