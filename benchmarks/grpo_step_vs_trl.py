@@ -51,7 +51,9 @@ The FLOP floor of a step is the matrix-multiply work no trainer can skip, timed 
 measures for a ``[4096, hidden] x [hidden, intermediate]`` fp32 product (the fastest of 30): ``2 N T_roll`` for the rollout and
 ``6 N T_upd`` for the update's forward and backward, with ``N`` the model's matrix parameters (linear layers and
 the LM head) and ``T`` = each prompt once plus every response token (posttrain's mean response length);
-attention, norms and sampling are left out, so the floor is below what any implementation can reach.
+attention, norms and sampling are left out, so the floor is below what any implementation can reach. The summary
+also gives posttrain's rollout and update phases (wall seconds) against their own floors: how near the native
+engine's decode loop is to the matmul floor at each response length.
 
 Each round builds a fresh trainer of each kind, runs one untimed warm-up step, then ``--steps`` timed steps;
 rounds alternate (TRL, posttrain, TRL, ...) so that load from other processes hits both alike. Printed: the
@@ -264,8 +266,10 @@ def matmul_rate(hidden: int, intermediate: int, repeats: int = 30) -> float:
     return 2 * 4096 * hidden * intermediate / best
 
 
-def flop_floor(model_dir: Path, prompts: int, n: int, prompt_len: float, response_len: float) -> float:
-    """Matrix-multiply FLOPs of one step that no trainer can skip (module docstring)."""
+def flop_floor(
+    model_dir: Path, prompts: int, n: int, prompt_len: float, response_len: float
+) -> tuple[float, float]:
+    """Matrix-multiply FLOPs of one step's rollout and update that no trainer can skip (module docstring)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
@@ -273,7 +277,7 @@ def flop_floor(model_dir: Path, prompts: int, n: int, prompt_len: float, respons
     layer = c.hidden_size * (2 * c.hidden_size + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     params = c.num_hidden_layers * layer + c.vocab_size * c.hidden_size  # + the LM head
     tokens = prompts * prompt_len + prompts * n * response_len
-    return 2 * params * tokens + 6 * params * tokens
+    return 2 * params * tokens, 6 * params * tokens
 
 
 def mean_prompt_tokens(cfg, model_dir: Path) -> float:
@@ -345,7 +349,8 @@ def time_shape(args: argparse.Namespace, model_dir: Path, variants: dict[str, li
         phase_rows.append({"variant": name, **mean})
     print_table("posttrain step phases (mean wall seconds)", phase_rows)
     response_len = statistics.mean(p["response_length/mean"] for runs in phases.values() for p in runs)
-    return {"medians": medians, "response_len": response_len}
+    defaults = {k: statistics.mean(p.get(k, 0.0) for p in phases[DEFAULTS]) for k in keys}
+    return {"medians": medians, "response_len": response_len, "phases": defaults}
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -416,21 +421,30 @@ def main() -> None:
             print(f"\n== shape {prompts}x{n}x{tokens}")
             result = time_shape(args, model_dir, variants)
             prompt_len = mean_prompt_tokens(posttrain_config(args, model_dir, Path(tmp)), model_dir)
-            floor = flop_floor(model_dir, prompts, n, prompt_len, result["response_len"]) / rate
-            m = result["medians"]
+            rollout_flops, update_flops = flop_floor(
+                model_dir, prompts, n, prompt_len, result["response_len"]
+            )
+            floor = (rollout_flops + update_flops) / rate
+            m, ph = result["medians"], result["phases"]
             summary.append(
                 {
-                    "shape (prompts x n x tokens)": f"{prompts}x{n}x{tokens}",
-                    "mean prompt / response tokens": f"{prompt_len:.1f} / {result['response_len']:.1f}",
+                    "shape": f"{prompts}x{n}x{tokens}",
+                    "prompt / response tokens": f"{prompt_len:.1f} / {result['response_len']:.1f}",
                     "TRL s": round(m["TRL GRPOTrainer"], 3),
-                    "posttrain s (defaults)": round(m[DEFAULTS], 3),
-                    "speed-up at defaults": round(m["TRL GRPOTrainer"] / m[DEFAULTS], 2),
+                    "posttrain s": round(m[DEFAULTS], 3),
+                    "speed-up": round(m["TRL GRPOTrainer"] / m[DEFAULTS], 2),
                     "FLOP floor s": round(floor, 3),
-                    "TRL / floor": round(m["TRL GRPOTrainer"] / floor, 1),
-                    "posttrain / floor": round(m[DEFAULTS] / floor, 1),
+                    "TRL x floor": round(m["TRL GRPOTrainer"] / floor, 1),
+                    "posttrain x floor": round(m[DEFAULTS] / floor, 1),
+                    "its rollout x floor": round(ph["timing/rollout"] / (rollout_flops / rate), 1),
+                    "its update x floor": round(ph["timing/update_actor"] / (update_flops / rate), 1),
                 }
             )
     print()
+    print(
+        "shape: prompts x samples per prompt x response token limit; posttrain at its defaults; x floor: the time"
+    )
+    print("over the step's matmul FLOP floor (its rollout / update: those phases over their own floors)")
     print_table(
         f"Summary: median {'CPU' if args.threads == 1 else 'wall'} seconds per step, {args.rounds} alternating "
         f"rounds x {args.steps} steps, {args.model} weights, {args.optimizer_steps} optimizer step(s) per rollout, "
