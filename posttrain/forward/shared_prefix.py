@@ -29,6 +29,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SHARED_PREFIX_ATTENTION = "posttrain_shared_prefix"
 
@@ -160,8 +163,6 @@ def _attention_interface(module, query, key, value, attention_mask, scaling=None
     (``shared_prefix=``), transformers' own sdpa otherwise."""
     plan = kwargs.pop("shared_prefix", None)
     if plan is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -172,9 +173,6 @@ def _attention_interface(module, query, key, value, attention_mask, scaling=None
 def register_shared_prefix_attention() -> str:
     """Register :data:`SHARED_PREFIX_ATTENTION` with transformers (idempotent) and return the name, to pass as
     ``attn_implementation=`` when loading a model whose passes use the prefix grouper. Its masks are sdpa's."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(SHARED_PREFIX_ATTENTION, _attention_interface)
     AttentionMaskInterface.register(SHARED_PREFIX_ATTENTION, sdpa_mask)
     return SHARED_PREFIX_ATTENTION
