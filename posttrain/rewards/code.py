@@ -138,9 +138,9 @@ class CodeReward:
 
     def samples_at_once(self) -> int:
         """Samples the reward runner may score at once (thread-safe: the sandbox bounds the programs running
-        together to ``max_concurrent``). Twice that many, so that while a sample waits between its first case
-        (the compile check) and the others, another sample's programs take its slots."""
-        return 2 * self.sandbox.max_concurrent
+        together to ``max_concurrent``). As many as the sandbox's slots: twice or four times that many were no
+        faster (docs/sandbox.md), and each answer's timeout grows with the number."""
+        return self.sandbox.max_concurrent
 
     def __call__(self, prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
         cases = parse_cases(ground_truth)

@@ -3,6 +3,7 @@ slots): the same rewards and the same ``reward/code/*`` counts as one sample at 
 samples end, in this process and in a worker process."""
 
 import json
+import multiprocessing
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from posttrain.rewards import RewardInput, RewardRunner
 from posttrain.rewards.code import CodeReward
-from posttrain.sandbox import LocalSandbox
+from posttrain.sandbox import LocalSandbox, RunRequest
 from posttrain.sandbox.build import Sandbox
 from tests.sandbox.conftest import TIGHT
 
@@ -59,7 +60,7 @@ def test_at_once_equals_one_at_a_time(sandbox, timeout_s):
     reward = CodeReward(box)
     one_at_a_time = lambda *args: reward(*args)  # noqa: E731  (no samples_at_once: the runner's old way)
     together = Recorded(reward)
-    assert together.samples_at_once() == 8
+    assert together.samples_at_once() == 4
     with RewardRunner(one_at_a_time, timeout_s=timeout_s) as runner:
         alone_rewards, alone = runner.score(BATCH)
     with RewardRunner(together, timeout_s=timeout_s) as runner:
@@ -73,3 +74,22 @@ def test_at_once_equals_one_at_a_time(sandbox, timeout_s):
     assert code["reward/code/no_code"] == 1 and code["reward/code/samples"] == 7
     if not timeout_s:  # in this process the calls can be watched: the first sample ended after others
         assert together.ended[0] != BATCH[0].response
+
+
+def _run_two(box, queue):
+    queue.put([r.stdout for r in box.run_many([RunRequest("print(2)")] * 2)])
+
+
+def test_a_sandbox_used_before_a_fork_runs_in_the_forked_worker(sandbox):
+    """A reward worker forked after the trainer ran the sandbox inherits its thread pool without the threads."""
+    box = Sandbox(sandbox, max_concurrent=2)
+    assert [r.stdout for r in box.run_many([RunRequest("print(1)")] * 2)] == ["1\n", "1\n"]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_run_two, args=(box, queue))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+    box.close()
+    assert child.exitcode == 0 and queue.get(timeout=5) == ["2\n", "2\n"]
