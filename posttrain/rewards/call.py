@@ -23,15 +23,22 @@ MAX_OUTPUT_CHARS = 2000  # per sample: a function printing megabytes must not fl
 OUTPUT_LINES_SHOWN = 5
 
 
-def call_one(fn: Callable[..., Any], sample: tuple[Any, ...]) -> tuple[bool, float | str, str]:
+def call_one(
+    fn: Callable[..., Any], sample: tuple[Any, ...], capture: bool = True
+) -> tuple[bool, float | str, str]:
     """``(True, reward, output)`` or ``(False, error text, output)``; never raises for the function's doings.
 
     KeyboardInterrupt and SystemExit raised by the function are its failures too. (In-process, a real Ctrl-C
-    is told apart by the runner's own SIGINT handler and re-raised there.)
+    is told apart by the runner's own SIGINT handler and re-raised there.) With ``capture`` False what the
+    function prints goes to the console: redirecting ``sys.stdout`` is process-wide, so calls running at once in
+    threads cannot each capture their own.
     """
     out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with (
+            contextlib.redirect_stdout(out) if capture else contextlib.nullcontext(),
+            contextlib.redirect_stderr(out) if capture else contextlib.nullcontext(),
+        ):
             value = fn(*sample)
     except (Exception, KeyboardInterrupt, SystemExit):
         return False, traceback.format_exc(), out.getvalue()[:MAX_OUTPUT_CHARS]

@@ -136,6 +136,12 @@ class CodeReward:
     def __init__(self, sandbox: Sandbox, mode: str = "fraction", max_cases: int = 0) -> None:
         self.sandbox, self.mode, self.max_cases = sandbox, mode, max_cases
 
+    def samples_at_once(self) -> int:
+        """Samples the reward runner may score at once (thread-safe: the sandbox bounds the programs running
+        together to ``max_concurrent``). As many as the sandbox's slots: twice or four times that many were no
+        faster (docs/sandbox.md), and each answer's timeout grows with the number."""
+        return self.sandbox.max_concurrent
+
     def __call__(self, prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
         cases = parse_cases(ground_truth)
         code = extract_code(response)
@@ -197,7 +203,15 @@ def configure_reward_sandbox(reward_spec: str, cfg: SandboxConfig) -> None:
         configure_code_reward(cfg)
 
 
+def _configured() -> CodeReward:
+    return _DEFAULT or configure_code_reward(SandboxConfig())
+
+
 def code_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
     """The `code` reward with the sandbox set by :func:`configure_code_reward` (the defaults if none was)."""
-    reward = _DEFAULT or configure_code_reward(SandboxConfig())
-    return reward(prompt, response, ground_truth, extra)
+    return _configured()(prompt, response, ground_truth, extra)
+
+
+# The runner scores several samples at once (posttrain.rewards.many); asked before the first call, so the
+# sandbox is built once, not by each thread.
+code_reward.samples_at_once = lambda: _configured().samples_at_once()  # type: ignore[attr-defined]

@@ -31,7 +31,8 @@ from typing import Any
 
 from posttrain.config.errors import ConfigError
 from posttrain.rewards import counts
-from posttrain.rewards.call import OutputLog, call_one, failure_kind
+from posttrain.rewards.call import OutputLog, failure_kind
+from posttrain.rewards.many import call_many, samples_at_once
 from posttrain.utils.console import warn_once
 
 logger = logging.getLogger("posttrain.rewards")
@@ -74,8 +75,9 @@ def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connecti
             return
         if batch is None:
             return
-        for index, sample in batch:
-            conn.send((index, *call_one(fn, sample), counts.take()))
+        for index, ok, value, output, kept in call_many(fn, batch):
+            kept.update(counts.take())  # and what it counted from threads of its own
+            conn.send((index, ok, value, output, kept))
 
 
 @contextlib.contextmanager
@@ -162,7 +164,9 @@ class RewardRunner:
 
     Args:
         fn: ``fn(prompt, response, ground_truth, extra) -> float``.
-        timeout_s: per-sample limit in seconds; None or 0 runs ``fn`` in-process with no timeout.
+        timeout_s: per-sample limit in seconds; None or 0 runs ``fn`` in-process with no timeout. A function
+            scoring k samples at once (``samples_at_once``, :mod:`posttrain.rewards.many`) gets k times as long
+            per answer: its k calls share its resources.
         failure_reward: the reward a failed or timed-out sample gets.
         fail_fast: raise RuntimeError (with the original traceback) on the first failure instead.
         num_workers: worker processes used when ``timeout_s`` is set.
@@ -207,6 +211,7 @@ class RewardRunner:
         methods = mp.get_all_start_methods()
         self._ctx = mp.get_context("fork" if "fork" in methods else "spawn")
         self._workers: list[_Worker | None] = [None] * num_workers
+        self._answer_wait_s = self.timeout_s or math.inf
         # Not atexit.register(self.close): that would keep every runner alive until exit.
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
@@ -251,8 +256,8 @@ class RewardRunner:
     def _score_in_process(self, args: list[tuple[Any, ...]]) -> list[float]:
         rewards = []
         with _sigint_seen() as seen:
-            for index, sample in enumerate(args):
-                ok, value, output = call_one(self.fn, sample)
+            for index, ok, value, output, kept in call_many(self.fn, list(enumerate(args))):
+                self._kept.update(kept)
                 if seen:  # a real Ctrl-C, not a KeyboardInterrupt the function raised: the user's to have
                     raise KeyboardInterrupt
                 self._output.note(index, output)
@@ -261,6 +266,9 @@ class RewardRunner:
 
     def _score_in_workers(self, args: list[tuple[Any, ...]]) -> list[float]:
         rewards: list[float | None] = [None] * len(args)
+        # Calls that run at once share the function's resources (the code reward's sandbox slots), so each
+        # answer may take that many times as long as one call alone.
+        self._answer_wait_s = self.timeout_s * samples_at_once(self.fn)
         items = list(enumerate(args))
         chunk = math.ceil(len(items) / self.num_workers) if items else 0
         busy: dict[int, _Worker] = {}
@@ -268,7 +276,7 @@ class RewardRunner:
             share = items[w * chunk : (w + 1) * chunk]
             if share:
                 busy[w] = self._worker(w)
-                busy[w].submit(share, self.timeout_s)
+                busy[w].submit(share, self._answer_wait_s)
         while busy:
             by_conn = {worker.conn: w for w, worker in busy.items()}
             next_deadline = min(worker.deadline for worker in busy.values())
@@ -278,7 +286,7 @@ class RewardRunner:
             now = time.monotonic()
             for w in [w for w, worker in busy.items() if worker.deadline <= now]:
                 index = busy[w].pending[0]
-                message = f"reward function timed out after {self.timeout_s} s (sample {index})"
+                message = f"reward function timed out after {self._answer_wait_s:g} s (sample {index})"
                 rewards[index] = self._fail(index, message, timeout=True)
                 self._replace(w, busy)
         return rewards  # type: ignore[return-value]  # every index is filled once busy is empty
@@ -294,7 +302,7 @@ class RewardRunner:
                 worker.pending.popleft()
                 self._output.note(index, output)
                 rewards[index] = value if ok else self._fail(index, value)
-                worker.deadline = time.monotonic() + self.timeout_s
+                worker.deadline = time.monotonic() + self._answer_wait_s
         except (EOFError, OSError):
             worker.process.join(timeout=5.0)
             index = worker.pending[0]
@@ -314,7 +322,7 @@ class RewardRunner:
         self._workers[w] = None
         if rest:
             busy[w] = self._worker(w)
-            busy[w].submit(rest, self.timeout_s)
+            busy[w].submit(rest, self._answer_wait_s)
 
     def _worker(self, w: int) -> _Worker:
         worker = self._workers[w]

@@ -3,6 +3,7 @@ by ``sandbox.max_concurrent``."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ class Sandbox:
         self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = os.getpid()
         self._lock = threading.Lock()
 
     @property
@@ -50,8 +52,10 @@ class Sandbox:
         if len(requests) <= 1:
             return [self.run(r) for r in requests]
         with self._lock:
-            if self._pool is None:
+            # A forked process (a reward worker) inherits the pool without its threads: it needs its own.
+            if self._pool is None or self._pool_pid != os.getpid():
                 self._pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="sandbox")
+                self._pool_pid = os.getpid()
         return list(self._pool.map(self.run, requests))
 
     def probe(self) -> RunResult:
