@@ -53,7 +53,7 @@ def _tokenized(cfg, tokenizer, pairs, what: str, quiet: bool):
     return kept, dropped
 
 
-def _model_config(cfg: PostTrainConfig) -> PostTrainConfig:
+def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
     """The config the model directory is resolved with. data.train_files here are pairs, not the user's task:
     builtin:tiny (the arithmetic demo's warm-started model, built from the data.task keys) is allowed, as the
     start of the reward-model demonstration (docs/reward-models.md)."""
@@ -81,7 +81,7 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
 
 def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
     seed_everything(cfg.trainer.seed)
-    path = resolve_model_path(_model_config(cfg), quiet=quiet)
+    path = resolve_model_path(model_config(cfg), quiet=quiet)
     info = write_run_info(run_dir, cfg, path)
     if not quiet:
         print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
