@@ -65,3 +65,13 @@ def test_micro_batch_larger_than_the_step_is_one_pass():
     cfg = build_config(overrides=["rm.batch_size=4", "rm.micro_batch_size_per_gpu=8", "rm.max_steps=0"])
     plan = batch_plan(cfg, 10)
     assert (plan.pairs_per_micro, plan.accumulation_steps, plan.steps_per_epoch) == (4, 1, 2)
+
+
+def test_builtin_tiny_passes_the_command_line_checks(tmp_path, capsys):
+    """builtin:tiny beside pair files is the demonstration's start, not the user's task: the command line's
+    model check (the one `posttrain rm` runs too) lets it through."""
+    write_arithmetic_pairs(tmp_path, 40, 8, seed=1)
+    argv = _args(tmp_path, "rm.batch_size=8", "--json")
+    argv[2] = "model.path=builtin:tiny"
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["batch"]["steps_per_epoch"] == 5
