@@ -23,6 +23,7 @@ from posttrain.planning.memory_bytes import (
     update_step_bytes,
 )
 from posttrain.planning.shape import ModelShape, shape_for_model_path
+from posttrain.rm.command import token_budget
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.sft.builtin import BUILTIN_NAMES, builtin_base_dir, resolve_model_path
 
@@ -41,7 +42,8 @@ class RMBatchPlan:
     """How `posttrain rm` walks through the pairs (posttrain.rm.loop.RMSchedule, posttrain.rm.loss)."""
 
     pairs_per_step: int
-    pairs_per_micro: int
+    pairs_per_micro: int  # 0: by token budget (rm.use_dynamic_bsz)
+    token_budget: int  # 0: by pair count
     accumulation_steps: int
     steps_per_epoch: int
     pairs_left_out_per_epoch: int
@@ -73,9 +75,12 @@ def _tokenizer(cfg: PostTrainConfig):
     return load_tokenizer(resolve_model_path(cfg, quiet=True))
 
 
-def count_pairs(cfg: PostTrainConfig, files: list[str], tokenizer) -> PairCounts:
+def count_pairs(cfg: PostTrainConfig, files: list[str], tokenizer, training: bool = False) -> PairCounts:
+    """The counts of ``files``' pairs; for the ``training`` pairs, also `posttrain rm`'s token-budget check."""
     pairs = load_pairs(cfg, files)
     kept, _ = tokenize_pairs(pairs, tokenizer, cfg.rm.max_length)
+    if training and kept:
+        token_budget(cfg, kept)
     longest = max((max(len(p.chosen_ids), len(p.rejected_ids)) for p in kept), default=0)
     return PairCounts(len(pairs), len(kept), longest)
 
@@ -88,13 +93,14 @@ def batch_plan(cfg: PostTrainConfig, train_pairs: int) -> RMBatchPlan:
             f"rm.batch_size={r.batch_size} exceeds the {train_pairs} usable training pairs (after dropping "
             f"those longer than rm.max_length={r.max_length}); lower rm.batch_size"
         )
-    micro = min(r.micro_batch_size_per_gpu, r.batch_size)
+    micro = 0 if r.use_dynamic_bsz else min(r.micro_batch_size_per_gpu, r.batch_size)
     per_epoch = train_pairs // r.batch_size
     total = per_epoch * r.epochs
     return RMBatchPlan(
         pairs_per_step=r.batch_size,
         pairs_per_micro=micro,
-        accumulation_steps=-(-r.batch_size // micro),
+        token_budget=r.max_token_len_per_gpu if r.use_dynamic_bsz else 0,
+        accumulation_steps=-(-r.batch_size // micro) if micro else 0,  # 0: varies with the lengths
         steps_per_epoch=per_epoch,
         pairs_left_out_per_epoch=train_pairs - per_epoch * r.batch_size,
         total_steps=min(total, r.max_steps) if r.max_steps else total,
@@ -108,7 +114,7 @@ def _training(cfg: PostTrainConfig) -> Training:
 
 def memory_estimate(cfg: PostTrainConfig, shape: ModelShape, plan: RMBatchPlan, longest: int) -> RMMemory:
     """One micro-batch of ``plan.pairs_per_micro`` pairs (twice as many sequences) padded to ``longest``
-    tokens. The reward model has no LM head: a causal LM's untied output matrix is replaced by a
+    tokens, or of the token budget (rm.use_dynamic_bsz; padding not counted). The reward model has no LM head: a causal LM's untied output matrix is replaced by a
     hidden_size x 1 ``score`` layer, trained in full also with LoRA."""
     dtype = DTYPE_BYTES[cfg.model.dtype]
     head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
@@ -117,7 +123,7 @@ def memory_estimate(cfg: PostTrainConfig, shape: ModelShape, plan: RMBatchPlan, 
     trainable = params
     if training.lora_rank:
         trainable = shape.lora_params(training.lora_rank, training.target_modules) + shape.hidden_size
-    tokens = 2 * plan.pairs_per_micro * longest
+    tokens = plan.token_budget or 2 * plan.pairs_per_micro * longest
     activations = update_activation_bytes(
         shape, tokens, dtype, checkpointing=False, offload=False, training=training
     )
@@ -142,7 +148,7 @@ def rm_plan(cfg: PostTrainConfig, model_config: str | None = None) -> dict:
     load_pairs(cfg, cfg.data.train_files)  # bad rows are reported before the tokenizer loads
     load_pairs(cfg, cfg.data.val_files)
     tokenizer = _tokenizer(cfg)
-    train = count_pairs(cfg, cfg.data.train_files, tokenizer)
+    train = count_pairs(cfg, cfg.data.train_files, tokenizer, training=True)
     val = count_pairs(cfg, cfg.data.val_files, tokenizer)
     plan = batch_plan(cfg, train.kept)
     shape = ModelShape.from_path(model_config) if model_config else shape_for_model_path(cfg.model.path)
@@ -158,6 +164,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
+def _micro_line(cfg: PostTrainConfig, b: dict) -> str:
+    if b["token_budget"]:
+        return (
+            f"  micro-batches by token budget: whole pairs, <= {b['token_budget']} tokens each "
+            "(rm.use_dynamic_bsz=true, rm.max_token_len_per_gpu); their count varies with the lengths; the "
+            "gradient does not depend on it"
+        )
+    return (
+        f"  micro-batch: {b['pairs_per_micro']} pairs = {2 * b['pairs_per_micro']} sequences per forward/backward "
+        f"(rm.micro_batch_size_per_gpu={cfg.rm.micro_batch_size_per_gpu}) -> {b['accumulation_steps']} "
+        "gradient-accumulation step(s) per optimizer step; the gradient does not depend on it"
+    )
+
+
 def rm_plan_lines(cfg: PostTrainConfig, plan: dict) -> list[str]:
     """The plan as text."""
     r, t = cfg.rm, cfg.trainer
@@ -170,9 +190,7 @@ def rm_plan_lines(cfg: PostTrainConfig, plan: dict) -> list[str]:
         + (f", validated every trainer.test_freq={t.test_freq} steps" if va["kept"] and t.test_freq else ""),
         f"  optimizer step: rm.batch_size={b['pairs_per_step']} pairs = {2 * b['pairs_per_step']} sequences "
         "(chosen and rejected)",
-        f"  micro-batch: {b['pairs_per_micro']} pairs = {2 * b['pairs_per_micro']} sequences per forward/backward "
-        f"(rm.micro_batch_size_per_gpu={r.micro_batch_size_per_gpu}) -> {b['accumulation_steps']} "
-        "gradient-accumulation step(s) per optimizer step; the gradient does not depend on it",
+        _micro_line(cfg, b),
         f"  steps: {b['steps_per_epoch']} per epoch ({b['pairs_left_out_per_epoch']} pairs left out of each "
         f"epoch's shuffle) x rm.epochs={r.epochs}"
         + (f", capped by rm.max_steps={r.max_steps}" if r.max_steps else "")
@@ -187,8 +205,8 @@ def rm_plan_lines(cfg: PostTrainConfig, plan: dict) -> list[str]:
         f"  memory estimate ({m['model']}, {m['parameters'] / 1e6:,.1f}M parameters, {m['trainable_parameters'] / 1e6:,.1f}M "
         f"trained, model.dtype={cfg.model.dtype}):",
         f"    weights {_mib(m['weights'])}, gradients {_mib(m['gradients'])}, AdamW moments {_mib(m['optimizer'])}, "
-        f"activations {_mib(m['activations'])} ({m['micro_batch_tokens']} tokens: "
-        f"{2 * b['pairs_per_micro']} sequences padded to the longest)",
+        f"activations {_mib(m['activations'])} ({m['micro_batch_tokens']} tokens"
+        + (f": {2 * b['pairs_per_micro']} sequences padded to the longest)" if b["pairs_per_micro"] else ")"),
         f"    peak about {_mib(m['peak'])} (weights + moments + the larger of activations and gradients)",
     ]
     return lines

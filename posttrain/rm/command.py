@@ -53,6 +53,22 @@ def _tokenized(cfg, tokenizer, pairs, what: str, quiet: bool):
     return kept, dropped
 
 
+def token_budget(cfg: PostTrainConfig, pairs) -> int:
+    """rm.max_token_len_per_gpu when rm.use_dynamic_bsz is on (0: micro-batches by pair count); a pair that
+    does not fit in it alone is refused before training."""
+    r = cfg.rm
+    if not r.use_dynamic_bsz:
+        return 0
+    longest = max(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    if longest > r.max_token_len_per_gpu:
+        raise ConfigError(
+            f"rm.max_token_len_per_gpu={r.max_token_len_per_gpu} is smaller than the longest training pair "
+            f"({longest} tokens, chosen and rejected together) with rm.use_dynamic_bsz=true; raise it to at "
+            f"least {longest} or lower rm.max_length"
+        )
+    return r.max_token_len_per_gpu
+
+
 def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
     """The config the model directory is resolved with. data.train_files here are pairs, not the user's task:
     builtin:tiny (the arithmetic demo's warm-started model, built from the data.task keys) is allowed, as the
@@ -88,6 +104,7 @@ def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
     tokenizer = load_tokenizer(path)
     train_pairs, _ = _tokenized(cfg, tokenizer, train, "train", quiet)
     val_pairs, _ = _tokenized(cfg, tokenizer, val, "validation", quiet)
+    budget = token_budget(cfg, train_pairs)  # before the weights load
     model = _build_model(cfg, path, tokenizer, device)
     r, t = cfg.rm, cfg.trainer
     schedule = RMSchedule(len(train_pairs), r.batch_size, r.epochs, r.max_steps, t.seed)
@@ -114,7 +131,7 @@ def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
 
     settings = LoopSettings(
         run_dir, pad, mb, r.center_rewards_coefficient, t.save_freq, t.max_ckpt_to_keep,
-        t.max_skipped_steps, t.save_on_terminate,
+        t.max_skipped_steps, t.save_on_terminate, budget,
     )  # fmt: skip
     display.start()
     try:

@@ -30,6 +30,7 @@ def test_plan_counts_pairs_steps_and_micro_batches(tmp_path, capsys):
     assert plan["batch"] == {
         "pairs_per_step": 16,
         "pairs_per_micro": 4,
+        "token_budget": 0,
         "accumulation_steps": 4,
         "steps_per_epoch": 3,
         "pairs_left_out_per_epoch": 2,
@@ -75,3 +76,19 @@ def test_builtin_tiny_passes_the_command_line_checks(tmp_path, capsys):
     argv[2] = "model.path=builtin:tiny"
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["batch"]["steps_per_epoch"] == 5
+
+
+def test_dynamic_batch_plan_and_a_budget_too_small(tmp_path, capsys):
+    write_arithmetic_pairs(tmp_path, 40, 8, seed=1)
+    dynamic = ["rm.batch_size=8", "rm.use_dynamic_bsz=true", "rm.max_token_len_per_gpu=200"]
+    assert main(_args(tmp_path, *dynamic, "--json")) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["batch"]["token_budget"] == 200 and plan["batch"]["pairs_per_micro"] == 0
+    assert plan["memory"]["micro_batch_tokens"] == 200
+    assert main(_args(tmp_path, *dynamic)) == 0
+    assert "micro-batches by token budget: whole pairs, <= 200 tokens" in capsys.readouterr().out
+    assert (
+        main(_args(tmp_path, "rm.batch_size=8", "rm.use_dynamic_bsz=true", "rm.max_token_len_per_gpu=10"))
+        == 2
+    )
+    assert "rm.max_token_len_per_gpu=10 is smaller than the longest training pair" in capsys.readouterr().err
