@@ -15,6 +15,8 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import load_tokenizer
+from posttrain.models.lora import hf_model
+from posttrain.models.registry import check_packing_supported
 from posttrain.parallel.runtime import select_device
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, validate_pairs
@@ -67,6 +69,15 @@ def token_budget(cfg: PostTrainConfig, pairs) -> int:
             f"least {longest} or lower rm.max_length"
         )
     return r.max_token_len_per_gpu
+
+
+def packed_row_tokens(cfg: PostTrainConfig, model) -> int:
+    """model.remove_padding_max_row_tokens with model.use_remove_padding (0: padded rows); the architecture
+    must be one verified for packing."""
+    if not cfg.model.use_remove_padding:
+        return 0
+    check_packing_supported(hf_model(model).config)
+    return cfg.model.remove_padding_max_row_tokens
 
 
 def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
@@ -131,7 +142,7 @@ def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
 
     settings = LoopSettings(
         run_dir, pad, mb, r.center_rewards_coefficient, t.save_freq, t.max_ckpt_to_keep,
-        t.max_skipped_steps, t.save_on_terminate, budget,
+        t.max_skipped_steps, t.save_on_terminate, budget, packed_row_tokens(cfg, model),
     )  # fmt: skip
     display.start()
     try:

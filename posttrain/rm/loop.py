@@ -58,9 +58,10 @@ def rm_step(
     pairs_per_micro: int,
     center_coef: float = 0.0,
     max_tokens: int = 0,
+    packed_row_tokens: int = 0,
 ) -> dict[str, float]:
     """One optimizer step on ``pairs`` (micro-batches of ``pairs_per_micro``, or of at most ``max_tokens``
-    tokens when > 0; one global normalisation)."""
+    tokens when > 0; one global normalisation). ``packed_row_tokens`` > 0: the packed forward (no pads)."""
     model = trainable.module
     mini, margins = pair_batch(pairs, pad_token_id)
     normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=1.0)
@@ -74,7 +75,7 @@ def rm_step(
         trainable.scheduler,
         mini,
         rows,
-        rm_loss_fn(model, margins, center_coef),
+        rm_loss_fn(model, margins, center_coef, packed_row_tokens),
         normalizer,
         trainable.grad_clip,
     )
@@ -149,6 +150,7 @@ class LoopSettings:
     max_skipped_steps: int
     save_on_terminate: bool
     max_tokens: int = 0  # > 0: micro-batches by token budget (rm.use_dynamic_bsz)
+    packed_row_tokens: int = 0  # > 0: packed forward, rows of this many tokens (model.use_remove_padding)
 
 
 def run_steps(
@@ -167,8 +169,9 @@ def run_steps(
             crash_if_asked(step, 0)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
             chunk = [pairs[i] for i in schedule.indices(step)]
             metrics = rm_step(
-                trainable, chunk, s.pad_token_id, s.pairs_per_micro, s.center_coef, s.max_tokens
-            )
+                trainable, chunk, s.pad_token_id, s.pairs_per_micro, s.center_coef, s.max_tokens,
+                s.packed_row_tokens,
+            )  # fmt: skip
             on_step(step, metrics)
             skipped = skipped + 1 if metrics.get("rm/skipped_steps") else 0
             if skipped > s.max_skipped_steps:

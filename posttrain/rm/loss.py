@@ -21,7 +21,7 @@ from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.batching.token_budget import plan_token_micro_batches
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.rm.data import TokenizedPair
-from posttrain.rm.model import sequence_scores
+from posttrain.rm.model import packed_sequence_scores, sequence_scores
 from posttrain.train.update import LossShare
 
 
@@ -77,11 +77,15 @@ def pair_token_micro_rows(pairs: list[TokenizedPair], max_tokens: int) -> list[l
     return [pair_rows(len(pairs), micro) for micro in plan_token_micro_batches(sizes, max_tokens)]
 
 
-def rm_loss_fn(model: nn.Module, margins: torch.Tensor, center_coef: float):
-    """The loss function of one mini-batch for ``accumulate_and_step`` (``margins``: that mini-batch's)."""
+def rm_loss_fn(model: nn.Module, margins: torch.Tensor, center_coef: float, packed_row_tokens: int = 0):
+    """The loss function of one mini-batch for ``accumulate_and_step`` (``margins``: that mini-batch's).
+    ``packed_row_tokens`` > 0: scores from the packed forward (model.use_remove_padding), rows of that many."""
 
     def loss_fn(micro: RolloutBatch, normalizer: LossNormalizer):
-        scores = sequence_scores(model, micro.input_ids, micro.attention_mask)
+        if packed_row_tokens:
+            scores = packed_sequence_scores(model, micro.input_ids, micro.attention_mask, packed_row_tokens)
+        else:
+            scores = sequence_scores(model, micro.input_ids, micro.attention_mask)
         half = micro.num_rows // 2
         pair_ids = micro.group_ids[:half]
         if not torch.equal(pair_ids, micro.group_ids[half:]):

@@ -1,5 +1,5 @@
 """The Bradley-Terry loss by hand, the score at the last real token, and gradients that do not depend on the
-micro-batch size or the padding side."""
+micro-batch size, the padding side, a token budget or packing."""
 
 import math
 
@@ -76,11 +76,11 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(model_and_pai
     torch.testing.assert_close(left, alone, atol=1e-5, rtol=1e-5)
 
 
-def _grads(model, pairs, pad, pairs_per_micro, center=0.05, max_tokens=0):
+def _grads(model, pairs, pad, pairs_per_micro, center=0.05, max_tokens=0, packed_row_tokens=0):
     model.zero_grad(set_to_none=True)
     mini, margins = pair_batch(pairs, pad)
     normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=1.0)
-    loss_fn = rm_loss_fn(model, margins, center)
+    loss_fn = rm_loss_fn(model, margins, center, packed_row_tokens)
     total = 0.0
     if max_tokens:
         micro_rows = pair_token_micro_rows(pairs, max_tokens)
@@ -109,13 +109,16 @@ def _right_padded_grads(model, pairs, pad, center=0.05):
     return float(loss.detach()), grads
 
 
-def test_gradients_do_not_depend_on_micro_batch_size_or_padding_side(model_and_pairs):
+def test_gradients_do_not_depend_on_micro_batches_padding_token_budget_or_packing(model_and_pairs):
     model, pairs, pad = model_and_pairs
     model.train()
     loss_ref, ref = _grads(model, pairs, pad, len(pairs))
     runs = [_grads(model, pairs, pad, k) for k in (1, 2, 4)] + [_right_padded_grads(model, pairs, pad)]
     longest = max(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
     runs += [_grads(model, pairs, pad, 0, max_tokens=t) for t in (longest, 2 * longest + 5)]  # dynamic batch
+    # packed (model.use_remove_padding): rows of 64 tokens hold two or three texts; one row per text; one row
+    runs += [_grads(model, pairs, pad, k, packed_row_tokens=r) for k, r in ((6, 64), (2, 1), (3, 4096))]
+    runs += [_grads(model, pairs, pad, 0, max_tokens=longest, packed_row_tokens=64)]  # packed and dynamic
     scale = max(float(g.abs().max()) for g in ref.values())
     for loss, grads in runs:
         assert loss == pytest.approx(loss_ref, rel=1e-5)
