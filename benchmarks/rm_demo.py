@@ -1,13 +1,16 @@
-"""The reward-model demonstration, end to end: pairs -> `posttrain rm` -> GRPO on the reward model alone.
+"""The reward-model demonstration, end to end: pairs -> SFT start -> `posttrain rm` -> GRPO on the reward model alone.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/rm_demo.py`` (docs/reward-models.md has the measured figures).
+Run: ``OMP_NUM_THREADS=1 python benchmarks/rm_demo.py`` (docs/reward-models.md has the measured figures). Each
+stage runs the documented `posttrain` command (through ``posttrain.cli.main``, printed as it is run):
 
 1. Preference pairs from the built-in arithmetic task (``python -m posttrain.rm.demo``): for each problem,
    the right answer (chosen) and ``--per-problem`` near misses (rejected: right +- 1..5). Train and held-out
    pairs come from the task's own disjoint splits, the ones `posttrain train` trains and validates on.
-2. `posttrain rm` from ``--model`` (default ``builtin:tiny``, the demo's warm-started policy) with a new
-   scalar head; prints the held-out pair accuracy at each validation.
-3. With ``--grpo-steps`` > 0: `posttrain train` (GRPO on builtin:tiny) with the exported reward model as the
+2. The reward model's start (``--model sft``, the default): `posttrain sft` of the untrained builtin:base on
+   the task's correct answers (the built-in warm start's recipe, without its off-by-one demonstrations), a
+   policy that computes the sums. ``--model builtin:tiny`` (or a directory) starts from that instead.
+3. `posttrain rm` from it with a new scalar head; prints the held-out pair accuracy at each validation.
+4. With ``--grpo-steps`` > 0: `posttrain train` (GRPO on builtin:tiny) with the exported reward model as the
    only reward (``reward.rule_weight=0``): the rule still runs, for the log and for validation, so the table
    shows side by side what the policy is trained on (the reward model's score) and what is true (the rule's
    accuracy on the training samples and on the held-out problems). A policy that fooled the reward model
@@ -25,38 +28,67 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posttrain.config.load import build_config  # noqa: E402
-from posttrain.rl.train_command import run_training  # noqa: E402
-from posttrain.rm.command import run_rm_command  # noqa: E402
-from posttrain.rm.demo import REJECTED_KINDS, write_task_pairs  # noqa: E402
+from posttrain.cli import main as posttrain  # noqa: E402
+from posttrain.rm.demo import REJECTED_KINDS  # noqa: E402
+from posttrain.rm.demo import main as write_pairs  # noqa: E402
 from posttrain.utils.metrics import read_metrics  # noqa: E402
 
-RM = {
-    "rm.batch_size": 32,
-    "rm.micro_batch_size_per_gpu": 32,
-    "rm.optim.weight_decay": 0.0,
-    "rm.optim.warmup_steps": 10,
-    "rm.optim.lr_schedule": "constant",
-    "trainer.test_freq": 20,
-}
+# The built-in warm start's recipe (posttrain.sft.builtin.WARM_START) on the task's correct answers.
+SFT = [
+    "model.path=builtin:base",
+    "sft.max_steps=800",
+    "sft.epochs=1000",
+    "sft.batch_size=64",
+    "sft.micro_batch_size_per_gpu=64",
+    "sft.optim.lr=1e-3",
+    "sft.optim.warmup_steps=20",
+    "sft.optim.lr_schedule=constant",
+    "sft.optim.weight_decay=0",
+    "sft.optim.grad_clip=1.0",
+    "trainer.test_freq=400",
+]
+RM = [
+    "rm.batch_size=32",
+    "rm.micro_batch_size_per_gpu=32",
+    "rm.epochs=1000",  # rm.max_steps decides
+    "rm.optim.lr_schedule=constant",
+    "rm.optim.warmup_steps=10",
+    "rm.optim.weight_decay=0",
+]
+
+
+def run(argv: list[str]) -> float:
+    """One `posttrain` command; returns its wall time in seconds."""
+    print("$ posttrain " + " ".join(argv), flush=True)
+    began = time.monotonic()
+    code = posttrain(argv)
+    if code:
+        raise SystemExit(f"posttrain {argv[0]} exited with code {code}")
+    return time.monotonic() - began
+
+
+def reward_model_start(args, run_dir: Path) -> str:
+    if args.model != "sft":
+        return args.model
+    seconds = run(["sft", *SFT, f"trainer.run_dir={run_dir / 'sft'}", "trainer.loggers=[jsonl]"])
+    val = [r for r in read_metrics(run_dir / "sft" / "metrics.jsonl") if "val/accuracy" in r]
+    print(f"SFT start: {seconds:.0f} s, held-out greedy accuracy " + " / ".join(
+        f"{r['val/accuracy']:.3f} (step {r['step']})" for r in val
+    ))  # fmt: skip
+    return str(run_dir / "sft" / "sft_model")
 
 
 def train_reward_model(args, run_dir: Path) -> Path:
-    train, val = write_task_pairs(run_dir / "pairs", kind=args.kind, per_problem=args.per_problem)
-    overrides = {
-        **RM,
-        "model.path": args.model,
-        "rm.optim.lr": args.lr,
-        "data.train_files": f"[{train}]",
-        "data.val_files": f"[{val}]",
-        "trainer.run_dir": str(run_dir / "rm"),
-        "rm.max_steps": args.steps,
-        "rm.epochs": 1000,  # rm.max_steps decides
-    }
-    began = time.monotonic()
-    out = run_rm_command(build_config(overrides=[f"{k}={v}" for k, v in overrides.items()]), quiet=True)
-    seconds = time.monotonic() - began
-    print("posttrain rm " + " ".join(f"{k}={v}" for k, v in overrides.items()))
+    pairs = run_dir / "pairs"
+    write_pairs([str(pairs), "--kind", args.kind, "--per-problem", str(args.per_problem)])
+    start = reward_model_start(args, run_dir)
+    argv = [
+        "rm", f"model.path={start}", f"trainer.run_dir={run_dir / 'rm'}",
+        f"data.train_files=[{pairs / 'train.jsonl'}]", f"data.val_files=[{pairs / 'val.jsonl'}]",
+        *RM, f"rm.max_steps={args.steps}", f"rm.optim.lr={args.lr}", f"trainer.test_freq={args.rm_test_freq}",
+        "trainer.loggers=[jsonl]",
+    ]  # fmt: skip
+    seconds = run(argv)
     print(f"{'step':>5} {'val acc':>8} {'margin':>8} {'mean':>8} {'std':>8}")
     for row in read_metrics(run_dir / "rm" / "metrics.jsonl"):
         if "val/accuracy" in row:
@@ -64,28 +96,19 @@ def train_reward_model(args, run_dir: Path) -> Path:
                 f"{row['step']:>5} {row['val/accuracy']:>8.3f} {row['val/margin']:>8.3f} "
                 f"{row['val/reward_mean']:>8.3f} {row['val/reward_std']:>8.3f}"
             )
-    print(
-        f"{args.steps} steps in {seconds:.0f} s (model load, validation and export included); exported {out}"
-    )
-    return out
+    print(f"{args.steps} steps in {seconds:.0f} s (model load, validation and export included)")
+    return run_dir / "rm" / "reward_model"
 
 
 def grpo(args, run_dir: Path, reward_model: Path | None) -> list[dict]:
     """GRPO on builtin:tiny, on the reward model alone (or on the rule when ``reward_model`` is None)."""
-    overrides = {
-        "trainer.run_dir": str(run_dir),
-        "trainer.total_steps": args.grpo_steps,
-        "trainer.test_freq": args.test_freq,
-        "trainer.loggers": "[jsonl]",
-    }
+    argv = [
+        "train", f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.grpo_steps}",
+        f"trainer.test_freq={args.test_freq}", "trainer.loggers=[jsonl]",
+    ]  # fmt: skip
     if reward_model is not None:
-        overrides.update(
-            {"reward.model.enable": "true", "reward.model.path": str(reward_model), "reward.rule_weight": 0}
-        )
-    began = time.monotonic()
-    run_training(build_config(overrides=[f"{k}={v}" for k, v in overrides.items()]), quiet=True)
-    print("posttrain train " + " ".join(f"{k}={v}" for k, v in overrides.items()))
-    print(f"{args.grpo_steps} GRPO steps in {time.monotonic() - began:.0f} s")
+        argv += ["reward.model.enable=true", f"reward.model.path={reward_model}", "reward.rule_weight=0"]
+    print(f"{args.grpo_steps} GRPO steps in {run(argv):.0f} s")
     return read_metrics(run_dir / "metrics.jsonl")
 
 
@@ -129,10 +152,15 @@ def plot(rows: list[dict], baseline: list[dict] | None, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="builtin:tiny", help="model.path of the reward model's start")
+    ap.add_argument(
+        "--model",
+        default="sft",
+        help="the reward model's start: sft (a clean SFT of builtin:base) or a model.path",
+    )
     ap.add_argument("--kind", default="offset", choices=REJECTED_KINDS, help="what the rejected answer is")
-    ap.add_argument("--per-problem", type=int, default=4, help="pairs per problem")
-    ap.add_argument("--steps", type=int, default=150, help="reward-model optimizer steps")
+    ap.add_argument("--per-problem", type=int, default=10, help="pairs per problem")
+    ap.add_argument("--steps", type=int, default=800, help="reward-model optimizer steps")
+    ap.add_argument("--rm-test-freq", type=int, default=50, help="reward-model validation every N steps")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--grpo-steps", type=int, default=30, help="0: the reward model only")
     ap.add_argument("--test-freq", type=int, default=10, help="GRPO validation every N steps")

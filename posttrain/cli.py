@@ -31,11 +31,13 @@ from posttrain.planning.memory import Cluster, estimate_memory
 from posttrain.planning.memory_bytes import WhatIf
 from posttrain.planning.multi_turn import multi_turn_plan, multi_turn_tree
 from posttrain.planning.preflight import check_loggers, check_model_path, preflight
+from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.planning.tune import run_tune
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
 from posttrain.rl.train_command import run_training
+from posttrain.rm.command import model_config as rm_model_config
 from posttrain.rm.command import run_rm_command
 from posttrain.sandbox.build import build_sandbox, probe_line
 from posttrain.sandbox.server import serve
@@ -141,10 +143,22 @@ def _explain_json(plan, estimate, advice, point) -> dict:
     return out
 
 
+def explain_rm(args: argparse.Namespace) -> int:
+    """`posttrain explain rm [CONFIG ...]`: the plan of a `posttrain rm` run (posttrain.planning.rm_plan)."""
+    args.config = args.config[1:]
+    cfg = _load(args)
+    check_model_path(rm_model_config(cfg))
+    plan = rm_plan(cfg, args.model_config)
+    print(json.dumps(plan, indent=2) if args.json else "\n".join(rm_plan_lines(cfg, plan)))
+    return 0
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     if args.keys:
         print("\n".join(key_lines()))
         return 0
+    if args.config[:1] == ["rm"]:  # a reward-model run: pairs, not a task and a rollout
+        return explain_rm(args)
     cfg = _load(args)
     if LAST_TRANSLATED and not args.json:  # verl's key names given: show what each became
         print(
@@ -231,7 +245,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     cfg = _load(args)  # no reward function to check: pairs carry the preference
-    check_model_path(cfg)
+    check_model_path(rm_model_config(cfg))  # data.train_files are pairs: builtin:tiny is allowed
     check_loggers(cfg.trainer.loggers)
     run_rm_command(cfg)
     return 0
@@ -271,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub,
             "explain",
             cmd_explain,
-            "Print the batch plan and the per-GPU memory estimate derived from a config.",
+            "Print the batch plan and the per-GPU memory estimate derived from a config "
+            "(`posttrain explain rm ...`: the plan of a reward-model run).",
         )
     )
     _add_tune_args(

@@ -15,6 +15,8 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import load_tokenizer
+from posttrain.models.lora import hf_model
+from posttrain.models.registry import check_packing_supported
 from posttrain.parallel.runtime import select_device
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, validate_pairs
@@ -53,7 +55,32 @@ def _tokenized(cfg, tokenizer, pairs, what: str, quiet: bool):
     return kept, dropped
 
 
-def _model_config(cfg: PostTrainConfig) -> PostTrainConfig:
+def token_budget(cfg: PostTrainConfig, pairs) -> int:
+    """rm.max_token_len_per_gpu when rm.use_dynamic_bsz is on (0: micro-batches by pair count); a pair that
+    does not fit in it alone is refused before training."""
+    r = cfg.rm
+    if not r.use_dynamic_bsz:
+        return 0
+    longest = max(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    if longest > r.max_token_len_per_gpu:
+        raise ConfigError(
+            f"rm.max_token_len_per_gpu={r.max_token_len_per_gpu} is smaller than the longest training pair "
+            f"({longest} tokens, chosen and rejected together) with rm.use_dynamic_bsz=true; raise it to at "
+            f"least {longest} or lower rm.max_length"
+        )
+    return r.max_token_len_per_gpu
+
+
+def packed_row_tokens(cfg: PostTrainConfig, model) -> int:
+    """model.remove_padding_max_row_tokens with model.use_remove_padding (0: padded rows); the architecture
+    must be one verified for packing."""
+    if not cfg.model.use_remove_padding:
+        return 0
+    check_packing_supported(hf_model(model).config)
+    return cfg.model.remove_padding_max_row_tokens
+
+
+def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
     """The config the model directory is resolved with. data.train_files here are pairs, not the user's task:
     builtin:tiny (the arithmetic demo's warm-started model, built from the data.task keys) is allowed, as the
     start of the reward-model demonstration (docs/reward-models.md)."""
@@ -81,13 +108,14 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
 
 def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
     seed_everything(cfg.trainer.seed)
-    path = resolve_model_path(_model_config(cfg), quiet=quiet)
+    path = resolve_model_path(model_config(cfg), quiet=quiet)
     info = write_run_info(run_dir, cfg, path)
     if not quiet:
         print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
     tokenizer = load_tokenizer(path)
     train_pairs, _ = _tokenized(cfg, tokenizer, train, "train", quiet)
     val_pairs, _ = _tokenized(cfg, tokenizer, val, "validation", quiet)
+    budget = token_budget(cfg, train_pairs)  # before the weights load
     model = _build_model(cfg, path, tokenizer, device)
     r, t = cfg.rm, cfg.trainer
     schedule = RMSchedule(len(train_pairs), r.batch_size, r.epochs, r.max_steps, t.seed)
@@ -114,7 +142,7 @@ def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
 
     settings = LoopSettings(
         run_dir, pad, mb, r.center_rewards_coefficient, t.save_freq, t.max_ckpt_to_keep,
-        t.max_skipped_steps, t.save_on_terminate,
+        t.max_skipped_steps, t.save_on_terminate, budget, packed_row_tokens(cfg, model),
     )  # fmt: skip
     display.start()
     try:

@@ -1,6 +1,6 @@
 """Preference pairs from the built-in arithmetic task, for the reward-model demonstration.
 
-Each problem gives one pair: the correct answer (chosen) and a wrong one (rejected): ``offset``, the true
+Each problem gives pairs of its correct answer (chosen) and a wrong one (rejected): ``offset``, the true
 result plus a nonzero offset of at most ``max_offset`` (a near miss); ``other``, the answer to another
 problem; ``refusal``, "I do not know." (no arithmetic needed to rank it: a check of the pipeline). Training and validation problems come from the task's disjoint
 splits (posttrain.data.tasks.arithmetic), so validation accuracy is measured on problems never trained on.
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out_dir")
     ap.add_argument("overrides", nargs="*", help="data.* / trainer.seed overrides of the task, as for train")
     ap.add_argument("--kind", default="offset", choices=REJECTED_KINDS, help="what the rejected answer is")
-    ap.add_argument("--per-problem", type=int, default=4, help="pairs per problem (distinct wrong answers)")
+    ap.add_argument("--per-problem", type=int, default=10, help="pairs per problem (distinct wrong answers)")
     ap.add_argument("--max-offset", type=int, default=5, help="largest |wrong - right| of a near miss")
     args = ap.parse_args(argv)
     options = {"kind": args.kind, "per_problem": args.per_problem, "max_offset": args.max_offset}

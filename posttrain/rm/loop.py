@@ -17,7 +17,7 @@ from torch import nn
 from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.errors import ConfigError
 from posttrain.rm.data import TokenizedPair
-from posttrain.rm.loss import pair_batch, pair_micro_rows, rm_loss_fn
+from posttrain.rm.loss import pair_batch, pair_micro_rows, pair_token_micro_rows, rm_loss_fn
 from posttrain.rm.model import score_sequences
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.train.trainable import Trainable
@@ -57,24 +57,32 @@ def rm_step(
     pad_token_id: int,
     pairs_per_micro: int,
     center_coef: float = 0.0,
+    max_tokens: int = 0,
+    packed_row_tokens: int = 0,
 ) -> dict[str, float]:
-    """One optimizer step on ``pairs`` (micro-batches of ``pairs_per_micro``, one global normalisation)."""
+    """One optimizer step on ``pairs`` (micro-batches of ``pairs_per_micro``, or of at most ``max_tokens``
+    tokens when > 0; one global normalisation). ``packed_row_tokens`` > 0: the packed forward (no pads)."""
     model = trainable.module
     mini, margins = pair_batch(pairs, pad_token_id)
     normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=1.0)
-    rows = pair_micro_rows(len(pairs), pairs_per_micro)
+    if max_tokens:
+        rows = pair_token_micro_rows(pairs, max_tokens)
+    else:
+        rows = pair_micro_rows(len(pairs), pairs_per_micro)
     m = accumulate_and_step(
         model,
         trainable.optimizer,
         trainable.scheduler,
         mini,
         rows,
-        rm_loss_fn(model, margins, center_coef),
+        rm_loss_fn(model, margins, center_coef, packed_row_tokens),
         normalizer,
         trainable.grad_clip,
     )
     out = {"rm/loss": m["loss"], "rm/accuracy": m["rm/accuracy"], "rm/margin": m["rm/margin"]}
-    out.update({"rm/grad_norm": m["grad_norm"], "rm/lr": trainable.lr})
+    out.update(
+        {"rm/grad_norm": m["grad_norm"], "rm/lr": trainable.lr, "rm/micro_batches": m["micro_batches"]}
+    )
     if "skipped_steps" in m:
         out["rm/skipped_steps"] = m["skipped_steps"]
     return out
@@ -141,6 +149,8 @@ class LoopSettings:
     keep_last: int
     max_skipped_steps: int
     save_on_terminate: bool
+    max_tokens: int = 0  # > 0: micro-batches by token budget (rm.use_dynamic_bsz)
+    packed_row_tokens: int = 0  # > 0: packed forward, rows of this many tokens (model.use_remove_padding)
 
 
 def run_steps(
@@ -158,7 +168,10 @@ def run_steps(
         for step in range(start + 1, schedule.total_steps + 1):
             crash_if_asked(step, 0)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
             chunk = [pairs[i] for i in schedule.indices(step)]
-            metrics = rm_step(trainable, chunk, s.pad_token_id, s.pairs_per_micro, s.center_coef)
+            metrics = rm_step(
+                trainable, chunk, s.pad_token_id, s.pairs_per_micro, s.center_coef, s.max_tokens,
+                s.packed_row_tokens,
+            )  # fmt: skip
             on_step(step, metrics)
             skipped = skipped + 1 if metrics.get("rm/skipped_steps") else 0
             if skipped > s.max_skipped_steps:

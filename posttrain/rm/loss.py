@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer
+from posttrain.batching.token_budget import plan_token_micro_batches
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.rm.data import TokenizedPair
-from posttrain.rm.model import sequence_scores
+from posttrain.rm.model import packed_sequence_scores, sequence_scores
 from posttrain.train.update import LossShare
 
 
@@ -58,17 +59,33 @@ def pair_batch(pairs: list[TokenizedPair], pad_token_id: int) -> tuple[RolloutBa
 def pair_micro_rows(num_pairs: int, pairs_per_micro: int) -> list[list[int]]:
     """Rows of each micro-batch: pairs lo..hi-1, their chosen rows then their rejected rows."""
     return [
-        list(range(lo, min(lo + pairs_per_micro, num_pairs)))
-        + list(range(num_pairs + lo, num_pairs + min(lo + pairs_per_micro, num_pairs)))
+        pair_rows(num_pairs, range(lo, min(lo + pairs_per_micro, num_pairs)))
         for lo in range(0, num_pairs, pairs_per_micro)
     ]
 
 
-def rm_loss_fn(model: nn.Module, margins: torch.Tensor, center_coef: float):
-    """The loss function of one mini-batch for ``accumulate_and_step`` (``margins``: that mini-batch's)."""
+def pair_rows(num_pairs: int, pairs: list[int]) -> list[int]:
+    """The rows of ``pairs`` (indices into the mini-batch): their chosen rows, then their rejected rows."""
+    return list(pairs) + [num_pairs + i for i in pairs]
+
+
+def pair_token_micro_rows(pairs: list[TokenizedPair], max_tokens: int) -> list[list[int]]:
+    """Micro-batches by token budget (rm.use_dynamic_bsz): whole pairs, at most ``max_tokens`` real tokens
+    (chosen + rejected) each, as few micro-batches as the shared planner finds (posttrain.batching.token_budget).
+    The loss is normalised by the whole mini-batch's pairs, so the cut changes memory, never the gradient."""
+    sizes = [len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
+    return [pair_rows(len(pairs), micro) for micro in plan_token_micro_batches(sizes, max_tokens)]
+
+
+def rm_loss_fn(model: nn.Module, margins: torch.Tensor, center_coef: float, packed_row_tokens: int = 0):
+    """The loss function of one mini-batch for ``accumulate_and_step`` (``margins``: that mini-batch's).
+    ``packed_row_tokens`` > 0: scores from the packed forward (model.use_remove_padding), rows of that many."""
 
     def loss_fn(micro: RolloutBatch, normalizer: LossNormalizer):
-        scores = sequence_scores(model, micro.input_ids, micro.attention_mask)
+        if packed_row_tokens:
+            scores = packed_sequence_scores(model, micro.input_ids, micro.attention_mask, packed_row_tokens)
+        else:
+            scores = sequence_scores(model, micro.input_ids, micro.attention_mask)
         half = micro.num_rows // 2
         pair_ids = micro.group_ids[:half]
         if not torch.equal(pair_ids, micro.group_ids[half:]):

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
+from posttrain.batching.packing import pack_sequences
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import check_model_dir, resolve_dtype, save_hf
@@ -93,6 +94,30 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (attention_mask.long() * columns).argmax(-1)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return hf.score(hidden[rows, last]).squeeze(-1).float()
+
+
+def packed_sequence_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_row_tokens: int
+) -> torch.Tensor:
+    """``[B]`` float32: :func:`sequence_scores` computed on the rows' real tokens only (model.use_remove_padding),
+    packed into rows of at most ``max_row_tokens`` tokens (raised to the longest sequence), positions restarting
+    per sequence. No attention mask and no cache: transformers then builds each row's block-diagonal causal
+    mask from the positions (posttrain.forward.packed); the model is loaded with sdpa attention."""
+    hf = hf_model(model)
+    backbone = getattr(hf, hf.base_model_prefix)
+    seqs = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
+    longest = max(len(s) for s in seqs)
+    packed = pack_sequences(seqs, max(max_row_tokens, longest))
+    hidden = backbone(
+        input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False
+    ).last_hidden_state
+    rows = torch.tensor(packed.seq_rows, device=hidden.device)
+    last = (
+        torch.tensor(packed.seq_starts, device=hidden.device)
+        + torch.tensor(packed.seq_lens, device=hidden.device)
+        - 1
+    )
     return hf.score(hidden[rows, last]).squeeze(-1).float()
 
 

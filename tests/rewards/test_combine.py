@@ -77,6 +77,8 @@ def test_a_run_trains_on_the_weighted_sum_and_logs_both_parts(tiny_model_dir, tm
         combined = 0.5 * row["reward/rule_mean"] + 2.0 * row["reward/model_score_mean"]
         assert row["reward/mean"] == pytest.approx(combined, abs=1e-5)
         assert row["reward/rule_mean"] != 0.0  # the varied rule reward of the test config is on
+        # a threshold on a sum with a model score means nothing: the rule's own accuracy is logged instead
+        assert "reward/accuracy" not in row and "reward/rule_accuracy" in row
 
 
 def test_normalize_needs_the_stats_in_the_model(tiny_model_dir, tmp_path):

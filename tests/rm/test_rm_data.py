@@ -116,7 +116,7 @@ def test_builtin_tiny_is_allowed_as_the_start_of_a_reward_model(tmp_path):
     pairs, and the demo's model is resolved from the task keys alone (the same cached directory as train's)."""
     from posttrain.config.errors import ConfigError
     from posttrain.config.load import build_config
-    from posttrain.rm.command import _model_config
+    from posttrain.rm.command import model_config
     from posttrain.sft.builtin import check_builtin_choice, warm_start_key
 
     cfg = build_config(
@@ -124,6 +124,6 @@ def test_builtin_tiny_is_allowed_as_the_start_of_a_reward_model(tmp_path):
     )
     with pytest.raises(ConfigError, match="builtin:tiny"):
         check_builtin_choice(cfg)
-    resolved = _model_config(cfg)
+    resolved = model_config(cfg)
     check_builtin_choice(resolved)
     assert warm_start_key(resolved) == warm_start_key(build_config(overrides=["model.path=builtin:tiny"]))

@@ -1,5 +1,5 @@
 """The Bradley-Terry loss by hand, the score at the last real token, and gradients that do not depend on the
-micro-batch size or the padding side."""
+micro-batch size, the padding side, a token budget or packing."""
 
 import math
 
@@ -10,7 +10,7 @@ from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.models.hf import load_tokenizer
 from posttrain.rm.data import TokenizedPair, encode, render
 from posttrain.rm.loop import rm_step
-from posttrain.rm.loss import bradley_terry, pair_batch, pair_micro_rows, rm_loss_fn
+from posttrain.rm.loss import bradley_terry, pair_batch, pair_micro_rows, pair_token_micro_rows, rm_loss_fn
 from posttrain.rm.model import load_reward_model, pad_right, sequence_scores
 from posttrain.train.trainable import Trainable
 
@@ -76,13 +76,17 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(model_and_pai
     torch.testing.assert_close(left, alone, atol=1e-5, rtol=1e-5)
 
 
-def _grads(model, pairs, pad, pairs_per_micro, center=0.05):
+def _grads(model, pairs, pad, pairs_per_micro, center=0.05, max_tokens=0, packed_row_tokens=0):
     model.zero_grad(set_to_none=True)
     mini, margins = pair_batch(pairs, pad)
     normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=1.0)
-    loss_fn = rm_loss_fn(model, margins, center)
+    loss_fn = rm_loss_fn(model, margins, center, packed_row_tokens)
     total = 0.0
-    for rows in pair_micro_rows(len(pairs), pairs_per_micro):
+    if max_tokens:
+        micro_rows = pair_token_micro_rows(pairs, max_tokens)
+    else:
+        micro_rows = pair_micro_rows(len(pairs), pairs_per_micro)
+    for rows in micro_rows:
         loss, _ = loss_fn(mini.select(rows).trimmed(), normalizer)
         loss.backward()
         total += float(loss.detach())
@@ -105,11 +109,16 @@ def _right_padded_grads(model, pairs, pad, center=0.05):
     return float(loss.detach()), grads
 
 
-def test_gradients_do_not_depend_on_micro_batch_size_or_padding_side(model_and_pairs):
+def test_gradients_do_not_depend_on_micro_batches_padding_token_budget_or_packing(model_and_pairs):
     model, pairs, pad = model_and_pairs
     model.train()
     loss_ref, ref = _grads(model, pairs, pad, len(pairs))
     runs = [_grads(model, pairs, pad, k) for k in (1, 2, 4)] + [_right_padded_grads(model, pairs, pad)]
+    longest = max(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    runs += [_grads(model, pairs, pad, 0, max_tokens=t) for t in (longest, 2 * longest + 5)]  # dynamic batch
+    # packed (model.use_remove_padding): rows of 64 tokens hold two or three texts; one row per text; one row
+    runs += [_grads(model, pairs, pad, k, packed_row_tokens=r) for k, r in ((6, 64), (2, 1), (3, 4096))]
+    runs += [_grads(model, pairs, pad, 0, max_tokens=longest, packed_row_tokens=64)]  # packed and dynamic
     scale = max(float(g.abs().max()) for g in ref.values())
     for loss, grads in runs:
         assert loss == pytest.approx(loss_ref, rel=1e-5)
@@ -135,3 +144,19 @@ def test_a_step_reports_the_whole_batch_metrics(model_and_pairs, tiny_model_dir)
     assert metrics["rm/loss"] == pytest.approx(float(expected), rel=1e-4)
     assert metrics["rm/accuracy"] == pytest.approx(float(m["accuracy"]))
     assert metrics["rm/margin"] == pytest.approx(float(m["margin"]), rel=1e-4, abs=1e-6)
+
+
+def test_token_budget_micro_batches_hold_whole_pairs_within_the_budget(model_and_pairs):
+    _, pairs, _ = model_and_pairs
+    n = len(pairs)
+    sizes = [len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
+    budget = 2 * max(sizes)
+    micro = pair_token_micro_rows(pairs, budget)
+    assert 1 < len(micro) < n
+    seen = []
+    for rows in micro:
+        chosen, rejected = rows[: len(rows) // 2], rows[len(rows) // 2 :]
+        assert rejected == [n + i for i in chosen]  # both sides of each pair, in the loss's layout
+        assert sum(sizes[i] for i in chosen) <= budget
+        seen += chosen
+    assert sorted(seen) == list(range(n))

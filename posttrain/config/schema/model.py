@@ -25,13 +25,13 @@ class ModelConfig:
     use_remove_padding: bool = knob(
         False,
         "Pack each micro-batch's real tokens (no pads) into rows, positions restarting per sequence, for the "
-        "actor update, old log-probs, reference log-probs and SFT. Same numbers, less compute. Needs an "
+        "actor update, old log-probs, reference log-probs, SFT and `posttrain rm` training. Same numbers, less compute. Needs an "
         "architecture verified in posttrain/models/registry.py (docs/throughput.md).",
     )
     remove_padding_max_row_tokens: int = knob(
         512,
         "Row length of packed micro-batches with dense attention (sdpa/eager: CPU, or CUDA without "
-        "flash-attn), for every packed pass (actor, reference, critic, SFT); raised to the micro-batch's "
+        "flash-attn), for every packed pass (actor, reference, critic, SFT, `posttrain rm`); raised to the micro-batch's "
         "longest sequence when shorter. With flash-attention a micro-batch is always one row.",
         unit="tokens",
         min=1,

@@ -39,6 +39,18 @@ class RMConfig:
     micro_batch_size_per_gpu: int = knob(
         8, "Pairs per forward/backward pass on one DP rank.", unit="pairs per DP rank", min=1
     )
+    use_dynamic_bsz: bool = knob(
+        False,
+        "Form training micro-batches by token budget (rm.max_token_len_per_gpu) instead of "
+        "rm.micro_batch_size_per_gpu: whole pairs, as few micro-batches as fit. The gradient is the same.",
+    )
+    max_token_len_per_gpu: int = knob(
+        16384,
+        "Token budget of one training micro-batch when rm.use_dynamic_bsz is on: real tokens of its pairs, "
+        "chosen and rejected; a pair longer than it is refused before training.",
+        unit="tokens per GPU",
+        min=2,
+    )
     epochs: int = knob(1, "Passes over the training pairs.", unit="epochs", min=1)
     max_steps: int = knob(
         0, "Stop after this many optimizer steps (0: run all epochs).", unit="optimizer steps", min=0

@@ -254,20 +254,27 @@ def per_turn_shift(episodes: list, width: int) -> torch.Tensor:
 
 
 def rollout_metrics(
-    result: RolloutResult, rewards: torch.Tensor, metrics: ShareMetrics, unshaped: torch.Tensor | None = None
+    result: RolloutResult,
+    rewards: torch.Tensor,
+    metrics: ShareMetrics,
+    unshaped: torch.Tensor | None = None,
+    accuracy: bool = True,
 ) -> None:
     """Add the samples' reward, accuracy, length and finish metrics to ``metrics`` (means over samples).
-    ``rewards`` are the rewards trained on; accuracy reads ``unshaped`` (before the overlong penalty) if given."""
+    ``rewards`` are the rewards trained on; accuracy reads ``unshaped`` (before the overlong penalty) if given.
+    ``accuracy=False`` (a reward model's score is summed in, so no threshold on the sum means "right"): no
+    ``reward/accuracy``; ``reward/rule_accuracy`` (posttrain.rewards.combine) is the share the rule marks right."""
     lengths = torch.tensor([len(r) for r in result.response_ids], dtype=torch.float32)
     eos = sum(f == "eos" for f in result.finish_reasons) / max(1, len(result.finish_reasons))
-    correct = (rewards if unshaped is None else unshaped) >= CORRECT_THRESHOLD
     means = {
         "reward/mean": float(rewards.mean()),
-        "reward/accuracy": float(correct.float().mean()),
         "response_length/mean": float(lengths.mean()),
         "finish/eos": eos,
         "finish/length": 1.0 - eos,
     }
+    if accuracy:
+        correct = (rewards if unshaped is None else unshaped) >= CORRECT_THRESHOLD
+        means["reward/accuracy"] = float(correct.float().mean())
     metrics.add(means, MEAN, weight=len(result))
     metrics.add({"response_length/max": float(lengths.max())}, MAX)
 

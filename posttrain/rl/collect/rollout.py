@@ -109,12 +109,13 @@ def assemble_rollout(
     how = {"mean": MAX, "sum": MAX} if whole else {"mean": MEAN, "sum": SUM}
     weight = len(result)
     unshaped = drawn.scores if cfg.reward.overlong_buffer.enable else None
+    accuracy = not cfg.reward.model.enable  # with a model score summed in: reward/rule_accuracy says it
     if whole:
         step_metrics = ShareMetrics()
-        rollout_metrics(result, drawn.rewards, step_metrics, unshaped=unshaped)
+        rollout_metrics(result, drawn.rewards, step_metrics, unshaped, accuracy)
         local.add(dict(step_metrics.values), MAX)
     else:
-        rollout_metrics(result, drawn.rewards, local, unshaped=unshaped)
+        rollout_metrics(result, drawn.rewards, local, unshaped, accuracy)
     if context.agent is not None:  # every rank adds the same names, also one that drew no sample
         episode_metrics(result.episodes or [], local, how, weight, context.agent.tool_names)
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
