@@ -133,6 +133,11 @@ def shared_prefix_attention(
     fewer than that many positions back (transformers' convention)."""
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
     gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda:
+        # CUDA's memory-efficient kernel (the one that takes a mask) has no grouped-query mode; sdpa would fall
+        # back to the math kernel. Repeating the few key/value heads keeps it (not exercised: no GPU here).
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        gqa = False
     p = plan.prompt_tokens
     prompt_mask, response_mask = None, plan.response_mask
     if sliding_window is not None and sliding_window < p.shape[1] + plan.response_tokens.shape[1]:
