@@ -14,6 +14,14 @@ from posttrain.agents.demos import DEMONSTRATIONS, demonstrations, write_jsonl
 from posttrain.data.tasks import load_task
 
 
+def task_option(text: str) -> tuple[str, int | str]:
+    """``NAME=VALUE`` (a whole-number value becomes an int, as the config's data.task_options.NAME=VALUE does)."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--option {text!r}: write NAME=VALUE, e.g. --option high=31")
+    return name, int(value) if value.lstrip("-").isdigit() else value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("task", choices=sorted(DEMONSTRATIONS))
@@ -24,8 +32,11 @@ def main() -> None:
     parser.add_argument("--n-val", type=int, default=128, help="data.num_val_examples of the run")
     parser.add_argument("--rate", type=float, default=None, help="imperfection: calculator's share without the "
                         "tool, guess_number's share of random guesses (default: the task's)")  # fmt: skip
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="data.task_options of the run, e.g. --option high=31 --option max_turns=5")  # fmt: skip
     args = parser.parse_args()
-    train, _ = load_task(args.task, args.seed, n_train=args.n_train, n_val=args.n_val)
+    options = dict(task_option(text) for text in args.option)
+    train, _ = load_task(args.task, args.seed, n_train=args.n_train, n_val=args.n_val, **options)
     rows = demonstrations(args.task, train, args.n, args.seed, args.rate)
     path = write_jsonl(rows, args.out)
     print(f"wrote {len(rows)} {args.task} demonstrations to {path}")

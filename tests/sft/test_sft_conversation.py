@@ -50,7 +50,9 @@ def test_only_assistant_messages_are_trained_on(tok):
 def test_the_example_is_what_a_rollout_renders(tok):
     """Prompt and environment tokens equal the multi-turn driver's incremental rendering, and the whole example
     equals a full rendering of the conversation (no drift)."""
-    train, _ = load_task("guess_number", 0, n_train=4, n_val=0)
+    train, _ = load_task(
+        "guess_number", 0, n_train=4, n_val=0, high=31, max_turns=5
+    )  # a game of several turns
     messages = guess_number_demonstration(train[1], random.Random(3), random_guess_rate=0.0)["messages"]
     prompt, response, mask = conversation_example(messages, tok)
     renderer = Renderer(tok)

@@ -3,7 +3,10 @@
 The run plays it in the built-in ``guess_number`` environment (:class:`posttrain.agents.builtin.GuessNumberEnv`).
 Each row carries its ``target`` (and the range and turn limit) in ``extra``, so the samples of one GRPO group play
 the same game. The reward is the environment's: 1.0 when a guess hits the target within ``max_turns`` guesses
-(the task's reward function, ``environment``, adds nothing to it). Success depends on using the hints across turns (bisection finds any of 2**max_turns - 1 numbers in time; blind guessing seldom does).
+(the task's reward function, ``environment``, adds nothing to it). Success depends on using the hints across
+turns (bisection finds any of 2**max_turns - 1 numbers in time; blind guessing seldom does). The default game,
+1 to 7 in 3 guesses, is small enough that GRPO visibly learns it on a CPU in minutes (docs/agents.md, "Built-in
+tasks"); ``high=31, max_turns=5`` is a harder one.
 Demonstrations for the SFT warm start are written by ``posttrain.agents.demos``.
 """
 
@@ -28,8 +31,8 @@ def load_guess_number(
     n_train: int = 512,
     n_val: int = 128,
     low: int = 1,
-    high: int = 31,
-    max_turns: int = 5,
+    high: int = 7,
+    max_turns: int = 3,
     max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Rows of one game each, the target drawn from the seed (train and held-out targets drawn apart; with so few
