@@ -100,7 +100,7 @@ def test_a_few_grpo_steps_raise_the_success_of_one_game(tmp_path):
     assert curve[-1] >= curve[0] + 0.2, curve
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_grpo_raises_the_held_out_success_by_15_points(tmp_path):
     curve = held_out_curve(warm_start(tmp_path), tmp_path / "grpo", steps=80, test_freq=10, n_val=256)
     assert max(curve[-3:]) >= curve[0] + 0.15, curve

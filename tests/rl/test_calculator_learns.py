@@ -67,7 +67,7 @@ def warm_start(tmp_path):
     return tmp_path / "sft" / "sft_model"
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_grpo_raises_the_held_out_calculator_success_by_15_points(tmp_path):
     cfg = build_config(
         overrides=[
