@@ -2,6 +2,7 @@
 scenario, gradient capture. (Fixtures live in conftest.py.)"""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from transformers import Qwen2Config
 from posttrain.config.load import build_config
 from posttrain.rl import train_command as rl
 from posttrain.rl.train_command import run_training
+from posttrain.sft.command import run_sft_command
 from posttrain.train.checkpoint import list_checkpoints
 
 
@@ -115,6 +117,29 @@ def sft_config(model_dir, tmp_path, *extra):
             *extra,
         ]
     )
+
+
+def sft_warm_start(run_dir, demos, steps: int, seed: int, *extra) -> Path:
+    """SFT of ``builtin:base`` on a jsonl of demonstration conversations (the agent tasks' warm start, as
+    benchmarks/agent_tasks.py makes it): batches of 32, one micro-batch each, ``steps`` steps; returns the model."""
+    cfg = build_config(
+        overrides=[
+            "model.path=builtin:base",
+            f"sft.train_files=[{demos}]",
+            "data.prompt_key=messages",
+            "sft.response_key=",
+            "sft.batch_size=32",
+            "sft.micro_batch_size_per_gpu=32",
+            "sft.epochs=1",
+            f"sft.max_steps={steps}",
+            "trainer.test_freq=0",
+            f"trainer.seed={seed}",
+            f"trainer.run_dir={run_dir}",
+            *extra,
+        ]
+    )
+    run_sft_command(cfg, quiet=True)
+    return Path(run_dir) / "sft_model"
 
 
 def sft_cli_args(run, model_dir, rows: int = 8) -> list[str]:

@@ -17,8 +17,7 @@ from posttrain.agents.demos import demonstrations, write_jsonl
 from posttrain.config.load import build_config
 from posttrain.data.tasks import load_task
 from posttrain.rl.train_command import run_training
-from posttrain.sft.command import run_sft_command
-from tests.helpers import read_metrics
+from tests.helpers import read_metrics, sft_warm_start
 
 SEED = 1
 SFT_STEPS = 60
@@ -46,24 +45,7 @@ def warm_start(tmp_path, steps=SFT_STEPS):
     demos = write_jsonl(
         demonstrations("guess_number", train, steps * 32, SEED, 1.0), tmp_path / "demos.jsonl"
     )
-    cfg = build_config(
-        overrides=[
-            "model.path=builtin:base",
-            f"sft.train_files=[{demos}]",
-            "data.prompt_key=messages",
-            "sft.response_key=",
-            *LENGTHS,
-            "sft.batch_size=32",
-            "sft.micro_batch_size_per_gpu=32",
-            "sft.epochs=1",
-            f"sft.max_steps={steps}",
-            "trainer.test_freq=0",
-            f"trainer.seed={SEED}",
-            f"trainer.run_dir={tmp_path / 'sft'}",
-        ]
-    )
-    run_sft_command(cfg, quiet=True)
-    return tmp_path / "sft" / "sft_model"
+    return sft_warm_start(tmp_path / "sft", demos, steps, SEED, *LENGTHS)
 
 
 def held_out_curve(model, run_dir, steps, test_freq, n_val, *extra):

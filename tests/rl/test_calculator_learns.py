@@ -13,8 +13,7 @@ from posttrain.agents.demos import demonstrations, write_jsonl
 from posttrain.config.load import build_config
 from posttrain.data.tasks import load_task
 from posttrain.rl.train_command import run_training
-from posttrain.sft.command import run_sft_command
-from tests.helpers import read_metrics
+from tests.helpers import read_metrics, sft_warm_start
 
 SEED = 1
 SFT_STEPS = 300
@@ -44,27 +43,8 @@ def warm_start(tmp_path):
     """The SFT model of the benchmark's warm start."""
     train, _ = load_task("calculator", SEED, n_train=N_TRAIN, n_val=128, **OPTIONS)
     demos = write_jsonl(demonstrations("calculator", train, SFT_STEPS * 32, SEED), tmp_path / "demos.jsonl")
-    cfg = build_config(
-        overrides=[
-            "model.path=builtin:base",
-            f"sft.train_files=[{demos}]",
-            "data.prompt_key=messages",
-            "sft.response_key=",
-            *LENGTHS,
-            "sft.batch_size=32",
-            "sft.micro_batch_size_per_gpu=32",
-            "sft.epochs=1",
-            f"sft.max_steps={SFT_STEPS}",
-            "sft.optim.warmup_steps=10",
-            "sft.optim.lr_schedule=cosine",
-            "sft.optim.min_lr_ratio=0.1",
-            "trainer.test_freq=0",
-            f"trainer.seed={SEED}",
-            f"trainer.run_dir={tmp_path / 'sft'}",
-        ]
-    )
-    run_sft_command(cfg, quiet=True)
-    return tmp_path / "sft" / "sft_model"
+    schedule = ["sft.optim.warmup_steps=10", "sft.optim.lr_schedule=cosine", "sft.optim.min_lr_ratio=0.1"]
+    return sft_warm_start(tmp_path / "sft", demos, SFT_STEPS, SEED, *LENGTHS, *schedule)
 
 
 @pytest.mark.benchmark
