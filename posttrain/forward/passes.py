@@ -41,7 +41,11 @@ from posttrain.data.batch import RolloutBatch
 from posttrain.forward.chunked_head import chunked_logprobs_entropy
 from posttrain.forward.packed import _uses_flash_attention, packed_causal_lm_forward
 from posttrain.forward.prefix_grouper import group_by_prompt
-from posttrain.forward.shared_prefix import SHARED_PREFIX_ATTENTION, SharedPrefixPlan
+from posttrain.forward.shared_prefix import (
+    SHARED_PREFIX_ATTENTION,
+    SharedPrefixPlan,
+    register_shared_prefix_attention,
+)
 from posttrain.models.registry import PACKING_VERIFIED, check_packing_supported
 from posttrain.parallel import ulysses
 
@@ -274,10 +278,13 @@ def _packed_layout(model: nn.Module, batch: RolloutBatch, options: ForwardOption
 def _grouped_layout(model: nn.Module, batch: RolloutBatch) -> tuple[_Layout, SharedPrefixPlan]:
     """The micro-batch as the prefix grouper's flat row of unique tokens, and its attention plan."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl != SHARED_PREFIX_ATTENTION:
+    if impl == "sdpa":
+        # The shared-prefix attention is sdpa in every call without a plan: switching is invisible elsewhere.
+        model.config._attn_implementation = register_shared_prefix_attention()
+    elif impl != SHARED_PREFIX_ATTENTION:
         raise ValueError(
             f"the prefix grouper needs the model loaded with attn_implementation={SHARED_PREFIX_ATTENTION!r} "
-            f"(posttrain.forward.shared_prefix.register_shared_prefix_attention()), it uses {impl!r}"
+            f"(posttrain.forward.shared_prefix.register_shared_prefix_attention()) or 'sdpa', it uses {impl!r}"
         )
     groups = group_by_prompt(batch)
     layout = _Layout(groups.input_ids, groups.position_ids, None, groups.rows, groups.cols, groups.valid)

@@ -190,11 +190,16 @@ def test_lora_adapter_gradient_equals_padded():
         assert_fp32_close(g, r)
 
 
-def test_a_model_without_the_shared_prefix_attention_is_refused():
+def test_an_sdpa_model_is_switched_and_other_attention_is_refused():
     batch = grouped_batch()
-    model = tiny_model(attn="sdpa")
-    with pytest.raises(ValueError, match="attn_implementation='posttrain_shared_prefix'"):
+    model = tiny_model(attn="sdpa").eval()
+    with torch.no_grad():
         policy_logprobs(model, batch, options=GROUPED)
+    assert model.config._attn_implementation == "posttrain_shared_prefix"  # sdpa in every other call
+    with pytest.raises(
+        ValueError, match="attn_implementation='posttrain_shared_prefix'.* or 'sdpa', it uses 'eager'"
+    ):
+        policy_logprobs(tiny_model(attn="eager"), batch, options=GROUPED)
 
 
 def test_plain_calls_of_the_shared_prefix_model_equal_sdpa():
