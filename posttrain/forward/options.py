@@ -13,8 +13,10 @@ critic.use_remove_padding,                  the same for the critic update and t
 critic.remove_padding_max_row_tokens
 actor.use_prefix_grouper,                   ``ForwardOptions.prefix_grouper`` of the actor update and old-log-prob
 ref.use_prefix_grouper                      pass / of the reference pass (``posttrain.forward.prefix_grouper``); the
-                                            policy then loads with sdpa (a 4-D mask); refused with Ulysses SP
-                                            and sliding-window attention
+                                            policy then loads with the shared-prefix attention
+                                            (``posttrain.forward.shared_prefix``: sdpa in every other call);
+                                            null: on with rollout.n > 1 (``config/load.py``); refused with
+                                            Ulysses SP
 actor.entropy_from_logits_with_chunking,    ``ForwardOptions.logprob_chunk_size`` / ``chunk_checkpoint`` of the
 actor.entropy_from_logits_chunk_size,       actor update and the old-log-prob pass (the chunked head,
 actor.entropy_checkpointing                 ``posttrain.forward.chunked_head``)
