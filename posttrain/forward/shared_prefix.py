@@ -54,7 +54,7 @@ class SharedPrefixPlan:
         tokens up to itself.
     output_index: ``[N]`` for each token of the row, its output row in the prompts' outputs ``[G * Lp]``
         followed by the responses' ``[S * Lr]``.
-    response_distance: ``[S, Lr, Lp + Lr]`` query position minus key position (for sliding-window layers).
+    response_prompt_lens: ``[S]`` the length of each response's prompt (positions, for sliding-window layers).
     """
 
     prompt_tokens: torch.Tensor
@@ -62,7 +62,7 @@ class SharedPrefixPlan:
     response_keys: torch.Tensor
     response_mask: torch.Tensor
     output_index: torch.Tensor
-    response_distance: torch.Tensor
+    response_prompt_lens: torch.Tensor
 
 
 def shared_prefix_plan(
@@ -95,18 +95,26 @@ def shared_prefix_plan(
     own = (key[None, :] >= prompt_width) & (key[None, :] - prompt_width <= query[:, None])  # [Lr, Lp + Lr]
     in_prompt = key[None, :] < prompt_lens[owner][:, None]  # [S, Lp + Lr]
     response_mask = (own[None] | in_prompt[:, None, :])[:, None]
-    # Positions: prompt key j sits at j, own key Lp + u at lp + u, query t at lp + t.
-    lens = prompt_lens[owner][:, None]  # [S, 1]
-    key_pos = torch.where(key[None, :] < prompt_width, key[None, :], key[None, :] - prompt_width + lens)
-    response_distance = (query[None, :] + lens)[:, :, None] - key_pos[:, None, :]
     return SharedPrefixPlan(
         prompt_tokens=prompt_tokens.to(device),
         response_tokens=response_tokens.to(device),
         response_keys=response_keys.to(device),
         response_mask=response_mask.to(device),
         output_index=output_index.to(device),
-        response_distance=response_distance.to(device),
+        response_prompt_lens=prompt_lens[owner].to(device),
     )
+
+
+def _response_distance(plan: SharedPrefixPlan) -> torch.Tensor:
+    """``[S, Lr, Lp + Lr]`` query position minus key position of each response (only sliding-window layers need
+    it): prompt key j sits at j, own key Lp + u at lp + u, query t at lp + t."""
+    prompt_width = plan.prompt_tokens.shape[1]
+    device = plan.response_prompt_lens.device
+    key = torch.arange(plan.response_keys.shape[1], device=device)
+    query = torch.arange(plan.response_tokens.shape[1], device=device)
+    lens = plan.response_prompt_lens[:, None]  # [S, 1]
+    key_pos = torch.where(key[None, :] < prompt_width, key[None, :], key[None, :] - prompt_width + lens)
+    return (query[None, :] + lens)[:, :, None] - key_pos[:, None, :]
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -144,7 +152,7 @@ def shared_prefix_attention(
         pos = torch.arange(p.shape[1], device=p.device)
         distance = pos[:, None] - pos[None, :]
         prompt_mask = (distance >= 0) & (distance < sliding_window)
-        response_mask = response_mask & (plan.response_distance < sliding_window)[:, None]
+        response_mask = response_mask & (_response_distance(plan) < sliding_window)[:, None]
     outs = [
         F.scaled_dot_product_attention(
             _gather(q, p), _gather(k, p), _gather(v, p), attn_mask=prompt_mask,
