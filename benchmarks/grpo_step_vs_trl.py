@@ -55,8 +55,12 @@ attention, norms and sampling are left out, so the floor is below what any imple
 also gives posttrain's rollout and update phases (wall seconds) against their own floors: how near the native
 engine's decode loop is to the matmul floor at each response length.
 
-Each round builds a fresh trainer of each kind, runs one untimed warm-up step, then ``--steps`` timed steps;
-rounds alternate (TRL, posttrain, TRL, ...) so that load from other processes hits both alike. Printed: the
+Each round builds a fresh trainer of each kind in its own Python process (nothing carried over from the other
+trainer: allocator state, caches, threads), runs one untimed warm-up step, then ``--steps`` timed steps;
+rounds alternate (TRL, posttrain, TRL, ...) so that load from other processes hits both alike. Each process is
+what its users get: posttrain's applies ``trainer.tune_malloc`` (glibc keeps freed memory for the next step) as
+``posttrain train`` does on CPU, and TRL's changes nothing. The variant ``posttrain, glibc malloc defaults``
+shows that setting's share, and ``--trl-kept-memory`` also times TRL in a process with the same setting. Printed: the
 median step time of each (CPU seconds of the process and wall seconds), the phases of posttrain's step (wall),
 and the ratio, of CPU times with one thread (they measure the work done even when other jobs take the core
 away part of the time) and of wall times otherwise. ``--threads`` defaults to 1: the
@@ -67,8 +71,10 @@ project's 2-core machine is shared with other jobs, and with 2 threads under tha
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,9 +89,11 @@ from posttrain.config.load import build_config  # noqa: E402
 from posttrain.data.splits import load_splits
 from posttrain.data.tasks.arithmetic import arithmetic_reward  # noqa: E402
 from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
+from posttrain.parallel.runtime import select_device  # noqa: E402
 from posttrain.rl.build import build_components  # noqa: E402
 from posttrain.rl.step import train_step  # noqa: E402
 from posttrain.sft.builtin import builtin_model_dir  # noqa: E402
+from posttrain.utils.allocator import keep_freed_memory_for_cpu_training  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 from posttrain.utils.metrics import PhaseTimer  # noqa: E402
 from posttrain.utils.seed import seed_everything
@@ -96,8 +104,13 @@ VARIANTS = {
     "posttrain": [],
     "posttrain, verl's padded layout": ["actor.use_prefix_grouper=false"],
     "posttrain +bypass": ["algorithm.rollout_correction.bypass_mode=true"],
+    "posttrain, glibc malloc defaults": ["trainer.tune_malloc=false"],
 }
 DEFAULTS = "posttrain"
+TRL = "TRL GRPOTrainer"
+TRL_KEPT_MEMORY = "TRL, posttrain's malloc policy"
+# What a worker process needs from the command line (the rest of its job: trainer, seed, overrides, model).
+WORKER_ARGS = ("prompts", "n", "max_tokens", "optimizer_steps", "lr", "steps", "threads", "model")
 
 
 def posttrain_config(args: argparse.Namespace, model_dir: Path, run_dir: Path, extra: list[str] = ()):
@@ -142,6 +155,9 @@ def run_posttrain(
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = posttrain_config(args, model_dir, Path(run_dir), extra)
         cfg.trainer.seed = seed
+        keep_freed_memory_for_cpu_training(
+            cfg.trainer.tune_malloc, select_device(cfg)
+        )  # as `posttrain train`
         seed_everything(seed)
         run = build_components(cfg, quiet=True)
         timer = PhaseTimer()
@@ -300,26 +316,59 @@ def mean_prompt_tokens(cfg, model_dir: Path) -> float:
     return statistics.mean(lengths)
 
 
+def run_isolated(
+    args: argparse.Namespace, model_dir: Path, trainer: str, seed: int, extra: list[str] = ()
+) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """One round of one trainer in a fresh Python process (this script with ``--worker``): no allocator state,
+    caches or threads carried over from the other trainer, and each process is what its users get (posttrain
+    applies ``trainer.tune_malloc`` as ``posttrain train`` does; TRL changes nothing)."""
+    job = {name: getattr(args, name) for name in WORKER_ARGS}
+    job.update(trainer=trainer, seed=seed, extra=list(extra), model_dir=str(model_dir))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True, env=env
+    )
+    if done.returncode:
+        raise RuntimeError(f"the {trainer} worker failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return [tuple(t) for t in result["times"]], result["phases"]
+
+
+def worker(job: dict) -> None:
+    """The ``--worker`` process: run one round and print its times and phases as one JSON line."""
+    args = argparse.Namespace(**{name: job[name] for name in WORKER_ARGS})
+    torch.set_num_threads(args.threads)
+    model_dir = Path(job["model_dir"])
+    if job["trainer"] in (TRL, TRL_KEPT_MEMORY):
+        if job["trainer"] == TRL_KEPT_MEMORY:
+            keep_freed_memory_for_cpu_training(True, torch.device("cpu"))
+        times, phases = run_trl(args, model_dir, job["seed"]), {}
+    else:
+        times, phases = run_posttrain(args, model_dir, job["seed"], job["extra"])
+    print(json.dumps({"times": times, "phases": phases}))
+
+
 def time_shape(args: argparse.Namespace, model_dir: Path, variants: dict[str, list[str]]) -> dict:
     """Alternating rounds of TRL and each posttrain variant at one shape; prints its tables, returns medians."""
-    times: dict[str, list[tuple[float, float]]] = {"TRL GRPOTrainer": [], **{name: [] for name in variants}}
+    trls = [TRL, TRL_KEPT_MEMORY] if args.trl_kept_memory else [TRL]
+    times: dict[str, list[tuple[float, float]]] = {
+        **{name: [] for name in trls},
+        **{name: [] for name in variants},
+    }
     phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for round_ in range(args.rounds):
-        trl_times = run_trl(args, model_dir, seed=round_)
-        times["TRL GRPOTrainer"] += trl_times
-        print(f"  round {round_ + 1}: TRL (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in trl_times]}")
-        for name, extra in variants.items():
-            pt_times, pt_phases = run_posttrain(args, model_dir, round_, extra)
-            times[name] += pt_times
-            phases[name].append(pt_phases)
-            print(
-                f"  round {round_ + 1}: {name} (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in pt_times]}"
-            )
+        for name in [*trls, *variants]:
+            step_times, step_phases = run_isolated(args, model_dir, name, round_, variants.get(name, []))
+            times[name] += step_times
+            if name in variants:
+                phases[name].append(step_phases)
+            shown = [tuple(round(x, 2) for x in t) for t in step_times]
+            print(f"  round {round_ + 1}: {name} (wall, CPU) s {shown}")
     # CPU seconds of the process measure the work done even when other jobs take the cores away part of the
     # time (one thread: CPU time = wall time on an idle machine); with several threads only wall time is fair.
     clock = 1 if args.threads == 1 else 0
     medians = {name: statistics.median(t[clock] for t in ts) for name, ts in times.items()}
-    reference = medians["TRL GRPOTrainer"]
+    reference = medians[TRL]
     rows = [
         {
             "trainer": name,
@@ -389,7 +438,16 @@ def main() -> None:
         default=list(VARIANTS),
         help="posttrain configurations to time (each against the same TRL runs)",
     )
+    parser.add_argument(
+        "--trl-kept-memory",
+        action="store_true",
+        help=f"also time {TRL_KEPT_MEMORY!r}: TRL in a process with posttrain's trainer.tune_malloc policy",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one round in a fresh process
     args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
     if DEFAULTS not in args.variants:
         parser.error(f"--variants must include {DEFAULTS!r} (the summary compares the defaults)")
     for prompts, _, _ in args.shapes:
@@ -430,11 +488,11 @@ def main() -> None:
                 {
                     "shape": f"{prompts}x{n}x{tokens}",
                     "prompt / response tokens": f"{prompt_len:.1f} / {result['response_len']:.1f}",
-                    "TRL s": round(m["TRL GRPOTrainer"], 3),
+                    "TRL s": round(m[TRL], 3),
                     "posttrain s": round(m[DEFAULTS], 3),
-                    "speed-up": round(m["TRL GRPOTrainer"] / m[DEFAULTS], 2),
+                    "speed-up": round(m[TRL] / m[DEFAULTS], 2),
                     "FLOP floor s": round(floor, 3),
-                    "TRL x floor": round(m["TRL GRPOTrainer"] / floor, 1),
+                    "TRL x floor": round(m[TRL] / floor, 1),
                     "posttrain x floor": round(m[DEFAULTS] / floor, 1),
                     "its rollout x floor": round(ph["timing/rollout"] / (rollout_flops / rate), 1),
                     "its update x floor": round(ph["timing/update_actor"] / (update_flops / rate), 1),

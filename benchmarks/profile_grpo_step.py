@@ -31,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step_vs_trl import parse_shape, posttrain_config  # noqa: E402
 
 from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
+from posttrain.parallel.runtime import select_device  # noqa: E402
 from posttrain.rl.build import build_components  # noqa: E402
 from posttrain.rl.step import train_step  # noqa: E402
+from posttrain.utils.allocator import keep_freed_memory_for_cpu_training  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 from posttrain.utils.metrics import PhaseTimer  # noqa: E402
 from posttrain.utils.seed import seed_everything  # noqa: E402
@@ -77,6 +79,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = create_tiny_model_dir(Path(tmp) / "tiny", seed=0)
         cfg = posttrain_config(args, model_dir, Path(tmp) / "run", args.set)
+        keep_freed_memory_for_cpu_training(
+            cfg.trainer.tune_malloc, select_device(cfg)
+        )  # as `posttrain train`
         seed_everything(0)
         run = build_components(cfg, quiet=True)
         timer = PhaseTimer()

@@ -40,6 +40,7 @@ from posttrain.rl.step import inline_rollouts, train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.checkpoint import checkpoint_root, find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, reward_failure_summary
@@ -142,7 +143,9 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     lock = lock_run_dir(cfg.trainer.run_dir, take=launched_rank() == 0)
     seed_everything(cfg.trainer.seed)
     try:
-        ctx = init_distributed(select_device(cfg), cfg.trainer.dist_timeout_s)
+        device = select_device(cfg)
+        keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
+        ctx = init_distributed(device, cfg.trainer.dist_timeout_s)
     except BaseException:
         if lock is not None:
             lock.release()

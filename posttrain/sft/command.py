@@ -21,6 +21,7 @@ from posttrain.parallel.runtime import select_device
 from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
 from posttrain.sft.loop import run_sft, sft_records
 from posttrain.sft.validation import SFTValidator, sft_val_records
+from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.run_lock import lock_run_dir
@@ -58,6 +59,7 @@ def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     """`posttrain sft`: fine-tune model.path and save it; returns the saved directory. Holds the run
     directory's lock (the one `posttrain train` takes) from before anything is written there to the end."""
     device = select_device(cfg)
+    keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     lock = lock_run_dir(cfg.trainer.run_dir)
     try:
         return _sft(cfg, device, quiet)

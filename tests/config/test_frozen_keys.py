@@ -46,7 +46,7 @@ algorithm.rollout_correction.rollout_is_threshold algorithm.rollout_correction.r
 algorithm.rollout_correction.rollout_rs_threshold algorithm.rollout_correction.rollout_rs_threshold_lower
 algorithm.rollout_correction.rollout_token_veto_threshold
 trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
-trainer.resume trainer.seed trainer.device trainer.loggers trainer.export_hf trainer.export_merged
+trainer.resume trainer.seed trainer.device trainer.tune_malloc trainer.loggers trainer.export_hf trainer.export_merged
 trainer.ray_ranks trainer.ray_cpus_per_rank trainer.ray_gpus_per_rank trainer.ray_placement
 trainer.ray_max_restarts trainer.ray_address
 sft.train_files sft.response_key sft.val_files sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir

@@ -22,6 +22,12 @@ class TrainerConfig:
     device: str = knob(
         "auto", "'auto' (CUDA when present), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda")
     )
+    tune_malloc: bool = knob(
+        True,
+        "Training on the CPU under Linux/glibc: keep freed memory in the process for the next step (mallopt: "
+        "no mmap for large blocks, no heap trimming) instead of returning it to the OS and faulting it in "
+        "again; the process keeps its peak memory until it exits. Never changes results (docs/performance.md).",
+    )
     loggers: list[str] = knob(
         default_factory=lambda: ["console", "jsonl"], help="Metric sinks: console, jsonl, tensorboard, wandb."
     )
