@@ -24,6 +24,9 @@ class TRLStyleEnvironment(Environment):
 
     The text ``reset`` returns (if any) becomes a user message after the row's prompt. The episode ends at the
     first assistant turn without a tool call; ``get_reward()``, when defined, is then added to that turn's reward.
+    The methods share the object's state, so one turn's calls run one after another, in the order the model
+    wrote them (``max_parallel_calls`` is not used): run side by side, a read could see the state before or after
+    a write depending on the thread scheduler.
     """
 
     def __init__(
@@ -47,7 +50,7 @@ class TRLStyleEnvironment(Environment):
                 f"environment {name} has method(s) {clash} and the tool config defines tool(s) of the same name; "
                 "rename one of them"
             )
-        self.inner = ToolEnvironment(ToolSet(methods + extra), max_parallel_calls, timeout_s)
+        self.inner = ToolEnvironment(ToolSet(methods + extra), max_parallel_calls=1, timeout_s=timeout_s)
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         return self.inner.tool_schemas()

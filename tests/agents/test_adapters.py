@@ -1,6 +1,8 @@
 """The peers' environments through our interface: a TRL-style class and skyrl-gym's multi-turn GSM8K."""
 
+import asyncio
 import re
+import time
 
 import pytest
 
@@ -117,3 +119,27 @@ def test_skyrl_unknown_env_class_is_a_config_error(tok):
     pytest.importorskip("skyrl_gym")
     with pytest.raises(ConfigError, match="env_class='nope'"):
         SkyRLEnvironment().reset({"prompt": [{"role": "user", "content": "x"}], "env_class": "nope"})
+
+
+class SlowWriter:
+    def write(self, value: int) -> str:
+        """Store a value, slowly.
+
+        Args:
+            value: the value.
+        """
+        time.sleep(0.05)
+        self.value = value
+        return "ok"
+
+    async def read(self) -> str:
+        """Read the value."""
+        return str(getattr(self, "value", None))
+
+
+def test_trl_style_calls_of_one_turn_run_in_order():
+    """The methods share the object's state: a read written after a slow write sees the write."""
+    env = TRLStyleEnvironment(SlowWriter(), max_parallel_calls=4)
+    text = tool_call_text("write", {"value": 5}) + tool_call_text("read", {})
+    result = asyncio.run(env.step(text))
+    assert [m["content"] for m in result.messages] == ["ok", "5"]
