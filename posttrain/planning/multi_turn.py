@@ -10,6 +10,7 @@ from rich.tree import Tree
 
 from posttrain.agents.build import SKYRL, load_tools, resolve_env
 from posttrain.agents.check import sample_environment
+from posttrain.agents.tools import ToolSet
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.schema.names import TASK_ENVIRONMENTS
 
@@ -21,9 +22,14 @@ def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
         return None
     spec = resolve_env(env.path)
     schemas: list[dict[str, Any]] = []
+    unlisted: list[str] = []  # tools the environment answers whose schemas stay out of the prompt
     if spec.kind != SKYRL:
         made = sample_environment(cfg)
         schemas = made.tool_schemas() or []
+        listed = {s.get("function", {}).get("name") for s in schemas}
+        tools = getattr(made, "tools", None)
+        if isinstance(tools, ToolSet):
+            unlisted = [name for name in tools.tools if name not in listed]
         made.close()
     return {
         "implied_by_task": cfg.data.task if cfg.data.task in TASK_ENVIRONMENTS else None,
@@ -35,6 +41,7 @@ def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
         "environment": spec.name,
         "environment_kwargs": _kwargs_with_defaults(spec, env.kwargs),
         "tools": schemas,
+        "tools_not_in_prompt": unlisted,
     }
 
 
@@ -83,7 +90,7 @@ def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
     )
     kwargs = ", ".join(f"{k}={v!r}" for k, v in plan["environment_kwargs"].items())
     root.add(f"environment: {plan['environment']}({kwargs}) (env.path={cfg.env.path!r}, env.kwargs)")
-    _tools_branch(root, cfg, plan["tools"])
+    _tools_branch(root, cfg, plan["tools"], plan["tools_not_in_prompt"])
     placement = {
         "final": "summed onto the trajectory's last token",
         "per_turn": "each on the last token of its assistant turn",
@@ -96,10 +103,18 @@ def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
     return root
 
 
-def _tools_branch(root: Tree, cfg: PostTrainConfig, schemas: list[dict[str, Any]]) -> None:
+def _tools_branch(
+    root: Tree, cfg: PostTrainConfig, schemas: list[dict[str, Any]], unlisted: list[str]
+) -> None:
     mt = cfg.rollout.multi_turn
+    if unlisted:
+        root.add(
+            f"tools the environment answers without listing them in the prompt: {', '.join(unlisted)} "
+            "(the model learns the call format from its warm start; see the environment's env.kwargs)"
+        )
     if not schemas:
-        root.add("tools: none")
+        if not unlisted:
+            root.add("tools: none")
         return
     source = f"tool config {mt.tool_config_path!r}" if mt.tool_config_path else "the environment's"
     tools = root.add(

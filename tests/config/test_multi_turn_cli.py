@@ -159,3 +159,14 @@ def test_explain_prints_the_multi_turn_plan(here, capsys):
     assert [t["function"]["name"] for t in data["tools"]] == ["add"]
     assert cli.main(["explain", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["multi_turn"] is None
+
+
+def test_explain_names_the_tools_an_environment_keeps_out_of_the_prompt(capsys):
+    """The calculator task's environment answers `calculator` calls but lists no schema in the prompt."""
+    assert cli.main(["explain", "data.task=calculator"]) == 0
+    plan = " ".join(capsys.readouterr().out.split())
+    assert "tools the environment answers without listing them in the prompt: calculator" in plan
+    assert "tools: none" not in plan
+    assert cli.main(["explain", "--json", "data.task=calculator"]) == 0
+    data = json.loads(capsys.readouterr().out)["multi_turn"]
+    assert data["tools"] == [] and data["tools_not_in_prompt"] == ["calculator"]
