@@ -9,14 +9,17 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
+from tests.helpers import small_overrides
 
 # Allocates and frees a 48 MiB tensor (above glibc's largest mmap threshold) 20 times, as a training step does
 # with its activations, and prints the page faults that took.
 CHURN = """
 import json, resource, sys, torch
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
+from tests.helpers import small_overrides
 said = keep_freed_memory_for_cpu_training(sys.argv[1] == "on", torch.device("cpu"))
 torch.ones(12 << 20)  # the first allocation faults its pages in either way
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -53,3 +56,22 @@ def test_policy_applies_to_cpu_training_only():
     assert keep_freed_memory_for_cpu_training(False, torch.device("cpu")).endswith(
         "(trainer.tune_malloc=false)"
     )
+
+
+def test_training_gives_the_same_weights_with_and_without_the_policy(tiny_model_dir, tmp_path):
+    """Two steps of `posttrain train` in fresh processes (a reward the untrained model varies in, so the weights
+    move): the exported weights are equal bit for bit."""
+    weights = {}
+    for policy in ("true", "false"):
+        run_dir = tmp_path / policy / "run"
+        run_dir.parent.mkdir()
+        args = small_overrides(tiny_model_dir, run_dir, "trainer.device=cpu", f"trainer.tune_malloc={policy}")
+        done = subprocess.run(
+            [sys.executable, "-m", "posttrain", "train", *args], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        weights[policy] = load_file(run_dir / "final_model" / "model.safetensors")
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(initial[k], weights["true"][k]) for k in initial)  # it trained
+    assert weights["true"].keys() == weights["false"].keys()
+    assert all(torch.equal(weights["true"][k], weights["false"][k]) for k in weights["true"])
