@@ -112,8 +112,9 @@ def check_ranks(cfg: PostTrainConfig, world_size: int) -> None:
         lower, upper = (b // world_size) * world_size, (b // world_size + 1) * world_size
         nearest = " or ".join(str(v) for v in (lower, upper) if v > 0)
         raise ConfigError(
-            f"rm.batch_size={b} must split evenly over the {world_size} data-parallel ranks (WORLD_SIZE: the "
-            f"processes torchrun started), each training rm.batch_size / ranks pairs of every step. Nearest "
+            f"rm.batch_size={b} must split evenly over the {world_size} data-parallel ranks (the processes "
+            f"torchrun starts; --world-size for explain), each training rm.batch_size / ranks pairs of every "
+            f"step. Nearest "
             f"valid: rm.batch_size={nearest}, or launch a number of ranks that divides {b}"
         )
 
@@ -122,7 +123,10 @@ def _build_model(cfg: PostTrainConfig, path: Path, tokenizer, ctx: DistContext):
     """The reward model on this rank's device (LoRA added); sharded with FSDP2 over all ranks under torchrun."""
     model = add_lora(load_reward_model(path, tokenizer.pad_token_id, cfg.model.dtype, ctx.device), cfg)
     if ctx.distributed:
-        shard_model(model, ctx, ShardingConfig(), resolve_dtype(cfg.model.dtype))
+        # The scalar head is called on its own (posttrain.rm.model.sequence_scores); inside a PEFT wrapper it
+        # is not a child of the root, so it is named here to get a unit of its own.
+        head = (hf_model(model).score,)
+        shard_model(model, ctx, ShardingConfig(), resolve_dtype(cfg.model.dtype), head)
     return model
 
 

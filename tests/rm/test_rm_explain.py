@@ -29,6 +29,8 @@ def test_plan_counts_pairs_steps_and_micro_batches(tmp_path, capsys):
     assert plan["val_pairs"]["kept"] == 10
     assert plan["batch"] == {
         "pairs_per_step": 16,
+        "ranks": 1,
+        "pairs_per_rank": 16,
         "pairs_per_micro": 4,
         "token_budget": 0,
         "accumulation_steps": 4,
@@ -92,3 +94,29 @@ def test_dynamic_batch_plan_and_a_budget_too_small(tmp_path, capsys):
         == 2
     )
     assert "rm.max_token_len_per_gpu=10 is smaller than the longest training pair" in capsys.readouterr().err
+
+
+def test_plan_on_two_ranks_shows_each_ranks_share_and_micro_batches(tmp_path, capsys):
+    """--world-size 2: each rank trains half of a step's pairs in its own micro-batches; model states are
+    sharded over the ranks; a batch that does not split is refused (exit 2) with the nearest valid sizes."""
+    write_arithmetic_pairs(tmp_path, 50, 10, seed=1)
+    extra = ["rm.batch_size=16", "rm.micro_batch_size_per_gpu=4", "--json"]
+    assert main(_args(tmp_path, *extra)) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(_args(tmp_path, *extra, "--world-size", "2")) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["batch"]["ranks"] == 2 and two["batch"]["pairs_per_rank"] == 8
+    assert two["batch"]["pairs_per_micro"] == 4 and two["batch"]["accumulation_steps"] == 2
+    assert two["batch"]["total_steps"] == one["batch"]["total_steps"]
+    for key in ("weights", "gradients", "optimizer"):
+        assert two["memory"][key] == one["memory"][key] // 2
+    assert two["memory"]["activations"] == one["memory"]["activations"]  # a micro-batch is the same size
+    assert (
+        main(_args(tmp_path, "rm.batch_size=16", "rm.micro_batch_size_per_gpu=4", "--world-size", "2")) == 0
+    )
+    out = capsys.readouterr().out
+    assert "(2 data-parallel ranks;" in out
+    assert "each trains 8 pairs = 16 sequences of every step (rm.batch_size / 2)" in out
+    assert "2 gradient-accumulation step(s) on each rank" in out
+    assert main(_args(tmp_path, "rm.batch_size=15", "--world-size", "2")) == 2
+    assert "rm.batch_size=14 or 16" in capsys.readouterr().err

@@ -102,10 +102,17 @@ def test_two_ranks_train_like_one_and_resume_on_one(tmp_path, tiny_model_dir, da
     _same_weights(one, moved)
 
 
-def test_two_ranks_with_token_budget_and_packing_train_like_one(tmp_path, tiny_model_dir, data_dir):
-    """rm.use_dynamic_bsz and model.use_remove_padding on 2 ranks: a budget of 50 tokens holds one pair
-    (42-46 tokens), so the micro-batches are again the one-rank ones, packed."""
-    extra = ["rm.use_dynamic_bsz=true", "rm.max_token_len_per_gpu=50", "model.use_remove_padding=true"]
+def test_two_ranks_with_token_budget_packing_and_lora_train_like_one(tmp_path, tiny_model_dir, data_dir):
+    """rm.use_dynamic_bsz, model.use_remove_padding and LoRA on 2 ranks: a budget of 50 tokens holds one pair
+    (42-46 tokens), so the micro-batches are again the one-rank ones, packed; the adapters and the head (inside
+    PEFT's wrapper, a unit of its own under FSDP2) train, and the merged export is the one-rank one."""
+    extra = [
+        "rm.use_dynamic_bsz=true",
+        "rm.max_token_len_per_gpu=50",
+        "model.use_remove_padding=true",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     _launch(1, _args(tiny_model_dir, data_dir, one, *extra))
     _launch(2, _args(tiny_model_dir, data_dir, two, *extra))
