@@ -2,6 +2,7 @@
 one-rank run: the same losses, validation metrics and exported weights; its checkpoint resumes on one rank; a
 batch that does not split over the ranks is refused before any model loads."""
 
+import json
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 
 from posttrain.cli import main
 from posttrain.rm.demo import write_arithmetic_pairs
+from posttrain.rm.loop import RMSchedule
 from posttrain.utils.metrics import read_metrics
 from tests.parallel.conftest import REPO, end_group, free_port, loopback_env, start_group
 
@@ -102,22 +104,45 @@ def test_two_ranks_train_like_one_and_resume_on_one(tmp_path, tiny_model_dir, da
     _same_weights(one, moved)
 
 
-def test_two_ranks_with_token_budget_packing_and_lora_train_like_one(tmp_path, tiny_model_dir, data_dir):
-    """rm.use_dynamic_bsz, model.use_remove_padding and LoRA on 2 ranks: a budget of 50 tokens holds one pair
-    (42-46 tokens), so the micro-batches are again the one-rank ones, packed; the adapters and the head (inside
-    PEFT's wrapper, a unit of its own under FSDP2) train, and the merged export is the one-rank one."""
+def _uneven_pairs(data_dir, out_dir):
+    """8 training pairs whose 2 steps of 4 give rank 0 two long pairs (one micro-batch each under a budget of
+    140 tokens) and rank 1 two short ones (one micro-batch together): the ranks make 2 and 1 micro-batches."""
+    order = [i for step in (1, 2) for i in RMSchedule(8, 4, 1, 2, seed=1).indices(step)]  # trainer.seed=1
+    long_rows = {i for k, i in enumerate(order) if k % 4 < 2}  # the first half of each step: rank 0's share
+    rows = []
+    for i in range(8):
+        prompt = f"What is {i} + 3?" + (" Explain each step of the sum." * 3 if i in long_rows else "")
+        rows.append({"prompt": prompt, "chosen": f"The sum is {i + 3}.", "rejected": f"The sum is {i + 4}."})
+    out_dir.mkdir()
+    (out_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out_dir / "val.jsonl").write_text((data_dir / "val.jsonl").read_text())
+    return out_dir
+
+
+def test_two_ranks_with_uneven_micro_batches_packing_and_lora_train_like_one(
+    tmp_path, tiny_model_dir, data_dir
+):
+    """rm.use_dynamic_bsz, model.use_remove_padding and LoRA on 2 ranks. The token budget cuts rank 0's share
+    into 2 micro-batches and rank 1's into 1 (rank 1 adds a call without gradient so FSDP2's collectives line
+    up); one rank cuts the step into the same 3 micro-batches, so the sums match to rounding. The adapters
+    and the head (inside PEFT's wrapper, a unit of its own under FSDP2) train; the merged exports match."""
+    pairs = _uneven_pairs(data_dir, tmp_path / "pairs")
     extra = [
         "rm.use_dynamic_bsz=true",
-        "rm.max_token_len_per_gpu=50",
+        "rm.max_token_len_per_gpu=140",
         "model.use_remove_padding=true",
         "model.lora_rank=4",
         "model.lora_alpha=8",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    _launch(1, _args(tiny_model_dir, data_dir, one, *extra))
-    _launch(2, _args(tiny_model_dir, data_dir, two, *extra))
+    _launch(1, _args(tiny_model_dir, pairs, one, *extra))
+    _launch(2, _args(tiny_model_dir, pairs, two, *extra))
     _same_metrics(one, two)
     _same_weights(one, two)
+    steps = [r for r in read_metrics(one / "metrics.jsonl") if "rm/loss" in r]
+    assert [r["rm/micro_batches"] for r in steps] == [3, 3]  # long, long, short + short
+    steps = [r for r in read_metrics(two / "metrics.jsonl") if "rm/loss" in r]
+    assert [r["rm/micro_batches"] for r in steps] == [2, 2]  # the most any rank makes
 
 
 def test_batch_that_does_not_split_over_the_ranks_is_refused_first(
