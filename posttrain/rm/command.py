@@ -171,23 +171,24 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
             lock.release()
 
 
-def _model_path(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> Path:
-    """The model directory; under torchrun rank 0 resolves it first (a built-in model is built and cached,
-    a Hub id downloaded, once), then the others read it."""
+def _model_path(cfg: PostTrainConfig, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
+    """The model directory, recorded in run_info.yaml by rank 0; under torchrun rank 0 resolves it first (a
+    built-in model is built and cached, a Hub id downloaded, once), then the others read it."""
     if ctx.distributed:
         if ctx.is_main:
             resolve_model_path(model_config(cfg), quiet=quiet)
         ctx.barrier()
-    return resolve_model_path(model_config(cfg), quiet=True if not ctx.is_main else quiet)
-
-
-def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
-    seed_everything(cfg.trainer.seed)
-    path = _model_path(cfg, ctx, quiet)
+    path = resolve_model_path(model_config(cfg), quiet=quiet or not ctx.is_main)
     if ctx.is_main:
         info = write_run_info(run_dir, cfg, path)
         if not quiet:
             print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
+    return path
+
+
+def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
+    seed_everything(cfg.trainer.seed)
+    path = _model_path(cfg, run_dir, ctx, quiet)
     tokenizer = load_tokenizer(path)
     train_pairs, _ = _tokenized(cfg, tokenizer, train, "train", quiet)
     val_pairs, _ = _tokenized(cfg, tokenizer, val, "validation", quiet)
