@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from posttrain.batching.packing import plan_rows
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import load_tokenizer
@@ -24,7 +25,7 @@ from posttrain.planning.memory_bytes import (
 )
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.rm.command import check_ranks, token_budget
-from posttrain.rm.data import load_pairs, tokenize_pairs
+from posttrain.rm.data import TokenizedPair, load_pairs, tokenize_pairs
 from posttrain.sft.builtin import BUILTIN_NAMES, builtin_base_dir, resolve_model_path
 
 
@@ -77,14 +78,28 @@ def _tokenizer(cfg: PostTrainConfig):
     return load_tokenizer(resolve_model_path(cfg, quiet=True))
 
 
-def count_pairs(cfg: PostTrainConfig, files: list[str], tokenizer, training: bool = False) -> PairCounts:
-    """The counts of ``files``' pairs; for the ``training`` pairs, also `posttrain rm`'s token-budget check."""
+def count_pairs(
+    cfg: PostTrainConfig, files: list[str], tokenizer, training: bool = False
+) -> tuple[PairCounts, list[TokenizedPair]]:
+    """The counts of ``files``' pairs and the pairs kept; for the ``training`` pairs, also `posttrain rm`'s
+    token-budget check."""
     pairs = load_pairs(cfg, files)
     kept, _ = tokenize_pairs(pairs, tokenizer, cfg.rm.max_length)
     if training and kept:
         token_budget(cfg, kept)
     longest = max((max(len(p.chosen_ids), len(p.rejected_ids)) for p in kept), default=0)
-    return PairCounts(len(pairs), len(kept), longest)
+    return PairCounts(len(pairs), len(kept), longest), kept
+
+
+def packed_micro_batch_tokens(cfg: PostTrainConfig, pairs: list[TokenizedPair], pairs_per_micro: int) -> int:
+    """Tokens the packed forward (model.use_remove_padding) computes for a micro-batch of the
+    ``pairs_per_micro`` longest pairs: their texts packed into rows of model.remove_padding_max_row_tokens
+    (raised to the longest text), each row padded to the longest row, as posttrain.batching.packing lays
+    them out."""
+    biggest = sorted(pairs, key=lambda p: len(p.chosen_ids) + len(p.rejected_ids), reverse=True)
+    lens = [len(ids) for p in biggest[:pairs_per_micro] for ids in (p.chosen_ids, p.rejected_ids)]
+    rows = plan_rows(lens, max(cfg.model.remove_padding_max_row_tokens, max(lens)))
+    return len(rows) * max(sum(lens[i] for i in row) for row in rows)
 
 
 def batch_plan(cfg: PostTrainConfig, train_pairs: int, world_size: int = 1) -> RMBatchPlan:
@@ -119,9 +134,12 @@ def _training(cfg: PostTrainConfig) -> Training:
     return Training(settings.rank, settings.target_modules) if settings is not None else FULL
 
 
-def memory_estimate(cfg: PostTrainConfig, shape: ModelShape, plan: RMBatchPlan, longest: int) -> RMMemory:
+def memory_estimate(
+    cfg: PostTrainConfig, shape: ModelShape, plan: RMBatchPlan, longest: int, packed_tokens: int | None = None
+) -> RMMemory:
     """One micro-batch of ``plan.pairs_per_micro`` pairs (twice as many sequences) padded to ``longest``
-    tokens, or of the token budget (rm.use_dynamic_bsz; padding not counted). The reward model has no LM head: a
+    tokens, or ``packed_tokens`` (model.use_remove_padding: :func:`packed_micro_batch_tokens`), or of the
+    token budget (rm.use_dynamic_bsz; padding not counted). The reward model has no LM head: a
     causal LM's untied output matrix is replaced by a hidden_size x 1 ``score`` layer, trained in full also with
     LoRA. On several ranks FSDP2 shards weights, gradients and moments over them (``plan.ranks``); the layer
     gathered for its forward/backward is not counted."""
@@ -132,7 +150,7 @@ def memory_estimate(cfg: PostTrainConfig, shape: ModelShape, plan: RMBatchPlan, 
     trainable = params
     if training.lora_rank:
         trainable = shape.lora_params(training.lora_rank, training.target_modules) + shape.hidden_size
-    tokens = plan.token_budget or 2 * plan.pairs_per_micro * longest
+    tokens = plan.token_budget or packed_tokens or 2 * plan.pairs_per_micro * longest
     activations = update_activation_bytes(
         shape, tokens, dtype, checkpointing=False, offload=False, training=training
     )
@@ -158,14 +176,17 @@ def rm_plan(cfg: PostTrainConfig, model_config: str | None = None, world_size: i
     load_pairs(cfg, cfg.data.train_files)  # bad rows are reported before the tokenizer loads
     load_pairs(cfg, cfg.data.val_files)
     tokenizer = _tokenizer(cfg)
-    train = count_pairs(cfg, cfg.data.train_files, tokenizer, training=True)
-    val = count_pairs(cfg, cfg.data.val_files, tokenizer)
+    train, kept = count_pairs(cfg, cfg.data.train_files, tokenizer, training=True)
+    val, _ = count_pairs(cfg, cfg.data.val_files, tokenizer)
     plan = batch_plan(cfg, train.kept, world_size)
     shape = ModelShape.from_path(model_config) if model_config else shape_for_model_path(cfg.model.path)
     memory = None
     if shape is not None:
         longest = max(train.longest_tokens, val.longest_tokens)
-        memory = memory_estimate(cfg, shape, plan, longest)
+        packed = None
+        if cfg.model.use_remove_padding and plan.pairs_per_micro:
+            packed = packed_micro_batch_tokens(cfg, kept, plan.pairs_per_micro)
+        memory = memory_estimate(cfg, shape, plan, longest, packed)
         memory = {**asdict(memory), "peak": memory.peak, "model": shape.name}
     return {"train_pairs": asdict(train), "val_pairs": asdict(val), "batch": asdict(plan), "memory": memory}
 
@@ -187,6 +208,19 @@ def _micro_line(cfg: PostTrainConfig, b: dict) -> str:
         f"(rm.micro_batch_size_per_gpu={cfg.rm.micro_batch_size_per_gpu}) -> {b['accumulation_steps']} "
         f"gradient-accumulation step(s){each} per optimizer step; the gradient does not depend on it"
     )
+
+
+def _tokens_note(cfg: PostTrainConfig, b: dict) -> str:
+    """What the activations' token count is."""
+    n = 2 * b["pairs_per_micro"]
+    if not n:
+        return ")"
+    if cfg.model.use_remove_padding:
+        return (
+            f": the {n} texts of the {b['pairs_per_micro']} longest pairs packed into rows of <= "
+            f"{cfg.model.remove_padding_max_row_tokens}, model.use_remove_padding)"
+        )
+    return f": {n} sequences padded to the longest)"
 
 
 def _ranks_lines(b: dict) -> list[str]:
@@ -231,8 +265,7 @@ def rm_plan_lines(cfg: PostTrainConfig, plan: dict) -> list[str]:
         f"trained, model.dtype={cfg.model.dtype}):",
         ("    per rank, model states sharded over the ranks: " if b["ranks"] > 1 else "    ")
         + f"weights {_mib(m['weights'])}, gradients {_mib(m['gradients'])}, AdamW moments {_mib(m['optimizer'])}, "
-        f"activations {_mib(m['activations'])} ({m['micro_batch_tokens']} tokens"
-        + (f": {2 * b['pairs_per_micro']} sequences padded to the longest)" if b["pairs_per_micro"] else ")"),
+        f"activations {_mib(m['activations'])} ({m['micro_batch_tokens']} tokens" + _tokens_note(cfg, b),
         f"    peak about {_mib(m['peak'])} (weights + moments + the larger of activations and gradients)",
     ]
     return lines
