@@ -148,7 +148,7 @@ def explain_rm(args: argparse.Namespace) -> int:
     args.config = args.config[1:]
     cfg = _load(args)
     check_model_path(rm_model_config(cfg))
-    plan = rm_plan(cfg, args.model_config)
+    plan = rm_plan(cfg, args.model_config, _world_size(args, cfg))
     print(json.dumps(plan, indent=2) if args.json else "\n".join(rm_plan_lines(cfg, plan)))
     return 0
 

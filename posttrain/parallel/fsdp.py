@@ -67,12 +67,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(
-    module: nn.Module, ctx: DistContext, cfg: ShardingConfig, compute_dtype: torch.dtype
+    module: nn.Module,
+    ctx: DistContext,
+    cfg: ShardingConfig,
+    compute_dtype: torch.dtype,
+    called_directly: tuple[nn.Module, ...] = (),
 ) -> nn.Module:
     """Apply FSDP2 in place (layers, then root) and return the module; parameters must be on ``ctx.device``.
 
     ``compute_dtype``: the dtype forward/backward run in. On CUDA the parameters stay fp32 (master weights)
     and FSDP2 casts each gathered layer to ``compute_dtype``; on CPU everything runs in the parameters' dtype.
+    ``called_directly``: sub-modules the caller's forward code calls on their own that are not found below
+    (e.g. a head nested inside a PEFT wrapper); each becomes its own unit.
     """
     # FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip a hook); heads and
     # the critic return views ([..., 0], reshapes) that posttrain only ever reads.
@@ -91,7 +97,7 @@ def shard_model(
     layers = decoder_layers(module)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
-    for unit in _directly_called_units(module, layers):
+    for unit in _directly_called_units(module, layers, called_directly):
         # Called on their own by posttrain's forward code (which never calls the top module's forward for
         # the policy: it runs the decoder body, then the head on response positions only), so each needs
         # its own FSDP unit, i.e. its own gather-before-use hooks.
@@ -107,11 +113,13 @@ def shard_model(
     return module
 
 
-def _directly_called_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module | list[nn.Module]]:
-    """Sub-modules the forward code calls directly, innermost first: the input embedding grouped with a
-    tied output head (one shared weight must live in one unit), an untied head, the decoder body, and any
-    other child with parameters of its own (e.g. a critic's value head)."""
-    units: list = []
+def _directly_called_units(
+    model: nn.Module, layers: list[nn.Module], called_directly: tuple[nn.Module, ...] = ()
+) -> list[nn.Module | list[nn.Module]]:
+    """Sub-modules the forward code calls directly, innermost first: the caller's ``called_directly``, the
+    input embedding grouped with a tied output head (one shared weight must live in one unit), an untied head,
+    the decoder body, and any other child with parameters of its own (e.g. a critic's value head)."""
+    units: list = list(called_directly)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = embed is not None and head is not None and head.weight is embed.weight

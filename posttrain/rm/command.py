@@ -5,6 +5,10 @@ data.train_files and data.val_files (pairs), trainer.run_dir, trainer.seed, trai
 trainer.save_freq, trainer.resume; the rest in the `rm` section. One run per run directory (the run lock),
 checkpoints and resume as in `posttrain train`, SIGTERM handled as there. Logged like `sft`: a progress
 line, ``metrics.jsonl`` and ``curves.png`` in trainer.run_dir.
+
+Launched by torchrun (WORLD_SIZE > 1) every rank runs this, as `posttrain train` does: the same process group
+(posttrain.parallel.runtime), the model sharded with FSDP2 over all ranks (posttrain.parallel.fsdp), each
+rank training its share of every step's pairs (posttrain.rm.loop); rank 0 alone prints, logs and exports.
 """
 
 from __future__ import annotations
@@ -14,10 +18,21 @@ from pathlib import Path
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
-from posttrain.models.hf import load_tokenizer
+from posttrain.config.schema.roles import ShardingConfig
+from posttrain.models.hf import load_tokenizer, resolve_dtype
 from posttrain.models.lora import hf_model
 from posttrain.models.registry import check_packing_supported
-from posttrain.parallel.runtime import select_device
+from posttrain.parallel.data_parallel import data_parallel
+from posttrain.parallel.fsdp import full_state_dict, shard_model
+from posttrain.parallel.runtime import (
+    DistContext,
+    abort_on_collective_failure,
+    init_distributed,
+    launched_rank,
+    launched_world_size,
+    select_device,
+    shutdown_distributed,
+)
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, validate_pairs
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
@@ -89,34 +104,97 @@ def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
     return apply_values(cfg, {"data.train_files": [], "data.val_files": [], "sft.train_files": []})
 
 
-def _build_model(cfg: PostTrainConfig, path: Path, tokenizer, device):
-    model = load_reward_model(path, tokenizer.pad_token_id, cfg.model.dtype, device)
-    return add_lora(model, cfg)
+def check_ranks(cfg: PostTrainConfig, world_size: int) -> None:
+    """rm.batch_size must split evenly over the data-parallel ranks (each trains an equal share of a step's
+    pairs), as data.train_batch_size and sft.batch_size must for `posttrain train` and `posttrain sft`."""
+    b = cfg.rm.batch_size
+    if b % world_size:
+        lower, upper = (b // world_size) * world_size, (b // world_size + 1) * world_size
+        nearest = " or ".join(str(v) for v in (lower, upper) if v > 0)
+        raise ConfigError(
+            f"rm.batch_size={b} must split evenly over the {world_size} data-parallel ranks (the processes "
+            f"torchrun starts; --world-size for explain), each training rm.batch_size / ranks pairs of every "
+            f"step. Nearest "
+            f"valid: rm.batch_size={nearest}, or launch a number of ranks that divides {b}"
+        )
+
+
+def _build_model(cfg: PostTrainConfig, path: Path, tokenizer, ctx: DistContext):
+    """The reward model on this rank's device (LoRA added); sharded with FSDP2 over all ranks under torchrun."""
+    model = add_lora(load_reward_model(path, tokenizer.pad_token_id, cfg.model.dtype, ctx.device), cfg)
+    if ctx.distributed:
+        # The scalar head is called on its own (posttrain.rm.model.sequence_scores); inside a PEFT wrapper it
+        # is not a child of the root, so it is named here to get a unit of its own.
+        head = (hf_model(model).score,)
+        shard_model(model, ctx, ShardingConfig(), resolve_dtype(cfg.model.dtype), head)
+    return model
+
+
+def _export(cfg: PostTrainConfig, model, path: Path, tokenizer, ctx: DistContext, out: Path, stats) -> Path:
+    """export_reward_model of the trained weights; a sharded model's full weights are gathered (every rank
+    takes part) and rank 0 exports them from a plain copy built the same way."""
+    if not ctx.distributed:
+        return export_reward_model(model, tokenizer, out, stats)
+    state = {name: t.detach().cpu() for name, t in full_state_dict(model).items()}  # a collective
+    if ctx.is_main:
+        plain = add_lora(load_reward_model(path, tokenizer.pad_token_id, cfg.model.dtype, "cpu"), cfg)
+        plain.load_state_dict(state)
+        export_reward_model(plain, tokenizer, out, stats)
+    ctx.barrier()  # the export is complete when any rank returns
+    return out
 
 
 def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
-    """`posttrain rm`: train, validate, export; returns the exported directory."""
+    """`posttrain rm`: train, validate, export; returns the exported directory. Under torchrun every rank
+    runs it; rank 0 holds the run lock and speaks for the job."""
+    check_ranks(cfg, launched_world_size())  # before the data is read and any model loads
     device = select_device(cfg)
     train, val = _read_pairs(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
-    lock = lock_run_dir(run_dir)
+    lock = lock_run_dir(run_dir, take=launched_rank() == 0)
     try:
-        return _run(cfg, train, val, run_dir, device, quiet)
+        ctx = init_distributed(device, cfg.trainer.dist_timeout_s)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    try:
+        out = _run(cfg, train, val, run_dir, ctx, quiet or not ctx.is_main)
+        ctx.barrier()  # leave together: gloo aborts a process whose peer tears the group down mid-talk
+        return out
+    except Exception as exc:
+        abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
+        raise
     finally:
-        lock.release()
+        shutdown_distributed(ctx)
+        if lock is not None:
+            lock.release()
 
 
-def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
+def _model_path(cfg: PostTrainConfig, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
+    """The model directory, recorded in run_info.yaml by rank 0; under torchrun rank 0 resolves it first (a
+    built-in model is built and cached, a Hub id downloaded, once), then the others read it."""
+    if ctx.distributed:
+        if ctx.is_main:
+            resolve_model_path(model_config(cfg), quiet=quiet)
+        ctx.barrier()
+    path = resolve_model_path(model_config(cfg), quiet=quiet or not ctx.is_main)
+    if ctx.is_main:
+        info = write_run_info(run_dir, cfg, path)
+        if not quiet:
+            print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
+    return path
+
+
+def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
     seed_everything(cfg.trainer.seed)
-    path = resolve_model_path(model_config(cfg), quiet=quiet)
-    info = write_run_info(run_dir, cfg, path)
-    if not quiet:
-        print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
+    path = _model_path(cfg, run_dir, ctx, quiet)
     tokenizer = load_tokenizer(path)
     train_pairs, _ = _tokenized(cfg, tokenizer, train, "train", quiet)
     val_pairs, _ = _tokenized(cfg, tokenizer, val, "validation", quiet)
     budget = token_budget(cfg, train_pairs)  # before the weights load
-    model = _build_model(cfg, path, tokenizer, device)
+    model = _build_model(cfg, path, tokenizer, ctx)
+    dp = data_parallel(ctx)
     r, t = cfg.rm, cfg.trainer
     schedule = RMSchedule(len(train_pairs), r.batch_size, r.epochs, r.max_steps, t.seed)
     trainable = Trainable.create(model, r.optim, schedule.total_steps)
@@ -127,7 +205,8 @@ def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
             f"{schedule.total_steps}); use a new trainer.run_dir or trainer.resume=disable"
         )
     pad, mb = tokenizer.pad_token_id, r.micro_batch_size_per_gpu
-    logger = MetricsLogger(run_dir, backends=[b for b in t.loggers if b != "console"])
+    loggers = [b for b in t.loggers if b != "console"]
+    logger = MetricsLogger(run_dir, backends=loggers) if ctx.is_main else None
     display = TrainingDisplay(
         total_steps=schedule.total_steps, keys=HEADLINE, start_step=start, description="rm", disable=quiet
     )
@@ -135,34 +214,35 @@ def _run(cfg, train, val, run_dir: Path, device, quiet: bool) -> Path:
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if val_pairs and t.test_freq and (step % t.test_freq == 0 or step == schedule.total_steps):
-            metrics.update(validate_pairs(model, val_pairs, pad, mb))
-        logger.log(metrics, step=step)
+            metrics.update(validate_pairs(model, val_pairs, pad, mb, dp))
+        if logger is not None:
+            logger.log(metrics, step=step)
         display.update(step, metrics)
         last.update(metrics)
 
     settings = LoopSettings(
         run_dir, pad, mb, r.center_rewards_coefficient, t.save_freq, t.max_ckpt_to_keep,
-        t.max_skipped_steps, t.save_on_terminate, budget, packed_row_tokens(cfg, model),
+        t.max_skipped_steps, t.save_on_terminate, budget, packed_row_tokens(cfg, model), dp,
     )  # fmt: skip
     display.start()
     try:
         if start == 0 and val_pairs and t.test_freq:
-            first = validate_pairs(model, val_pairs, pad, mb)
-            logger.log(first, step=0)
+            first = validate_pairs(model, val_pairs, pad, mb, dp)
+            if logger is not None:
+                logger.log(first, step=0)
             display.message("initial validation: " + ", ".join(f"{k}={v:.4f}" for k, v in first.items()))
         run_steps(settings, trainable, train_pairs, schedule, start, on_step)
     finally:
         display.stop()
-        logger.close()
-    stats = validate_pairs(model, val_pairs or train_pairs, pad, mb)
-    out = export_reward_model(
-        model,
-        tokenizer,
-        Path(r.output_dir or run_dir / "reward_model"),
-        {"reward_mean": stats["val/reward_mean"], "reward_std": stats["val/reward_std"]},
-    )
-    plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        if logger is not None:
+            logger.close()
+    stats = validate_pairs(model, val_pairs or train_pairs, pad, mb, dp)
+    stored = {"reward_mean": stats["val/reward_mean"], "reward_std": stats["val/reward_std"]}
+    out = _export(cfg, model, path, tokenizer, ctx, Path(r.output_dir or run_dir / "reward_model"), stored)
+    if ctx.is_main:
+        plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if not quiet:
         shown = ", ".join(f"{k} {v:.4f}" for k, v in stats.items())
-        print(f"Reward model done: {schedule.total_steps} steps; {shown}; saved {out}")
+        ranks = f" on {ctx.world_size} ranks" if ctx.distributed else ""
+        print(f"Reward model done: {schedule.total_steps} steps{ranks}; {shown}; saved {out}")
     return out

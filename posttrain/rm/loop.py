@@ -3,6 +3,11 @@
 Step s (1-based) of epoch e takes pairs ``order_e[k * B : (k + 1) * B]`` where ``order_e`` is a permutation
 drawn from ``trainer.seed + e`` alone, so a resumed run takes exactly the pairs the uninterrupted run would
 have taken; weights, optimizer, schedule and RNG states come from the checkpoint (posttrain.train.checkpoint).
+
+Several data-parallel ranks (launched by torchrun, the model sharded with FSDP2): every rank draws the same
+step's pairs and trains its contiguous share of them (rm.batch_size divides over the ranks); the loss is
+normalised by the pairs of the whole step, over all ranks, so the update is the one-rank update. Validation
+scores each rank's share of the held-out pairs and sums the statistics over the ranks.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.errors import ConfigError
+from posttrain.parallel.data_parallel import SINGLE_RANK, DataParallel
+from posttrain.parallel.runtime import shard_bounds
 from posttrain.rm.data import TokenizedPair
-from posttrain.rm.loss import pair_batch, pair_micro_rows, pair_token_micro_rows, rm_loss_fn
+from posttrain.rm.loss import pair_batch, pair_micro_rows, pair_rows, pair_token_micro_rows, rm_loss_fn
 from posttrain.rm.model import score_sequences
 from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.train.trainable import Trainable
-from posttrain.train.update import accumulate_and_step
+from posttrain.train.update import EvenOutCalls, accumulate_and_step, mini_batch_normalizer
 from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.signals import RunSignals
 
@@ -51,6 +57,12 @@ class RMSchedule:
         return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
 
+def rank_share(items: list, dp: DataParallel) -> list:
+    """This rank's contiguous share of ``items`` (all of them on one rank)."""
+    lo, hi = shard_bounds(len(items), dp.dp_rank, dp.dp_size)
+    return items[lo:hi]
+
+
 def rm_step(
     trainable: Trainable,
     pairs: list[TokenizedPair],
@@ -59,16 +71,19 @@ def rm_step(
     center_coef: float = 0.0,
     max_tokens: int = 0,
     packed_row_tokens: int = 0,
+    dp: DataParallel = SINGLE_RANK,
 ) -> dict[str, float]:
-    """One optimizer step on ``pairs`` (micro-batches of ``pairs_per_micro``, or of at most ``max_tokens``
-    tokens when > 0; one global normalisation). ``packed_row_tokens`` > 0: the packed forward (no pads)."""
+    """One optimizer step on the step's ``pairs`` (every rank passes all of them and trains its share):
+    micro-batches of ``pairs_per_micro``, or of at most ``max_tokens`` tokens when > 0; one normalisation by
+    the step's pairs over all ranks. ``packed_row_tokens`` > 0: the packed forward (no pads)."""
     model = trainable.module
-    mini, margins = pair_batch(pairs, pad_token_id)
-    normalizer = LossNormalizer.from_mask(mini.response_mask, norm_constant=1.0)
+    mine = rank_share(pairs, dp)
+    mini, margins = pair_batch(mine, pad_token_id)
+    normalizer = mini_batch_normalizer(mini, 1.0, dp)
     if max_tokens:
-        rows = pair_token_micro_rows(pairs, max_tokens)
+        rows = pair_token_micro_rows(mine, max_tokens)
     else:
-        rows = pair_micro_rows(len(pairs), pairs_per_micro)
+        rows = pair_micro_rows(len(mine), pairs_per_micro)
     m = accumulate_and_step(
         model,
         trainable.optimizer,
@@ -78,6 +93,8 @@ def rm_step(
         rm_loss_fn(model, margins, center_coef, packed_row_tokens),
         normalizer,
         trainable.grad_clip,
+        dp,
+        _even_out(mini, len(rows), dp),
     )
     out = {"rm/loss": m["loss"], "rm/accuracy": m["rm/accuracy"], "rm/margin": m["rm/margin"]}
     out.update(
@@ -88,25 +105,63 @@ def rm_step(
     return out
 
 
+def _even_out(mini, calls: int, dp: DataParallel) -> EvenOutCalls | None:
+    """The calls that bring this rank's micro-batch count to the most any rank makes (token budgets cut the
+    ranks' shares differently; a sharded model's collectives must line up): forwards of this rank's first
+    pair, both sides (a micro-batch holds whole pairs), with no gradient."""
+    if dp.grad_ranks == 1:
+        return None
+    most = int(dp.all_reduce_max([float(calls)])[0])
+    return EvenOutCalls(mini.select(pair_rows(mini.num_rows // 2, [0])), most - calls)
+
+
 def validate_pairs(
-    model: nn.Module, pairs: list[TokenizedPair], pad_token_id: int, batch: int
+    model: nn.Module,
+    pairs: list[TokenizedPair],
+    pad_token_id: int,
+    batch: int,
+    dp: DataParallel = SINGLE_RANK,
 ) -> dict[str, float]:
-    """Held-out accuracy (chosen scored higher), mean margin, and the mean/std of all the scores."""
-    chosen = score_sequences(model, [p.chosen_ids for p in pairs], pad_token_id, batch)
-    rejected = score_sequences(model, [p.rejected_ids for p in pairs], pad_token_id, batch)
-    both = torch.cat([chosen, rejected])
+    """Held-out accuracy (chosen scored higher), mean margin, and the mean/std of all the scores; with several
+    ranks each scores its share of ``pairs`` and the sums are taken over all ranks (the one-rank values)."""
+    mine = rank_share(pairs, dp)
+    calls = int(dp.all_reduce_max([float(-(-len(mine) // batch))])[0])  # the same forwards on every rank
+    chosen = score_sequences(
+        model, [p.chosen_ids for p in mine], pad_token_id, batch, calls, pairs[0].chosen_ids
+    )
+    rejected = score_sequences(
+        model, [p.rejected_ids for p in mine], pad_token_id, batch, calls, pairs[0].rejected_ids
+    )
+    both = torch.cat([chosen, rejected]).double()
+    correct, margin, total, count = dp.all_reduce_sum(
+        [
+            float((chosen > rejected).sum()),
+            float((chosen - rejected).double().sum()),
+            float(both.sum()),
+            len(mine),
+        ]
+    )
+    mean = total / (2 * count)
+    (squares,) = dp.all_reduce_sum([float(((both - mean) ** 2).sum())])  # two passes: no cancellation
     return {
-        "val/accuracy": float((chosen > rejected).float().mean()),
-        "val/margin": float((chosen - rejected).mean()),
-        "val/reward_mean": float(both.mean()),
-        "val/reward_std": float(both.std(unbiased=False)),
+        "val/accuracy": correct / count,
+        "val/margin": margin / count,
+        "val/reward_mean": mean,
+        "val/reward_std": (squares / (2 * count)) ** 0.5,
     }
 
 
-def check_finite(model: nn.Module) -> None:
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
-        raise RuntimeError(f"non-finite weights in {bad[:3]}; the last checkpoint is left as it was")
+def check_finite(model: nn.Module, dp: DataParallel = SINGLE_RANK) -> None:
+    """Refuse to checkpoint non-finite weights: every rank checks its own shards, all learn the verdict."""
+    bad = [
+        n
+        for n, p in model.named_parameters()
+        if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+    ]
+    if dp.all_reduce_sum([float(len(bad))])[0]:
+        raise RuntimeError(
+            f"non-finite weights in {bad[:3] or 'another rank'}; the last checkpoint is left as it was"
+        )
 
 
 def resume(run_dir: Path, how: str, trainable: Trainable, quiet: bool) -> int:
@@ -126,8 +181,10 @@ def resume(run_dir: Path, how: str, trainable: Trainable, quiet: bool) -> int:
     return int(state["step"])
 
 
-def save(run_dir: Path, step: int, trainable: Trainable, keep_last: int) -> Path:
-    check_finite(trainable.module)
+def save(
+    run_dir: Path, step: int, trainable: Trainable, keep_last: int, dp: DataParallel = SINGLE_RANK
+) -> Path:
+    check_finite(trainable.module, dp)
     return save_checkpoint(
         run_dir,
         step,
@@ -151,6 +208,7 @@ class LoopSettings:
     save_on_terminate: bool
     max_tokens: int = 0  # > 0: micro-batches by token budget (rm.use_dynamic_bsz)
     packed_row_tokens: int = 0  # > 0: packed forward, rows of this many tokens (model.use_remove_padding)
+    dp: DataParallel = SINGLE_RANK  # the data-parallel ranks (several under torchrun)
 
 
 def run_steps(
@@ -166,11 +224,11 @@ def run_steps(
     skipped = 0
     try:
         for step in range(start + 1, schedule.total_steps + 1):
-            crash_if_asked(step, 0)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
+            crash_if_asked(step, s.dp.dp_rank)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
             chunk = [pairs[i] for i in schedule.indices(step)]
             metrics = rm_step(
                 trainable, chunk, s.pad_token_id, s.pairs_per_micro, s.center_coef, s.max_tokens,
-                s.packed_row_tokens,
+                s.packed_row_tokens, s.dp,
             )  # fmt: skip
             on_step(step, metrics)
             skipped = skipped + 1 if metrics.get("rm/skipped_steps") else 0
@@ -182,9 +240,12 @@ def run_steps(
             saved = (s.save_freq and step % s.save_freq == 0) or step == schedule.total_steps
             if saved:
                 with signals.critical():
-                    save(s.run_dir, step, trainable, s.keep_last)
+                    save(s.run_dir, step, trainable, s.keep_last, s.dp)
             signals.stop_after_step(
-                step, bool(saved), lambda st=step: save(s.run_dir, st, trainable, s.keep_last), lambda f: f
+                step,
+                bool(saved),
+                lambda st=step: save(s.run_dir, st, trainable, s.keep_last, s.dp),
+                lambda asked: s.dp.all_reduce_sum([float(asked)])[0] > 0,  # SIGTERM on any rank
             )
     finally:
         signals.restore()

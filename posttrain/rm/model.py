@@ -133,8 +133,18 @@ def pad_right(seqs: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, t
 
 
 @torch.no_grad()
-def score_sequences(model: nn.Module, seqs: list[list[int]], pad_token_id: int, batch: int) -> torch.Tensor:
-    """``[N]`` scores of token sequences, in micro-batches of ``batch`` (eval mode for the call)."""
+def score_sequences(
+    model: nn.Module,
+    seqs: list[list[int]],
+    pad_token_id: int,
+    batch: int,
+    calls: int = 0,
+    filler: list[int] | None = None,
+) -> torch.Tensor:
+    """``[N]`` scores of token sequences, in micro-batches of ``batch`` (eval mode for the call).
+
+    ``calls``: forwards to make at least (a sharded model's ranks must make the same number); the extra ones
+    score ``filler`` and are dropped."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -142,6 +152,9 @@ def score_sequences(model: nn.Module, seqs: list[list[int]], pad_token_id: int, 
     for lo in range(0, len(seqs), batch):
         ids, mask = pad_right(seqs[lo : lo + batch], pad_token_id)
         out.append(sequence_scores(model, ids.to(device), mask.to(device)).cpu())
+    for _ in range(calls - len(out)):
+        ids, mask = pad_right([filler], pad_token_id)
+        sequence_scores(model, ids.to(device), mask.to(device))
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0)
 

@@ -5,8 +5,11 @@ import json
 
 from posttrain.cli import main
 from posttrain.config.load import build_config
+from posttrain.models.hf import load_tokenizer
 from posttrain.planning.rm_plan import batch_plan
+from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.demo import write_arithmetic_pairs
+from posttrain.sft.builtin import builtin_base_dir
 
 
 def _args(data_dir, *extra):
@@ -29,6 +32,8 @@ def test_plan_counts_pairs_steps_and_micro_batches(tmp_path, capsys):
     assert plan["val_pairs"]["kept"] == 10
     assert plan["batch"] == {
         "pairs_per_step": 16,
+        "ranks": 1,
+        "pairs_per_rank": 16,
         "pairs_per_micro": 4,
         "token_budget": 0,
         "accumulation_steps": 4,
@@ -92,3 +97,56 @@ def test_dynamic_batch_plan_and_a_budget_too_small(tmp_path, capsys):
         == 2
     )
     assert "rm.max_token_len_per_gpu=10 is smaller than the longest training pair" in capsys.readouterr().err
+
+
+def test_plan_on_two_ranks_shows_each_ranks_share_and_micro_batches(tmp_path, capsys):
+    """--world-size 2: each rank trains half of a step's pairs in its own micro-batches; model states are
+    sharded over the ranks; a batch that does not split is refused (exit 2) with the nearest valid sizes."""
+    write_arithmetic_pairs(tmp_path, 50, 10, seed=1)
+    extra = ["rm.batch_size=16", "rm.micro_batch_size_per_gpu=4", "--json"]
+    assert main(_args(tmp_path, *extra)) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(_args(tmp_path, *extra, "--world-size", "2")) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["batch"]["ranks"] == 2 and two["batch"]["pairs_per_rank"] == 8
+    assert two["batch"]["pairs_per_micro"] == 4 and two["batch"]["accumulation_steps"] == 2
+    assert two["batch"]["total_steps"] == one["batch"]["total_steps"]
+    for key in ("weights", "gradients", "optimizer"):
+        assert two["memory"][key] == one["memory"][key] // 2
+    assert two["memory"]["activations"] == one["memory"]["activations"]  # a micro-batch is the same size
+    assert (
+        main(_args(tmp_path, "rm.batch_size=16", "rm.micro_batch_size_per_gpu=4", "--world-size", "2")) == 0
+    )
+    out = capsys.readouterr().out
+    assert "(2 data-parallel ranks;" in out
+    assert "each trains 8 pairs = 16 sequences of every step (rm.batch_size / 2)" in out
+    assert "2 gradient-accumulation step(s) on each rank" in out
+    assert main(_args(tmp_path, "rm.batch_size=15", "--world-size", "2")) == 2
+    assert "rm.batch_size=14 or 16" in capsys.readouterr().err
+
+
+def test_packed_estimate_counts_the_packed_tokens_of_the_longest_pairs(tmp_path, capsys):
+    """model.use_remove_padding: the activations are counted for the texts of the rm.micro_batch_size_per_gpu
+    longest pairs packed into rows (here one row: their real tokens), not for every text padded to the longest."""
+    rows = [
+        {
+            "prompt": f"What is {i} + 3?",
+            "chosen": f"{i + 3}, because {i} plus three is {i + 3}.",
+            "rejected": "7",
+        }
+        for i in range(12)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "val.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    extra = ["rm.batch_size=4", "rm.micro_batch_size_per_gpu=2", "--json"]
+    assert main(_args(tmp_path, *extra)) == 0
+    padded = json.loads(capsys.readouterr().out)["memory"]
+    assert main(_args(tmp_path, "model.use_remove_padding=true", *extra)) == 0
+    packed = json.loads(capsys.readouterr().out)["memory"]
+    cfg = build_config(overrides=["model.path=builtin:base"])
+    tokenizer = load_tokenizer(builtin_base_dir(cfg))
+    pairs, _ = tokenize_pairs(load_pairs(cfg, [str(tmp_path / "train.jsonl")]), tokenizer, 512)
+    sizes = sorted((len(p.chosen_ids) + len(p.rejected_ids) for p in pairs), reverse=True)
+    assert packed["micro_batch_tokens"] == sizes[0] + sizes[1]  # 4 texts of < 40 tokens: one row of 512
+    assert packed["micro_batch_tokens"] < padded["micro_batch_tokens"]
+    assert packed["activations"] < padded["activations"]
