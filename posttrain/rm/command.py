@@ -38,6 +38,7 @@ from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, valid
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.trainable import Trainable
+from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
@@ -149,6 +150,7 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     runs it; rank 0 holds the run lock and speaks for the job."""
     check_ranks(cfg, launched_world_size())  # before the data is read and any model loads
     device = select_device(cfg)
+    keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     train, val = _read_pairs(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
     lock = lock_run_dir(run_dir, take=launched_rank() == 0)
