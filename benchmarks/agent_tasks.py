@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each task needs beyond the defaults: the lengths of its trajectories, its turns, and the run's sizes.
-# calculator plays products of two 2-digit numbers (data.task_options), so the model copies 4 digits into the
+# calculator plays the task's default, products of two 2-digit numbers, so the model copies 4 digits into the
 # tool call and 3 or 4 back: with 3- or 4-digit operands 140 SFT steps did not teach it to copy at all.
-TASK_OPTIONS = {"calculator": {"min_digits": 2, "max_digits": 2}, "guess_number": {}}
+TASK_OPTIONS: dict[str, dict[str, int]] = {"calculator": {}, "guess_number": {}}
 N_TRAIN = {"calculator": 4000, "guess_number": 480}  # data.num_train_examples; the demos use the same split
 SFT = {
     "calculator": [

@@ -29,10 +29,12 @@ RANDOM_GUESS_RATE = 0.5
 
 
 def _wrong_guess(product: int, rng: random.Random) -> int:
-    """A plausible mental answer: the product with one or two of its digits after the first changed."""
+    """A plausible mental answer: the product with one or two of its digits after the first changed (a
+    one-digit product, e.g. of 1-digit operands, has its only digit changed)."""
     digits = list(str(product))
+    first = 1 if len(digits) > 1 else 0
     for _ in range(rng.randint(1, 2)):
-        i = rng.randrange(1, len(digits))
+        i = rng.randrange(first, len(digits))
         digits[i] = str((int(digits[i]) + rng.randint(1, 9)) % 10)
     guess = int("".join(digits))
     return guess if guess != product else product + 1

@@ -6,6 +6,7 @@ import pytest
 
 from posttrain.agents.build import builtin_environments
 from posttrain.agents.builtin import CalculatorEnv, GuessNumberEnv
+from posttrain.agents.demos import demonstrations
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.errors import DataError
 from posttrain.data.tasks import get_task, load_task
@@ -18,11 +19,20 @@ def test_calculator_records():
     assert not {r.prompt for r in train} & {r.prompt for r in val}
     for r in train + val:
         a, b = r.extra["a"], r.extra["b"]
-        assert 100 <= a <= 9999 and 100 <= b <= 9999 and r.prompt == f"What is {a} * {b}?"
+        assert 10 <= a <= 99 and 10 <= b <= 99 and r.prompt == f"What is {a} * {b}?"  # the default: 2 digits
         assert r.ground_truth == str(a * b)
     assert load_task("calculator", 0, n_train=200, n_val=50) == (train, val)
+    wide, _ = load_task("calculator", 0, n_train=50, n_val=0, min_digits=3, max_digits=4)
+    assert all(100 <= r.extra["a"] <= 9999 and 100 <= r.extra["b"] <= 9999 for r in wide)
     with pytest.raises(DataError, match="min_digits"):
         load_task("calculator", 0, n_train=2, n_val=1, min_digits=4, max_digits=3)
+
+
+def test_calculator_demonstrations_of_one_digit_products_answer_wrong_from_memory():
+    train, _ = load_task("calculator", 0, n_train=81, n_val=0, min_digits=1, max_digits=1)
+    rows = demonstrations("calculator", train, 81, seed=0, rate=1.0)  # every one answers from memory
+    for record, row in zip(train, rows):
+        assert row["messages"][-1]["content"] != record.ground_truth
 
 
 def test_calculator_reward_reads_the_final_assistant_message():

@@ -96,8 +96,8 @@ class DataConfig:
         "Built-in task: 'arithmetic' (generated locally; used when data.train_files is empty) or 'gsm8k' "
         "(your GSM8K-format data.train_files: question, answer ending in '#### <number>'; numeric verifier), "
         "or 'reasoning_gym:<name>' (a reasoning-gym task generated from trainer.seed, scored by its own "
-        "score_answer; pip install 'posttrain[reasoning-gym]'). Multi-turn tasks (calculator: products with a "
-        "calculator tool; guess_number: a guessing dialogue; python_arithmetic: large products with the sandboxed python "
+        "score_answer; pip install 'posttrain[reasoning-gym]'). Multi-turn tasks (calculator: products of two 2-digit "
+        "numbers with a calculator tool; guess_number: a guessing dialogue; python_arithmetic: large products with the sandboxed python "
         "tool) imply rollout.multi_turn.enable=true and play in "
         "their environment unless env.path names another.",
     )
@@ -139,7 +139,8 @@ class DataConfig:
     task_options: dict[str, Any] = knob(
         default_factory=dict,
         help="Options of the built-in task (data.task_options.NAME=VALUE): for arithmetic min_digits, "
-        "max_digits, ops, allow_negative; for reasoning_gym:<name> the fields of that task's own config "
+        "max_digits, ops, allow_negative; for calculator min_digits, max_digits (default 2 and 2: 'What is 52 * "
+        "67?'); for guess_number low, high, max_turns; for reasoning_gym:<name> the fields of that task's own config "
         "(e.g. data.task_options.max_value=20 for reasoning_gym:gcd). Sizes stay data.num_train_examples "
         "and data.num_val_examples.",
     )

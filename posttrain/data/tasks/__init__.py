@@ -67,8 +67,8 @@ TASKS: dict[str, Task] = {
         name="calculator",
         load=load_calculator,
         default_reward="calculator",
-        description="multi-turn: 'What is 4821 * 307?' with a calculator tool; options n_train, n_val, "
-        "min_digits, max_digits",
+        description="multi-turn: 'What is 52 * 67?' with a calculator tool; options n_train, n_val, "
+        "min_digits, max_digits (default 2 and 2)",
         environment="calculator",
     ),
     "guess_number": Task(

@@ -1,4 +1,8 @@
-"""Built-in agentic task `calculator`: "What is 4821 * 307?", too large to multiply in a tiny model's head.
+"""Built-in agentic task `calculator`: "What is 52 * 67?", a product the tiny built-in model cannot work out in its
+head (its SFT warm start answered 0 of 278 held-out 2-digit products right without the tool; docs/agents.md).
+
+The operands have 2 digits by default (``min_digits``/``max_digits`` change that): with 3 or 4 digits the tiny
+model's warm start did not learn to copy the operands into the tool call, so GRPO had no signal.
 
 The run plays it in the built-in ``calculator`` environment (:class:`posttrain.agents.builtin.CalculatorEnv`): the
 model may write a ``<tool_call>`` for the safe ``calculator`` tool, reads the result in a tool message and then
@@ -25,7 +29,7 @@ def calculator_prompt(a: int, b: int) -> str:
 
 
 def make_calculator_splits(
-    seed: int, n_train: int, n_val: int, min_digits: int = 3, max_digits: int = 4
+    seed: int, n_train: int, n_val: int, min_digits: int = 2, max_digits: int = 2
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Disjoint train and held-out products of two ``min_digits``..``max_digits``-digit numbers (seeded)."""
     records = [_record(a, b) for a, b in product_pairs(seed, n_train, n_val, min_digits, max_digits)]
@@ -61,8 +65,8 @@ def load_calculator(
     seed: int,
     n_train: int = 2000,
     n_val: int = 128,
-    min_digits: int = 3,
-    max_digits: int = 4,
+    min_digits: int = 2,
+    max_digits: int = 2,
     max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Task-registry entry point. ``max_operand`` belongs to the arithmetic task and is not used here."""
