@@ -70,6 +70,23 @@ def small_overrides(model_dir, run_dir, *extra):
     ]
 
 
+# Metrics that measure time: they differ between any two runs of the same step.
+TIMED_METRICS = (
+    "timing/",
+    "perf/",
+    "reward/time_s",
+    "reward/wait_s",
+    "rollout/tokens_per_s",
+    "elapsed",
+    "time",
+)
+
+
+def untimed(step: dict) -> dict:
+    """A step's metrics without those that measure time (to compare two runs of the same step)."""
+    return {k: v for k, v in step.items() if not any(k.startswith(t) or k.endswith(t) for t in TIMED_METRICS)}
+
+
 def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
