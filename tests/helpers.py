@@ -70,21 +70,11 @@ def small_overrides(model_dir, run_dir, *extra):
     ]
 
 
-# Metrics that measure time: they differ between any two runs of the same step.
-TIMED_METRICS = (
-    "timing/",
-    "perf/",
-    "reward/time_s",
-    "reward/wait_s",
-    "rollout/tokens_per_s",
-    "elapsed",
-    "time",
-)
-
-
 def untimed(step: dict) -> dict:
-    """A step's metrics without those that measure time (to compare two runs of the same step)."""
-    return {k: v for k, v in step.items() if not any(k.startswith(t) or k.endswith(t) for t in TIMED_METRICS)}
+    """A step's metrics without those that measure time, which differ between any two runs of the same step
+    (``timing/*``, ``perf/*``, seconds ``*_s``, rates ``*_per_s``, ``elapsed``)."""
+    timed = ("timing/", "perf/")
+    return {k: v for k, v in step.items() if not (k.startswith(timed) or k.endswith(("_s", "elapsed")))}
 
 
 def read_metrics(run_dir):
