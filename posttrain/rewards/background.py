@@ -77,7 +77,12 @@ class BackgroundScoring:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        try:
+            self._thread.join()
+        except BaseException:  # Ctrl-C while waiting: the chunk being scored ends on its own, no other starts
+            with self._wake:
+                self._cancelled = True
+            raise
         if self._error is not None:
             raise self._error
         if sorted(self._rewards) != list(range(count)):
