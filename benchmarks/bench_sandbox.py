@@ -17,9 +17,12 @@ sandboxed than plain.) Rows alternate in rounds so that load from other jobs hit
 (``examples/code/tiny_code.jsonl``, 4 prompts x 4 samples a step, the tiny model): N steps with
 ``reward.function=code`` against N with ``exact_match`` (no sandbox), the same seed, each at the default
 ``reward.timeout_s`` (a worker process); and a step's worth (16) of correct programs scored by the code reward
-(every case runs), at ``sandbox.max_concurrent`` 4 (the default) and 8::
+(every case runs), at ``sandbox.max_concurrent`` 4 (the default) and 8. The code reward's runs are scored after
+generation and while the step generates (``reward.score_during_generation``), with all 16 samples in the engine
+at once and 4 at a time (``rollout.max_num_seqs=4``: samples that end apart); the variants alternate in
+``--rounds`` rounds::
 
-    python3 benchmarks/bench_sandbox.py --grpo-steps 4
+    python3 benchmarks/bench_sandbox.py --grpo-steps 4 --rounds 2
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ SOLUTIONS = [  # right answers to the six problems of CODE_DATA, in its order
 ]
 
 
-def grpo_run(model: Path, run_dir: Path, reward: str, steps: int) -> list[dict]:
+def grpo_run(model: Path, run_dir: Path, reward: str, steps: int, *extra: str) -> list[dict]:
     from posttrain.config.load import build_config
     from posttrain.rl.train_command import run_training
     from posttrain.utils.metrics import read_metrics
@@ -100,7 +103,7 @@ def grpo_run(model: Path, run_dir: Path, reward: str, steps: int) -> list[dict]:
         "data.max_prompt_length=256",
     ]
     overrides += ["data.max_response_length=64", "actor.ppo_mini_batch_size=4", f"reward.function={reward}"]
-    overrides += ["actor.ppo_micro_batch_size_per_gpu=16"]
+    overrides += ["actor.ppo_micro_batch_size_per_gpu=16", *extra]
     run_training(build_config(overrides=overrides), quiet=True)
     return read_metrics(run_dir / "metrics.jsonl")
 
@@ -125,24 +128,39 @@ def scoring_a_step(max_concurrent: int, rounds: int) -> list[float]:
     return out
 
 
-def grpo_steps(steps: int) -> None:
+# (label, reward, overrides): scored after generation ("after") or while the step generates ("during", the
+# default for the code reward); all 16 samples in the engine at once, or 4 at a time (waves that end apart).
+GRPO_VARIANTS = [
+    ("exact_match", "exact_match", ()),
+    ("code, after", "code", ("reward.score_during_generation=never",)),
+    ("code, during", "code", ("reward.score_during_generation=auto",)),
+    ("code, after, 4 seqs", "code", ("reward.score_during_generation=never", "rollout.max_num_seqs=4")),
+    ("code, during, 4 seqs", "code", ("reward.score_during_generation=auto", "rollout.max_num_seqs=4")),
+]
+
+
+def grpo_steps(steps: int, rounds: int) -> None:
     from posttrain.models.tiny import create_tiny_model_dir
 
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    print(
+        f"{'variant':22} {'step s':>7} {'rollout s':>9} {'scoring ms':>10} {'wait ms':>8}  "
+        f"(medians of the {steps - 1} steps after the first; wait: scoring left after generation)"
+    )
     with tempfile.TemporaryDirectory() as d:
         model = create_tiny_model_dir(Path(d) / "model", seed=0)
-        for reward in ("exact_match", "code"):
-            runs = grpo_run(model, Path(d) / reward, reward, steps)[1:]  # the first step warms up
-            step = statistics.median(m["timing/step"] for m in runs)
-            scoring = statistics.median(m["reward/time_s"] for m in runs)
-            rollout = statistics.median(m.get("timing/rollout", float("nan")) for m in runs)
-            print(
-                f"GRPO step, reward {reward:12} step {step:6.2f} s   scoring {scoring * 1e3:7.1f} ms   "
-                f"rollout {rollout:6.2f} s   ({len(runs)} steps after the first)"
-            )
-            if reward == "code":
-                counts = {k.split("/")[-1]: runs[-1][k] for k in runs[-1] if k.startswith("reward/code/")}
-                print(f"  last step's code counts: {counts}")
+        for r in range(rounds):  # variants alternate, so load from other jobs hits them alike
+            for label, reward, extra in GRPO_VARIANTS:
+                run_dir = Path(d) / f"{label.replace(' ', '').replace(',', '_')}_{r}"
+                runs = grpo_run(model, run_dir, reward, steps, *extra)[1:]  # the first step warms up
+                step, rollout, scoring, wait = (
+                    statistics.median(m[key] for m in runs)
+                    for key in ("timing/step", "timing/rollout", "reward/time_s", "reward/wait_s")
+                )
+                print(f"{label:22} {step:7.2f} {rollout:9.2f} {scoring * 1e3:10.1f} {wait * 1e3:8.1f}")
+            print(f"  round {r + 1} done, load average {os.getloadavg()[0]:.1f}")
+        counts = {k.split("/")[-1]: runs[-1][k] for k in runs[-1] if k.startswith("reward/code/")}
+        print(f"  last step's code counts: {counts}; finish/eos {runs[-1]['finish/eos']:.2f}")
     for k in (4, 8):
         times = scoring_a_step(k, 3)
         print(
@@ -158,7 +176,7 @@ def main() -> None:
     parser.add_argument("--grpo-steps", type=int, default=0, help="measure the code reward in N GRPO steps")
     args = parser.parse_args()
     if args.grpo_steps:
-        grpo_steps(args.grpo_steps)
+        grpo_steps(args.grpo_steps, args.rounds)
         return
     limits = Limits(time_limit_s=10)
     local = LocalSandbox(limits)

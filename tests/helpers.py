@@ -70,6 +70,13 @@ def small_overrides(model_dir, run_dir, *extra):
     ]
 
 
+def untimed(step: dict) -> dict:
+    """A step's metrics without those that measure time, which differ between any two runs of the same step
+    (``timing/*``, ``perf/*``, seconds ``*_s``, rates ``*_per_s``, ``elapsed``)."""
+    timed = ("timing/", "perf/")
+    return {k: v for k, v in step.items() if not (k.startswith(timed) or k.endswith(("_s", "elapsed")))}
+
+
 def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

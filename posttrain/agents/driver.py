@@ -249,9 +249,12 @@ async def run_trajectories_async(
     settings: MultiTurnSettings,
     sample_ids: list[int] | None = None,
     row_ids: list[int] | None = None,
+    on_done: Callable[[int, Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """Every row's trajectory, concurrently, in row order.
 
+    on_done: called with (row position, trajectory) as each trajectory ends (its environment closed), before
+    this returns; a trajectory whose environment failed, when kept (below), once all have ended.
     sample_ids: each trajectory's global sample id (its sampling noise; default: its index here).
     row_ids: the data row each trajectory plays, for error messages (default: its index here).
     An environment that raises stops the run (:class:`EnvironmentFailure`), unless
@@ -261,9 +264,16 @@ async def run_trajectories_async(
     batcher = _Batcher(generate)
     sample_ids = list(range(len(rows))) if sample_ids is None else sample_ids
     row_ids = list(range(len(rows))) if row_ids is None else row_ids
+
+    async def reported(k: int, trajectory: Awaitable[Trajectory]) -> Trajectory:
+        done = await trajectory
+        if on_done is not None:
+            on_done(k, done)
+        return done
+
     tasks = [
-        run_trajectory(row, r, make_env(row), tokenizer, batcher, settings, sample_id=s)
-        for row, r, s in zip(rows, row_ids, sample_ids)
+        reported(k, run_trajectory(row, r, make_env(row), tokenizer, batcher, settings, sample_id=s))
+        for k, (row, r, s) in enumerate(zip(rows, row_ids, sample_ids))
     ]
     if settings.max_env_failures == 0:
         return list(await asyncio.gather(*tasks))
@@ -277,10 +287,14 @@ async def run_trajectories_async(
             f"{len(failures)} trajectories of {len(rows)} failed in their environment, more than "
             f"rollout.multi_turn.max_env_failures={settings.max_env_failures}; the first: {failures[0]}"
         ) from failures[0]
-    return [
-        failed_trajectory(row, tokenizer, str(x)) if isinstance(x, EnvironmentFailure) else x
-        for row, x in zip(rows, out)
-    ]
+    kept = []
+    for k, (row, x) in enumerate(zip(rows, out)):
+        if isinstance(x, EnvironmentFailure):
+            x = failed_trajectory(row, tokenizer, str(x))
+            if on_done is not None:  # known only now that the step's failures are within the limit
+                on_done(k, x)
+        kept.append(x)
+    return kept
 
 
 def failed_trajectory(row: dict[str, Any], tokenizer: Any, why: str) -> Trajectory:
@@ -304,8 +318,9 @@ def run_trajectories(
     settings: MultiTurnSettings,
     sample_ids: list[int] | None = None,
     row_ids: list[int] | None = None,
+    on_done: Callable[[int, Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """:func:`run_trajectories_async` from synchronous code (runs its own event loop)."""
     return asyncio.run(
-        run_trajectories_async(rows, make_env, generate, tokenizer, settings, sample_ids, row_ids)
+        run_trajectories_async(rows, make_env, generate, tokenizer, settings, sample_ids, row_ids, on_done)
     )

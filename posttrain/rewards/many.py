@@ -30,6 +30,11 @@ def samples_at_once(fn: Callable[..., Any]) -> int:
     return max(1, int(declared())) if callable(declared) else 1
 
 
+def declares_samples_at_once(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` says how many of its calls may run at once (so it is thread-safe)."""
+    return callable(getattr(fn, "samples_at_once", None))
+
+
 def _counted_call(fn: Callable[..., Any], sample: tuple[Any, ...], capture: bool) -> tuple[Any, ...]:
     with counts.of_this_thread() as kept:
         ok, value, output = call_one(fn, sample, capture=capture)

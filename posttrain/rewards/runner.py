@@ -196,6 +196,7 @@ class RewardRunner:
         self.first_error: str | None = None
         self._logged_kinds: set[str] = set()
         self._output = OutputLog()
+        self._numbers: list[int] = []  # what messages call the samples of the current call
         if self.timeout_s is None:
             warn_once(
                 "reward.timeout_s",
@@ -225,11 +226,15 @@ class RewardRunner:
         """Stop the worker processes; a later :meth:`score` starts new ones."""
         _stop_all(self._workers)
 
-    def score(self, samples: list[RewardInput]) -> tuple[list[float], dict[str, float]]:
+    def score(
+        self, samples: list[RewardInput], numbers: list[int] | None = None
+    ) -> tuple[list[float], dict[str, float]]:
         """Rewards in sample order, and metrics ``reward/num_failures`` (every sample given
         ``failure_reward``, timeouts included), ``reward/num_timeouts`` and ``reward/time_s``, plus the counts
-        the function kept (``reward/<name>``, :mod:`posttrain.rewards.counts`)."""
+        the function kept (``reward/<name>``, :mod:`posttrain.rewards.counts`). ``numbers``: what log and error
+        messages call each sample (default its position here; a chunk of a step's samples passes theirs)."""
         start = time.perf_counter()
+        self._numbers = list(numbers) if numbers is not None else list(range(len(samples)))
         self._counts = {"failures": 0, "timeouts": 0}
         counts.take()  # drop what was counted outside a call (a start-up probe, say)
         self._kept = Counter()
@@ -260,7 +265,7 @@ class RewardRunner:
                 self._kept.update(kept)
                 if seen:  # a real Ctrl-C, not a KeyboardInterrupt the function raised: the user's to have
                     raise KeyboardInterrupt
-                self._output.note(index, output)
+                self._output.note(self._numbers[index], output)
                 rewards.append(value if ok else self._fail(index, str(value)))
         return rewards
 
@@ -286,7 +291,7 @@ class RewardRunner:
             now = time.monotonic()
             for w in [w for w, worker in busy.items() if worker.deadline <= now]:
                 index = busy[w].pending[0]
-                message = f"reward function timed out after {self._answer_wait_s:g} s (sample {index})"
+                message = f"reward function timed out after {self._answer_wait_s:g} s (sample {self._numbers[index]})"
                 rewards[index] = self._fail(index, message, timeout=True)
                 self._replace(w, busy)
         return rewards  # type: ignore[return-value]  # every index is filled once busy is empty
@@ -300,13 +305,13 @@ class RewardRunner:
                 self._kept.update(kept)
                 assert index == worker.pending[0], "reward worker answered out of order"
                 worker.pending.popleft()
-                self._output.note(index, output)
+                self._output.note(self._numbers[index], output)
                 rewards[index] = value if ok else self._fail(index, value)
                 worker.deadline = time.monotonic() + self._answer_wait_s
         except (EOFError, OSError):
             worker.process.join(timeout=5.0)
             index = worker.pending[0]
-            message = f"reward worker process died (exit code {worker.process.exitcode}) on sample {index}"
+            message = f"reward worker process died (exit code {worker.process.exitcode}) on sample {self._numbers[index]}"
             rewards[index] = self._fail(index, message)
             self._replace(w, busy)
             return
@@ -337,6 +342,7 @@ class RewardRunner:
 
     def _fail(self, index: int, message: str, timeout: bool = False) -> float:
         """Count a failed sample, log the first one, and return ``failure_reward`` (or raise)."""
+        index = self._numbers[index]
         self._counts["failures"] += 1
         self._counts["timeouts"] += int(timeout)
         if self.fail_fast:

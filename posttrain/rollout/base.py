@@ -7,7 +7,8 @@ implements the same protocol, so the trainer does not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -158,6 +159,46 @@ class RolloutResult:
         self.finish_reasons.extend(other.finish_reasons)
 
 
+#: ``on_sample(index, sample)``: sample ``index`` of a ``generate`` call has finished; ``sample`` is a one-sample
+#: :class:`RolloutResult` (its ``prompt_index`` local to the call) equal to entry ``index`` of the call's result.
+SampleCallback = Callable[[int, RolloutResult], None]
+
+
+def report_samples(result: RolloutResult, on_sample: SampleCallback | None, first: int = 0) -> None:
+    """Call ``on_sample`` for each of ``result``'s samples, numbered from ``first`` (an engine that learns of
+    its samples' ends all at once, or a chunk of them at a time)."""
+    if on_sample is None:
+        return
+    for s in range(len(result)):
+        on_sample(first + s, result.subset([s]))
+
+
+def takes_on_sample(engine: object) -> bool:
+    """Whether ``engine.generate`` accepts ``on_sample`` (an engine written before it existed does not)."""
+    try:
+        return "on_sample" in inspect.signature(engine.generate).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a builtin or a proxy without a signature
+        return False
+
+
+def generate_reporting(
+    engine: RolloutEngine,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    on_sample: SampleCallback | None,
+    **extra: Any,
+) -> RolloutResult:
+    """``engine.generate`` with ``on_sample`` called for every sample: as each finishes where the engine can
+    say so, else for all of them when it returns."""
+    if on_sample is None:
+        return engine.generate(prompt_ids, params, **extra)
+    if takes_on_sample(engine):
+        return engine.generate(prompt_ids, params, on_sample=on_sample, **extra)
+    result = engine.generate(prompt_ids, params, **extra)
+    report_samples(result, on_sample)
+    return result
+
+
 @dataclass(frozen=True)
 class TurnRequest:
     """One assistant turn of a multi-turn trajectory, for :meth:`TurnEngine.generate_turns`.
@@ -204,9 +245,18 @@ class RolloutEngine(Protocol):
     """
 
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, prompt_offset: int = 0
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        prompt_offset: int = 0,
+        on_sample: SampleCallback | None = None,
     ) -> RolloutResult:
         """Sample ``params.n`` responses for each prompt (token ids, no padding); see :class:`RolloutResult`.
+
+        on_sample: called in the calling thread with each sample as soon as it is final (see
+        :data:`SampleCallback`), each sample once, before ``generate`` returns, so work on finished samples (their
+        rewards) can start while the others are generated. Optional for an engine: callers go through
+        :func:`generate_reporting`, which reports every sample at the end for an engine without it.
 
         prompt_offset: prompt i of this call is global prompt ``prompt_offset + i`` and its sample j has the global
         sample id ``(prompt_offset + i) * n + j``. An engine makes each sample's randomness a function of

@@ -348,3 +348,29 @@ def test_a_turn_ended_by_another_stop_token_is_closed_with_the_template_eos(tok)
     end = traj.turns[0][1]
     assert traj.response_ids[end - 1] == tok.pad_token_id and traj.response_ids[end] == tok.eos_token_id
     assert traj.mask[end] == 0
+
+
+def test_each_trajectory_is_reported_when_it_ends(tok):
+    """``on_done`` gets a trajectory as soon as its episode ends, while longer ones still generate turns."""
+    rows = [{"target": t} for t in (1, 50, 77, 100)]
+    settings = MultiTurnSettings(max_assistant_turns=8, max_user_turns=8, max_response_length=400)
+    engine_calls, reported = [], []
+    policy = scripted(tok, bisect)
+
+    def generate(requests):
+        engine_calls.append(len(requests))
+        return policy(requests)
+
+    trajs = run_trajectories(
+        rows,
+        lambda row: GuessNumberEnv(max_turns=7),
+        generate,
+        tok,
+        settings,
+        on_done=lambda k, traj: reported.append((k, traj, len(engine_calls))),
+    )
+    assert sorted(k for k, _, _ in reported) == [0, 1, 2, 3]
+    assert all(trajs[k] is traj for k, traj, _ in reported)
+    first = reported[0]
+    assert first[0] == 1 and first[2] == 1  # the one-turn episode, right after the first turn
+    assert max(calls for _, _, calls in reported) == len(engine_calls) > 1

@@ -35,7 +35,7 @@ critic.loss_agg_mode critic.warmup_steps critic.shuffle critic.remove_padding_ma
 critic.use_remove_padding critic.enable_gradient_checkpointing critic.enable_activation_offload
 critic.optim.lr critic.optim.weight_decay critic.optim.betas critic.optim.warmup_steps critic.optim.lr_schedule
 critic.optim.min_lr_ratio critic.optim.grad_clip
-reward.function reward.timeout_s reward.failure_reward reward.fail_fast reward.rule_weight
+reward.function reward.timeout_s reward.failure_reward reward.fail_fast reward.rule_weight reward.score_during_generation
 reward.model.enable reward.model.path reward.model.weight reward.model.normalize reward.model.micro_batch_size_per_gpu reward.model.use_dynamic_bsz
 reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding reward.model.dtype reward.model.remove_padding_max_row_tokens
 algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo

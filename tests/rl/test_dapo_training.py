@@ -90,7 +90,11 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path, reward):
     def run(name):
         run_training(small_config(tiny_model_dir, tmp_path / name, *ACC, reward("half")), quiet=True)
         return [
-            {k: v for k, v in m.items() if not k.startswith(("timing/", "perf/", "reward/time_s"))}
+            {
+                k: v
+                for k, v in m.items()
+                if not k.startswith(("timing/", "perf/", "reward/time_s", "reward/wait_s"))
+            }
             for m in read_metrics(tmp_path / name / "metrics.jsonl")
         ]
 

@@ -115,3 +115,18 @@ def test_vllm_multi_turn_trajectories_train_with_the_trainers_log_probs(vllm_mod
     for row in rows:
         assert row["num_turns/max"] > 1 and row["tokens/environment"] > 0
         assert row["rollout_corr/log_prob_abs_diff_max"] < 1e-4, row["step"]
+
+
+def test_vllm_scoring_during_generation_gives_the_same_steps(vllm_model_dir, tmp_path):
+    """Samples scored as vLLM finishes their requests: the same rewards, metrics and weights as scoring after."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import untimed
+
+    common = ("rollout.name=vllm", "trainer.total_steps=2", "rollout.max_num_seqs=8")
+    off = train(vllm_model_dir, tmp_path / "off", *common, "reward.score_during_generation=never")
+    on = train(vllm_model_dir, tmp_path / "on", *common, "reward.score_during_generation=always")
+    assert [untimed(m) for m in on] == [untimed(m) for m in off]
+    a = load_file(tmp_path / "off" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "on" / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

@@ -173,6 +173,44 @@ def test_samples_independent_of_batching(engine, prompts):
     assert other_seed.response_ids != whole.response_ids
 
 
+def test_on_sample_reports_each_request_as_vllm_finishes_it(engine, prompts):
+    """Each sample once, equal to its entry of the result, while other requests are still unfinished; the samples
+    are those of a call without the callback."""
+    params = SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7)
+    whole = engine.generate(prompts, params)
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    saved = scheduler.max_num_active_reqs
+    scheduler.max_num_active_reqs = 2  # requests finish over several steps
+    seen = {}
+
+    def on_sample(index, sample):
+        assert index not in seen
+        seen[index] = (sample, engine.llm.llm_engine.has_unfinished_requests())
+
+    try:
+        reported = engine.generate(prompts, params, on_sample=on_sample)
+    finally:
+        scheduler.max_num_active_reqs = saved
+    assert reported == whole
+    assert sorted(seen) == list(range(len(whole)))
+    for index, (sample, _) in seen.items():
+        assert sample == whole.subset([index])
+    assert sum(unfinished for _, unfinished in seen.values()) >= len(whole) - 2  # most while others ran
+    assert engine.generation_metrics()["rollout/tokens_per_s"] > 0
+
+
+def test_a_callback_that_raises_leaves_no_request_behind(engine, prompts):
+    params = SamplingParams(max_tokens=10, n=2, temperature=1.0, seed=5)
+
+    def fail(index, sample):
+        raise RuntimeError("scoring failed")
+
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        engine.generate(prompts, params, on_sample=fail)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert engine.generate(prompts, params) == engine.generate(prompts, params, on_sample=lambda i, s: None)
+
+
 def test_sync_after_update_matches_trainer(engine, hf_model, prompts):
     trained = copy.deepcopy(hf_model)
     opt = torch.optim.SGD(trained.parameters(), lr=0.5)

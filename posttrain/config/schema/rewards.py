@@ -88,6 +88,16 @@ class RewardConfig:
     timeout_s: float = knob(10.0, "Seconds one reward call may take (0 disables the guard).", min=0.0)
     failure_reward: float = knob(0.0, "Reward given when the function raises or times out.")
     fail_fast: bool = knob(False, "Abort the run on the first reward-function failure.")
+    score_during_generation: str = knob(
+        "auto",
+        "When a step's samples are scored: while the step still generates (each sample as the rollout engine "
+        "finishes it, by a background thread) or after generation. auto: while generating for functions that "
+        "declare samples_at_once() (the built-in code reward), afterwards for the others; always: while "
+        "generating for every function (with reward.timeout_s=0 it is then called from a thread other than the "
+        "main one: no signal-based timeouts); never: afterwards. The rewards and metrics are the same; "
+        "reward/wait_s is the time the step waited for rewards after generation (docs/sandbox.md).",
+        choices=("auto", "always", "never"),
+    )
     rule_weight: float = knob(
         1.0,
         "Weight of the rule or function reward in the reward trained on when a reward model is enabled; 0 trains "

@@ -17,13 +17,20 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, ShareMetrics
 from posttrain.rewards import counts as reward_counts
+from posttrain.rewards.background import WAIT_METRIC, BackgroundScoring
 from posttrain.rewards.combine import RewardWeights, combine_rewards
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards
 from posttrain.rl.collect.validation import CORRECT_THRESHOLD, reward_inputs
-from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
+from posttrain.rollout.base import (
+    RolloutEngine,
+    RolloutResult,
+    SampleCallback,
+    SamplingParams,
+    generate_reporting,
+)
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -57,13 +64,15 @@ def overlong_shaping(cfg: PostTrainConfig) -> OverlongBuffer | None:
 class Scorer:
     """Turns responses into rewards: the rule or user function (behind its runner's guards), plus the reward
     model's score when one is enabled. The overlong penalty (``overlong``) is separate: it depends on lengths
-    only, so callers add :meth:`penalties` to the scores."""
+    only, so callers add :meth:`penalties` to the scores. ``during_generation``: the runner scores each sample
+    as the engine finishes it (:mod:`posttrain.rewards.background`; ``reward.score_during_generation``)."""
 
     runner: RewardRunner
     reward_model: RewardModelScorer | None
     tokenizer: object
     overlong: OverlongBuffer | None = None
     weights: RewardWeights = RewardWeights()
+    during_generation: bool = False
 
     def penalties(self, result: RolloutResult) -> torch.Tensor:
         """[S] the overlong penalty of each of ``result``'s samples (zeros when the shaping is off)."""
@@ -71,14 +80,34 @@ class Scorer:
             return torch.zeros(len(result))
         return self.overlong.penalties(result.response_lengths)
 
+    def feeder(
+        self, prompts: TokenizedPrompts, rows: list[int], background: BackgroundScoring
+    ) -> SampleCallback:
+        """The engine's ``on_sample`` that hands each finished sample's reward input to ``background``."""
+
+        def on_sample(index: int, sample: RolloutResult) -> None:
+            record = prompts.records[rows[sample.prompt_index[0]]]
+            background.add(index, reward_inputs([record], sample, self.tokenizer)[0])
+
+        return on_sample
+
     def score(
-        self, prompts: TokenizedPrompts, rows: list[int], result: RolloutResult
+        self,
+        prompts: TokenizedPrompts,
+        rows: list[int],
+        result: RolloutResult,
+        background: BackgroundScoring | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """[S] rewards of ``result``'s samples; ``rows[p]`` is the record of the call's prompt p. The metrics have
-        the same names with no sample (their values are then weightless zeros): ranks reduce them together."""
+        the same names with no sample (their values are then weightless zeros): ranks reduce them together.
+        ``background``: the samples were fed to it during generation (:meth:`feeder`); their rewards come from it."""
+        if background is not None:  # first: the thread ends here whatever happens next
+            rewards, metrics = background.finish(len(result))
         records = [prompts.records[rows[p]] for p in result.prompt_index]
         inputs = reward_inputs(records, result, self.tokenizer)
-        rewards, metrics = self.runner.score(inputs)
+        if background is None:
+            rewards, metrics = self.runner.score(inputs)
+            metrics[WAIT_METRIC] = metrics["reward/time_s"]  # all of it after generation
         rm = None  # the reward model's scores; combined with the rule by posttrain.rewards.combine
         if self.reward_model is not None:
             texts = [i.response for i in inputs]
@@ -97,9 +126,11 @@ def generate_share(
     params: SamplingParams,
     dist: DistContext,
     agent: AgentLoop | None = None,
+    on_sample: SampleCallback | None = None,
 ) -> tuple[int, RolloutResult]:
     """This rank's contiguous part of the prompts (1/world of them), generated; returns (offset of the part,
     result). The parts of the ranks that hold one data share make up the share (:func:`join_replicas`).
+    ``on_sample`` gets each sample of the part as it finishes (``RolloutEngine.generate``).
 
     Sample randomness depends on the global sample index (``prompt_offset``), so the samples are the same
     whatever the number of ranks. With ``agent`` each sample is a multi-turn trajectory (its samples carry their
@@ -111,9 +142,10 @@ def generate_share(
         return lo, RolloutResult()
     if agent is not None:
         records = [prompts.records[i] for i in prompt_rows[lo:hi]]
-        return lo, agent.generate(engine, records, params, lo, row_ids=list(prompt_rows[lo:hi]))
+        rows = list(prompt_rows[lo:hi])
+        return lo, agent.generate(engine, records, params, lo, row_ids=rows, on_sample=on_sample)
     extra = {"prompt_offset": lo} if dist.distributed else {}
-    return lo, engine.generate(ids, params, **extra)
+    return lo, generate_reporting(engine, ids, params, on_sample, **extra)
 
 
 @dataclass
@@ -126,7 +158,12 @@ class Scored:
 
 
 # How the scorer's metrics combine over ranks (each rank's own samples); every other one is a mean over samples.
-SCORER_REDUCTIONS = {"reward/num_failures": SUM, "reward/num_timeouts": SUM, "reward/time_s": MAX}
+SCORER_REDUCTIONS = {
+    "reward/num_failures": SUM,
+    "reward/num_timeouts": SUM,
+    "reward/time_s": MAX,
+    WAIT_METRIC: MAX,
+}
 SCORER_REDUCTIONS.update(dict.fromkeys(reward_counts.SUMMED, SUM))  # the code reward's counts
 
 
@@ -156,9 +193,20 @@ def sample_and_score(
 ) -> tuple[Scored, ShareMetrics]:
     """Generate and score this rank's part of the prompts, then keep its share of the step (prompt-major,
     ``prompt_index``: the prompt's index in the step). Nothing crosses shares; the scorer's metrics are this
-    rank's (reduce them with ``share.reduce``). ``agent``: roll out multi-turn trajectories."""
-    lo, local = generate_share(engine, prompts, prompt_rows, params, dist, agent)
-    return score_share(scorer, prompts, prompt_rows, lo, local, share)
+    rank's (reduce them with ``share.reduce``). ``agent``: roll out multi-turn trajectories. With
+    ``scorer.during_generation`` each sample is scored as it finishes, beside the generation of the others."""
+    if not scorer.during_generation:
+        lo, local = generate_share(engine, prompts, prompt_rows, params, dist, agent)
+        return score_share(scorer, prompts, prompt_rows, lo, local, share)
+    lo, _ = shard_bounds(len(prompt_rows), dist.rank, dist.world_size)
+    background = BackgroundScoring(scorer.runner)
+    try:
+        on_sample = scorer.feeder(prompts, prompt_rows[lo:], background)
+        lo, local = generate_share(engine, prompts, prompt_rows, params, dist, agent, on_sample)
+    except BaseException:
+        background.cancel()  # the runner is free again before the error goes up
+        raise
+    return score_share(scorer, prompts, prompt_rows, lo, local, share, background)
 
 
 def score_share(
@@ -168,10 +216,12 @@ def score_share(
     lo: int,
     local: RolloutResult,
     share: DataShare = SINGLE_SHARE,
+    background: BackgroundScoring | None = None,
 ) -> tuple[Scored, ShareMetrics]:
     """Score this rank's generated part ``local`` of the prompts (its first prompt at ``lo`` in the step), then
-    keep its share of the step; the scorer's metrics are this rank's (reduce them with ``share.reduce``)."""
-    scores, scorer_metrics = scorer.score(prompts, prompt_rows[lo:], local)
+    keep its share of the step; the scorer's metrics are this rank's (reduce them with ``share.reduce``).
+    ``background``: ``local``'s samples were fed to it as they finished."""
+    scores, scorer_metrics = scorer.score(prompts, prompt_rows[lo:], local, background)
     metrics = ShareMetrics()
     for name, value in scorer_metrics.items():
         metrics.add({name: value}, SCORER_REDUCTIONS.get(name, MEAN), weight=len(local), own=True)

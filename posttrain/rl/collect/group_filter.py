@@ -37,6 +37,7 @@ SUMMED_METRICS = (
     "reward/num_failures",
     "reward/num_timeouts",
     "reward/time_s",
+    "reward/wait_s",
     *reward_counts.SUMMED,
 )  # the others are averaged
 UNSHAPED_METRICS = ("acc", "score")  # metrics read before the overlong penalty; the others after it

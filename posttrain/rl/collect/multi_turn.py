@@ -21,7 +21,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.records import PromptRecord
 from posttrain.parallel.shares import MAX, MIN, ShareMetrics
-from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams, TurnEngine
+from posttrain.rollout.base import RolloutEngine, RolloutResult, SampleCallback, SamplingParams, TurnEngine
 
 
 @dataclass
@@ -42,9 +42,12 @@ class AgentLoop:
         params: SamplingParams,
         prompt_offset: int = 0,
         row_ids: list[int] | None = None,
+        on_sample: SampleCallback | None = None,
     ) -> RolloutResult:
         """``params.n`` trajectories per record, prompt-major; trajectory j of record i has the global sample id
-        ``(prompt_offset + i) * n + j`` (its sampling noise), as a single-turn sample would."""
+        ``(prompt_offset + i) * n + j`` (its sampling noise), as a single-turn sample would. ``on_sample`` gets
+        each trajectory as a one-sample result when it ends (``RolloutEngine.generate``; one whose environment
+        failed, when kept, after all have ended)."""
         if not isinstance(engine, TurnEngine):
             raise ConfigError(
                 f"rollout.multi_turn.enable=true needs a rollout engine that runs turns; {type(engine).__name__} "
@@ -64,10 +67,21 @@ class AgentLoop:
             self.settings,
             sample_ids,
             names,
+            None if on_sample is None else self._reporter(on_sample, n),
         )
         for traj in trajectories:
             traj.metrics["template_drift"] = float(self.drifted(traj))
         return trajectories_result(trajectories, n, self.eos_token_ids)
+
+    def _reporter(self, on_sample: SampleCallback, n: int):
+        """The driver's ``on_done`` that hands each ended trajectory to ``on_sample`` as one sample."""
+
+        def on_done(k: int, traj: Trajectory) -> None:
+            one = trajectories_result([traj], 1, self.eos_token_ids)
+            one.prompt_index = [k // n]
+            on_sample(k, one)
+
+        return on_done
 
     def drifted(self, traj: Trajectory) -> bool:
         """Whether re-rendering the finished conversation gives other tokens than the trajectory holds."""

@@ -11,6 +11,7 @@ from posttrain.algorithms.advantages import estimator_needs
 from posttrain.data.batch import RolloutBatch
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, ShareMetrics, select_share
 from posttrain.rewards.combine import RewardWeights
+from posttrain.rewards.many import declares_samples_at_once
 from posttrain.rewards.overlong import overlong_metrics
 from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.generation import (
@@ -69,7 +70,18 @@ def context_scorer(context: RolloutContext) -> Scorer:
     """The rollout's scorer: the reward function or rule, the reward model, DAPO's overlong shaping."""
     rm = context.reward_model
     weights = RewardWeights.from_config(context.cfg, rm.model.config if rm is not None else None)
-    return Scorer(context.reward_runner, rm, context.tokenizer, overlong_shaping(context.cfg), weights)
+    fn = getattr(context.reward_runner, "fn", None)  # a stand-in runner may have none
+    during = scores_during_generation(context.cfg.reward.score_during_generation, fn)
+    return Scorer(
+        context.reward_runner, rm, context.tokenizer, overlong_shaping(context.cfg), weights, during
+    )
+
+
+def scores_during_generation(when: str, fn) -> bool:
+    """``reward.score_during_generation``: whether the step's samples are scored while it generates. ``auto``:
+    for functions that declare ``samples_at_once`` (thread-safe, and slow enough to be worth hiding: the code
+    reward); a cheap rule gains nothing from a thread and chunks."""
+    return when == "always" or (when == "auto" and declares_samples_at_once(fn))
 
 
 def context_baselines(context: RolloutContext, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:

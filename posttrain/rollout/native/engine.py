@@ -28,6 +28,7 @@ from torch import nn
 from posttrain.rollout.base import (
     RolloutEngine,
     RolloutResult,
+    SampleCallback,
     SamplingParams,
     TurnEngine,
     TurnRequest,
@@ -136,7 +137,11 @@ class NativeEngine(RolloutEngine, TurnEngine):
 
     # ------------------------------------------------------------------ protocol
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, prompt_offset: int = 0
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        prompt_offset: int = 0,
+        on_sample: SampleCallback | None = None,
     ) -> RolloutResult:
         """Sample ``params.n`` responses per prompt; samples are prompt-major (see RolloutResult).
 
@@ -146,6 +151,9 @@ class NativeEngine(RolloutEngine, TurnEngine):
         process generating all prompts would (up to float rounding from different batch shapes).
         ``RolloutResult.prompt_index`` stays local to this call. Runs in eval mode under
         ``torch.inference_mode`` and restores the model's training mode afterwards.
+
+        on_sample: called with each sample when it is final: on the slot-cache path when the scheduler retires
+        it, on the fallback path when its chunk of prompts is decoded (``RolloutEngine.generate``).
         """
         validate_prompts(prompt_ids)
         if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int) or prompt_offset < 0:
@@ -160,8 +168,9 @@ class NativeEngine(RolloutEngine, TurnEngine):
         try:
             with torch.inference_mode():
                 if self.use_hf_forward or self._beyond_window(prompt_ids, params):
-                    return padded_generate(self._lockstep(), prompt_ids, params, seed, prompt_offset)
-                return self._generate_continuous(prompt_ids, params, seed, prompt_offset)
+                    lockstep = self._lockstep()
+                    return padded_generate(lockstep, prompt_ids, params, seed, prompt_offset, on_sample)
+                return self._generate_continuous(prompt_ids, params, seed, prompt_offset, on_sample)
         finally:
             self.model.train(was_training)
 
@@ -256,7 +265,12 @@ class NativeEngine(RolloutEngine, TurnEngine):
         return window is not None and longest > window
 
     def _generate_continuous(
-        self, prompt_ids: list[list[int]], params: SamplingParams, seed: int, prompt_offset: int
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        seed: int,
+        prompt_offset: int,
+        on_sample: SampleCallback | None = None,
     ) -> RolloutResult:
         parts = self._parts()
         sched = Scheduler(
@@ -274,7 +288,12 @@ class NativeEngine(RolloutEngine, TurnEngine):
         slots = self._slots_needed(len(prompt_ids), params.n)
         self._cache_shape = (slots, max(len(p) for p in prompt_ids) + params.max_tokens - 1)
         self.cache.ensure(parts, *self._cache_shape)
-        self._drive(parts, sched, params, seed)
+
+        def report(finished: list) -> None:
+            for sample in finished:  # a sample's tokens are final once the scheduler retires it
+                on_sample(sample.index, _result_of([sample]))
+
+        self._drive(parts, sched, params, seed, report if on_sample is not None else None)
         return _result(sched)
 
     def _turns_continuous(
@@ -310,9 +329,15 @@ class NativeEngine(RolloutEngine, TurnEngine):
         return result
 
     def _drive(
-        self, parts: DecoderParts, sched: Scheduler | TurnScheduler, params: SamplingParams, seed: int
+        self,
+        parts: DecoderParts,
+        sched: Scheduler | TurnScheduler,
+        params: SamplingParams,
+        seed: int,
+        report=None,
     ) -> None:
-        """Run ``sched``'s steps until every sample finished: forward, sample, record, copy shared prefixes."""
+        """Run ``sched``'s steps until every sample finished: forward, sample, record, copy shared prefixes.
+        ``report`` (a ``Scheduler``'s run only) gets the samples that finished at each step."""
         n = sched.n
         while not sched.done:
             plan = sched.schedule()
@@ -342,6 +367,8 @@ class NativeEngine(RolloutEngine, TurnEngine):
             }
             for c in sched.complete(plan, tokens[:num], logprobs[:num], first):
                 self.cache.copy_prefix(c.src, c.dst, c.length)
+            if report is not None:
+                report(sched.take_finished())
 
     def _lockstep(self) -> Lockstep:
         return Lockstep(self.model, self.device, self.pad_token_id, self._eos, self.chunk_size)
@@ -398,7 +425,10 @@ class NativeEngine(RolloutEngine, TurnEngine):
 
 
 def _result(sched: Scheduler) -> RolloutResult:
-    samples = sched.samples
+    return _result_of(sched.samples)
+
+
+def _result_of(samples: list) -> RolloutResult:
     return RolloutResult(
         prompt_index=[s.prompt for s in samples],
         response_ids=[s.tokens for s in samples],

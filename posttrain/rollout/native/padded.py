@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.rollout.base import RolloutResult, SamplingParams, TurnRequest
+from posttrain.rollout.base import RolloutResult, SampleCallback, SamplingParams, TurnRequest, report_samples
 from posttrain.rollout.native.token_sampling import sample_tokens
 
 
@@ -31,9 +31,15 @@ class Lockstep:
 
 
 def padded_generate(
-    run: Lockstep, prompt_ids: list[list[int]], params: SamplingParams, seed: int, prompt_offset: int
+    run: Lockstep,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    seed: int,
+    prompt_offset: int,
+    on_sample: SampleCallback | None = None,
 ) -> RolloutResult:
-    """``NativeEngine.generate`` on this path: ``n`` samples per prompt, prompt-major."""
+    """``NativeEngine.generate`` on this path: ``n`` samples per prompt, prompt-major; ``on_sample`` gets each
+    chunk's samples when the chunk is decoded (its rows end together)."""
     result, n = RolloutResult(), params.n
     for start in range(0, len(prompt_ids), run.chunk_size):
         chunk = prompt_ids[start : start + run.chunk_size]
@@ -50,6 +56,7 @@ def padded_generate(
             limits=[params.max_tokens] * rows,
         )
         out.prompt_index = [start + i for i in range(len(chunk)) for _ in range(n)]
+        report_samples(out, on_sample, first=len(result))
         result.extend(out)
     return result
 

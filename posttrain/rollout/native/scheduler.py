@@ -172,6 +172,7 @@ class Scheduler:
         self.group_slots: dict[int, set[int]] = {}  # prompt -> slots of its running samples
         self.free: list[int] = list(range(max_num_seqs))  # a heap: lowest slot first keeps decode slots dense
         self.claims = 0
+        self.newly_finished: list[Sample] = []  # finished since the last take_finished(), in finishing order
 
     @property
     def done(self) -> bool:
@@ -205,6 +206,11 @@ class Scheduler:
 
     def _chunk(self, pre: Prefill, budget: int) -> Chunk | None:
         return next_chunk(pre, len(self.prompts[pre.prompt]), budget, self.chunked)
+
+    def take_finished(self) -> list[Sample]:
+        """The samples that finished since the last call (each is final: it gets no more tokens)."""
+        out, self.newly_finished = self.newly_finished, []
+        return out
 
     def first_sample_ids(self, prompt: int) -> list[int]:
         """Global sample ids of ``prompt``'s n samples (in order)."""
@@ -263,6 +269,7 @@ class Scheduler:
                 live.append(sample)
             else:
                 self._finished(prompt)
+                self.newly_finished.append(sample)
         self.claims -= min(self.n, self.max_num_seqs)
         if not live:
             heapq.heappush(self.free, pre.slot)
@@ -297,6 +304,7 @@ class Scheduler:
     def _retire(self, sample: Sample) -> None:
         """A running sample finished: a waiting sibling takes its slot (the prompt is there), else free it."""
         slot, prompt = sample.slot, sample.prompt
+        self.newly_finished.append(sample)
         del self.running[slot]
         self.group_slots[prompt].discard(slot)
         self._finished(prompt)

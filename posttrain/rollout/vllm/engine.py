@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from posttrain.rollout.base import (
     RolloutEngine,
     RolloutResult,
+    SampleCallback,
     SamplingParams,
     TurnRequest,
     validate_prompts,
@@ -129,14 +130,19 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generate
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, prompt_offset: int = 0
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        prompt_offset: int = 0,
+        on_sample: SampleCallback | None = None,
     ) -> RolloutResult:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutResult` for the layout.
 
         Sample j of prompt i has global id ``(prompt_offset + i) * n + j`` and is one vLLM request seeded with
         ``sample_seed(seed, id)``. Log-probs are ``log_softmax(logits / temperature)`` at the sampled token
         (temperature 1 for greedy); with top-k/top-p active vLLM renormalises them after filtering, see
-        :func:`logprobs_match_trainer`.
+        :func:`logprobs_match_trainer`. ``on_sample`` gets each sample when vLLM's engine reports its request
+        finished (:meth:`_run_reporting`).
         """
         validate_prompts(prompt_ids)
         if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int) or prompt_offset < 0:
@@ -149,11 +155,39 @@ class VLLMEngine(RolloutEngine):
         prompts, requests = self._requests(prompt_ids, params, seed, prompt_offset)
         self._counters_before = self._read_counters()
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, requests, use_tqdm=False, lora_request=self._lora_request)
+        if on_sample is None:
+            outputs = self.llm.generate(prompts, requests, use_tqdm=False, lora_request=self._lora_request)
+        else:
+            outputs = self._run_reporting(prompts, requests, params.n, on_sample)
         elapsed = time.perf_counter() - start
         result = self._result(outputs, params.n)
         self._gen_stats = _stats(outputs, result, elapsed)
         return result
+
+    def _run_reporting(
+        self, prompts: list[Any], requests: list[Any], n: int, on_sample: SampleCallback
+    ) -> list[Any]:
+        """What ``llm.generate`` does (queue the requests, step the engine until none is left), calling
+        ``on_sample`` with each request's sample in the step that finishes it; the outputs in request order.
+        Requests still queued when something raises are aborted, so the next call starts from an empty engine."""
+        ids = self.llm.enqueue(prompts, requests, use_tqdm=False, lora_request=self._lora_request)
+        # enqueue returns vLLM's internal ids ("<counter>-<8 random characters>"); outputs carry the counter.
+        position = {request_id.rsplit("-", 1)[0]: k for k, request_id in enumerate(ids)}
+        outputs: list[Any] = [None] * len(ids)
+        engine = self.llm.llm_engine
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        k = position[output.request_id]
+                        outputs[k] = output
+                        one = self._result([output], 1)
+                        one.prompt_index = [k // n]
+                        on_sample(k, one)
+        except BaseException:
+            engine.abort_request([i for i, out in zip(ids, outputs) if out is None], internal=True)
+            raise
+        return outputs
 
     def generate_turns(self, requests: list[TurnRequest], params: SamplingParams) -> RolloutResult:
         """One sample per :class:`TurnRequest`, in request order (``prompt_index[i] == i``); see
