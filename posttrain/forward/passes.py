@@ -39,6 +39,7 @@ from posttrain.batching.packing import PackedBatch, pack_sequences
 from posttrain.config.errors import ConfigError
 from posttrain.data.batch import RolloutBatch
 from posttrain.forward.chunked_head import chunked_logprobs_entropy
+from posttrain.forward.offload import OffloadActivations
 from posttrain.forward.packed import _uses_flash_attention, packed_causal_lm_forward
 from posttrain.forward.prefix_grouper import group_by_prompt
 from posttrain.forward.shared_prefix import (
@@ -88,14 +89,14 @@ DEFAULT_OPTIONS = ForwardOptions()
 def activation_offload_context(
     enabled: bool, device: torch.device | str
 ) -> contextlib.AbstractContextManager:
-    """``torch.autograd.graph.save_on_cpu(pin_memory=True)`` when ``enabled`` on a CUDA device, else a no-op.
+    """:class:`OffloadActivations` when ``enabled`` on a CUDA device, else a no-op.
 
     Tensors autograd saves inside the context are copied to pinned CPU memory and brought back in backward
     (the unpack hook travels with each saved tensor, so only the forward needs to run inside). On CPU the
     activations already live in CPU memory, so there is nothing to move.
     """
     if enabled and torch.device(device).type == "cuda":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return OffloadActivations()
     return contextlib.nullcontext()
 
 

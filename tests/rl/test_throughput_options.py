@@ -7,6 +7,7 @@ import torch
 from transformers import Gemma2Config, GPT2Config
 
 from posttrain.forward import options as throughput
+from posttrain.forward.offload import OffloadActivations
 from posttrain.forward.options import pass_options
 from posttrain.forward.passes import activation_offload_context
 from posttrain.forward.prefix_grouper import check_prefix_grouper
@@ -236,10 +237,10 @@ def test_activation_offload_warns_on_cpu_and_is_cuda_only(tiny_model_dir, tmp_pa
     cuda = pass_options(cfg, torch.device("cuda"))  # a device object needs no GPU
     assert cuda.actor.offload_activations and cuda.critic.offload_activations and cuda.sft.offload_activations
     assert not cuda.old_log_prob.offload_activations and not cuda.ref.offload_activations  # forward-only
-    # The CUDA path is torch's save_on_cpu (pinned); everywhere else a no-op context.
-    assert isinstance(activation_offload_context(True, "cuda"), torch.autograd.graph.save_on_cpu)
+    # The CUDA path is save_on_cpu's pinned offload, contiguous tensors only; everywhere else a no-op context.
+    assert isinstance(activation_offload_context(True, "cuda"), OffloadActivations)
     for enabled, device in ((True, "cpu"), (False, "cuda"), (False, "cpu")):
-        assert not isinstance(activation_offload_context(enabled, device), torch.autograd.graph.save_on_cpu)
+        assert not isinstance(activation_offload_context(enabled, device), OffloadActivations)
 
 
 @pytest.mark.gpu

@@ -37,6 +37,7 @@ from posttrain.rollout.base import (
 from posttrain.rollout.native.decoder import (
     DecoderParts,
     SlotKVCache,
+    attention_backends,
     build_step_inputs,
     decoder_parts,
     forward_step,
@@ -341,7 +342,8 @@ class NativeEngine(RolloutEngine, TurnEngine):
         n = sched.n
         while not sched.done:
             plan = sched.schedule()
-            logits, rows, sample_ids, steps, finishing = self._step(parts, sched.prompts, plan, sched)
+            with attention_backends(self.device):
+                logits, rows, sample_ids, steps, finishing = self._step(parts, sched.prompts, plan, sched)
             tokens, logprobs = [], []
             if sample_ids:  # else: only part of a long prompt was prefilled
                 if rows is not None:
