@@ -2,7 +2,7 @@
 
 Run::
 
-    python3 benchmarks/agent_tasks.py calculator          # or guess_number; --help for the sizes
+    python3 benchmarks/agent_tasks.py calculator          # or guess_number, python_arithmetic; --help for the sizes
     python3 benchmarks/agent_tasks.py guess_number --grpo-steps 20 --out /tmp/gn
 
 For the task it runs the three commands of docs/agents.md ("Built-in tasks") as a user would, each as a
@@ -33,8 +33,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # What each task needs beyond the defaults: the lengths of its trajectories, its turns, and the run's sizes.
 # calculator plays the task's default, products of two 2-digit numbers, so the model copies 4 digits into the
 # tool call and 3 or 4 back: with 3- or 4-digit operands 140 SFT steps did not teach it to copy at all.
-TASK_OPTIONS: dict[str, dict[str, int]] = {"calculator": {}, "guess_number": {}}
-N_TRAIN = {"calculator": 4000, "guess_number": 480}  # data.num_train_examples; the demos use the same split
+# python_arithmetic is the calculator's recipe with the python tool (the sandbox runs `print(a * b)`) and 2-digit
+# operands (not the task's default 6 to 9); its prompt carries an instruction (about 40 tokens), hence the longer prompt.
+TASK_OPTIONS: dict[str, dict[str, int]] = {
+    "calculator": {},
+    "guess_number": {},
+    "python_arithmetic": {"min_digits": 2, "max_digits": 2},
+}
+N_TRAIN = {
+    "calculator": 4000,
+    "guess_number": 480,
+    "python_arithmetic": 4000,
+}  # data.num_train_examples; the demos use the same split
 SFT = {
     "calculator": [
         "data.max_prompt_length=64",
@@ -46,6 +56,7 @@ SFT = {
     ],
     "guess_number": ["data.max_prompt_length=96", "data.max_response_length=64"],
 }
+SFT["python_arithmetic"] = ["data.max_prompt_length=96", *SFT["calculator"][1:]]
 GRPO = {
     "calculator": [
         "data.max_prompt_length=64",
@@ -74,12 +85,19 @@ GRPO = {
         "actor.loss_agg_mode=seq-mean-token-mean",
     ],
 }
+# Without the tool's schema block (500 tokens with the tiny tokenizer, absent from the demonstrations): with it the
+# warm start called the tool in 0 of 16 held-out problems, without it in 8 of 16.
+GRPO["python_arithmetic"] = [
+    "data.max_prompt_length=96",
+    *GRPO["calculator"][1:],
+    "env.kwargs={show_schemas: false}",
+]
 # The warm start: SFT steps of 32 demonstrations, and the demonstrations' imperfection (make_demos.py --rate).
 # guess_number's demonstrations guess at random inside the interval the hints leave (rate 1.0): the model learns
 # the format and the hints, GRPO learns to guess the middle and to stay inside the interval.
-SFT_STEPS = {"calculator": 300, "guess_number": 60}
-GRPO_STEPS = {"calculator": 40, "guess_number": 80}
-DEMO_RATE = {"calculator": None, "guess_number": 1.0}
+SFT_STEPS = {"calculator": 300, "guess_number": 60, "python_arithmetic": 300}
+GRPO_STEPS = {"calculator": 40, "guess_number": 80, "python_arithmetic": 40}
+DEMO_RATE = {"calculator": None, "guess_number": 1.0, "python_arithmetic": None}
 COMMON_SFT = [
     "model.path=builtin:base",
     "data.prompt_key=messages",

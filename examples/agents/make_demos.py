@@ -30,8 +30,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="trainer.seed of the run (it draws the splits)")
     parser.add_argument("--n-train", type=int, default=480, help="data.num_train_examples of the run")
     parser.add_argument("--n-val", type=int, default=128, help="data.num_val_examples of the run")
-    parser.add_argument("--rate", type=float, default=None, help="imperfection: calculator's share without the "
-                        "tool, guess_number's share of random guesses (default: the task's)")  # fmt: skip
+    parser.add_argument("--rate", type=float, default=None, help="imperfection: calculator's and python_arithmetic's "
+                        "share without the tool, guess_number's share of random guesses (default: the task's)")  # fmt: skip
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="data.task_options of the run, e.g. --option high=31 --option max_turns=5")  # fmt: skip
     args = parser.parse_args()

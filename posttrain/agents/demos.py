@@ -4,8 +4,8 @@ Each demonstration is a row ``{"messages": [...]}`` in the chat format the rollo
 calls are hermes ``<tool_call>`` text (what the model samples), tool results are ``tool`` messages and hints are
 ``user`` messages. `posttrain sft` trains on the assistant messages only (posttrain.sft.conversation).
 
-The demonstrations are imperfect on purpose, as written data often is: ``calculator`` answers from memory (a wrong
-number) in a share of them, ``guess_number`` guesses at random inside the interval in a share of its turns. The
+The demonstrations are imperfect on purpose, as written data often is: ``calculator`` and ``python_arithmetic``
+answer from memory (a wrong number) in a share of them, ``guess_number`` guesses at random inside the interval in a share of its turns. The
 warm-started policy then knows the format and the good play but does not prefer it enough; RL with the task's
 reward has something to learn (docs/agents.md, "Built-in tasks").
 """
@@ -21,9 +21,10 @@ from posttrain.agents.builtin import calculator
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord
+from posttrain.data.tasks import python_arithmetic
 
-#: Defaults of the imperfection: share of calculator demonstrations without the tool, and of guess_number turns
-#: that guess at random in the interval instead of its middle.
+#: Defaults of the imperfection: share of calculator and python_arithmetic demonstrations without the tool, and of
+#: guess_number turns that guess at random in the interval instead of its middle.
 NO_TOOL_RATE = 0.5
 RANDOM_GUESS_RATE = 0.5
 
@@ -62,6 +63,18 @@ def calculator_demonstration(
     }
 
 
+def python_arithmetic_demonstration(
+    record: PromptRecord, rng: random.Random, no_tool_rate: float = NO_TOOL_RATE
+) -> dict:
+    """The task's solved conversation (a python call printing the product, the sandbox's output, the answer);
+    with probability ``no_tool_rate`` a wrong answer from memory instead."""
+    a, b = record.extra["a"], record.extra["b"]
+    if rng.random() < no_tool_rate:
+        answer = {"role": "assistant", "content": str(_wrong_guess(a * b, rng))}
+        return {"messages": [{"role": "user", "content": record.prompt}, answer]}
+    return {"messages": python_arithmetic.demonstration(a, b)}
+
+
 def guess_number_demonstration(
     record: PromptRecord, rng: random.Random, random_guess_rate: float = RANDOM_GUESS_RATE
 ) -> dict:
@@ -84,7 +97,17 @@ def guess_number_demonstration(
     return {"messages": messages}
 
 
-DEMONSTRATIONS = {"calculator": calculator_demonstration, "guess_number": guess_number_demonstration}
+DEMONSTRATIONS = {
+    "calculator": calculator_demonstration,
+    "guess_number": guess_number_demonstration,
+    "python_arithmetic": python_arithmetic_demonstration,
+}
+#: The keyword of each task's imperfection (make_demos.py --rate).
+RATE_KEYWORD = {
+    "calculator": "no_tool_rate",
+    "guess_number": "random_guess_rate",
+    "python_arithmetic": "no_tool_rate",
+}
 
 
 def demonstrations(
@@ -95,7 +118,7 @@ def demonstrations(
         raise DataError(f"no demonstrations for task {task!r}; there are for {sorted(DEMONSTRATIONS)}")
     make = DEMONSTRATIONS[task]
     rng = random.Random(seed)
-    extra = {} if rate is None else {"no_tool_rate" if task == "calculator" else "random_guess_rate": rate}
+    extra = {} if rate is None else {RATE_KEYWORD[task]: rate}
     return [make(records[i % len(records)], rng, **extra) for i in range(n)]
 
 

@@ -16,6 +16,7 @@ bytes first (`sandbox.max_output_bytes`).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from posttrain.agents.env import ToolEnvironment
 from posttrain.agents.tools import ToolSet, make_tool
@@ -67,7 +68,19 @@ def uses_python(tools: ToolSet) -> bool:
 
 
 class PythonEnv(ToolEnvironment):
-    """A tool environment with the python tool: each ``<tool_call>`` to ``python`` runs in the sandbox."""
+    """A tool environment with the python tool: each ``<tool_call>`` to ``python`` runs in the sandbox.
 
-    def __init__(self, max_parallel_calls: int = 4, timeout_s: float = 30.0) -> None:
+    The tool's schema block is in the prompt unless ``show_schemas=False`` (`env.kwargs={show_schemas: false}`):
+    with the built-in tiny tokenizer that block is over 500 tokens, and a model warm-started on demonstrations
+    without it (the python_arithmetic benchmark) knows the call format already; with the block it never called
+    the tool (0 of 16 held-out trajectories).
+    """
+
+    def __init__(
+        self, max_parallel_calls: int = 4, timeout_s: float = 30.0, show_schemas: bool = True
+    ) -> None:
         super().__init__(python_tools(), max_parallel_calls, timeout_s)
+        self.show_schemas = show_schemas
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        return super().tool_schemas() if self.show_schemas else None

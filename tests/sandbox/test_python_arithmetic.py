@@ -2,6 +2,7 @@
 the `python` environment with the real bwrap sandbox; a GRPO run on it goes end to end."""
 
 from posttrain.agents.build import environment_factory
+from posttrain.agents.demos import demonstrations
 from posttrain.agents.driver import Generation, MultiTurnSettings, run_trajectories
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.load import build_config
@@ -65,3 +66,20 @@ def test_grpo_on_python_arithmetic_runs(sandbox, tiny_model_dir, tmp_path):
 
 def test_the_demonstration_call_is_the_hermes_block():
     assert demonstration(12, 34)[1]["content"] == tool_call_text("python", {"code": "print(12 * 34)"})
+
+
+def test_demonstrations_call_the_tool_or_answer_wrong_from_memory():
+    """The warm start's data (make_demos.py python_arithmetic): the task's solved conversation, or, in about half
+    of them, a wrong number without the tool, so GRPO has something to learn."""
+    train, _ = load_task("python_arithmetic", 1, n_train=200, n_val=0, min_digits=2, max_digits=2)
+    rows = demonstrations("python_arithmetic", train, 200, seed=1)
+    with_tool = [(r, row) for r, row in zip(train, rows) if len(row["messages"]) == 4]
+    assert 70 <= len(with_tool) <= 130
+    for record, row in with_tool:
+        assert row["messages"] == demonstration(record.extra["a"], record.extra["b"])
+    for record, row in zip(train, rows):
+        if len(row["messages"]) == 2:
+            assert row["messages"][1]["content"] != record.ground_truth
+    assert all(
+        len(row["messages"]) == 4 for row in demonstrations("python_arithmetic", train, 20, 1, rate=0.0)
+    )

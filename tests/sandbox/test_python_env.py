@@ -78,6 +78,14 @@ def test_env_path_python_runs_the_call_in_the_sandbox(tok, quick):
     assert traj.metrics["tool_calls/python"] == 1.0
 
 
+def test_the_schema_block_is_shown_unless_turned_off(quick):
+    """A warm start trained without the block plays without it (env.kwargs={show_schemas: false})."""
+    shown = environment_factory(config("env.path=python", *quick))({}).tool_schemas()
+    assert [s["function"]["name"] for s in shown] == ["python"]
+    hidden = config("env.path=python", "env.kwargs={show_schemas: false}", *quick)
+    assert environment_factory(hidden)({}).tool_schemas() is None
+
+
 def test_python_from_a_tool_config(tok, quick, tmp_path):
     (tmp_path / "tools.yaml").write_text("tools:\n  - path: posttrain.agents.python_tool:python\n")
     cfg = config(f"rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}", *quick)

@@ -6,6 +6,10 @@ model may write a ``<tool_call>`` to the ``python`` tool (e.g. ``print(48213957 
 in a tool message, then answers. The reward (``arithmetic``: the first number of the final assistant message
 equals the product) is 1.0 only for the exact product; the share of trajectories that call the tool is in the
 step metrics (``tools/call_frequency``).
+
+The default operands (6 to 9 digits) are what the task is about; the tiny built-in model learns the task with
+``data.task_options.min_digits=2 data.task_options.max_digits=2`` (it must copy the operands into the call and the
+output back; benchmarks/agent_tasks.py python_arithmetic, docs/sandbox.md).
 """
 
 from __future__ import annotations
