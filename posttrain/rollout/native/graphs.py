@@ -9,8 +9,8 @@ On CUDA each shape is captured once as a ``torch.cuda.CUDAGraph`` (public API) a
 replayed with new inputs copied into its static buffers. The graphs are captured by the engine rather than by
 ``torch.compile(mode="reduce-overhead")`` because the KV cache is freed by ``release_memory`` between rollouts
 and re-allocated at a new address: explicit graphs are simply re-captured then (the engine drops this object when
-the cache generation changes), with no recompilation. The CUDA path is written against public APIs but has not
-been run: the project's machines have no GPU (docs/rollout.md).
+the cache generation changes), with no recompilation. The CUDA path is written against public APIs; CI has no GPU,
+and it was run by hand on an H100 (docs/rollout.md).
 """
 
 from __future__ import annotations
