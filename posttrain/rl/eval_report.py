@@ -29,13 +29,17 @@ def data_description(cfg: PostTrainConfig) -> str:
 
 
 def assistant_turns(row: dict) -> int:
-    """The row's assistant turns: its ``turns`` (a count or the list of turn spans), else counted in its messages."""
+    """The row's assistant turns, counted in its messages when it has them (its ``turns`` counts the environment's
+    replies too, as verl's num_turns does), else its ``turns`` (a count or the list of turn spans)."""
+    messages = row.get("messages")
+    if messages:
+        return sum(1 for m in messages if m.get("role") == "assistant")
     turns = row.get("turns")
     if isinstance(turns, int):
         return turns
     if isinstance(turns, list):
         return len(turns)
-    return sum(1 for m in row.get("messages", []) if m.get("role") == "assistant")
+    return 0
 
 
 def _calls_tool(message: dict) -> bool:

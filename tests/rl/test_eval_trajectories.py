@@ -58,3 +58,12 @@ def test_eval_report_shows_whole_trajectories(tmp_path, capsys):
     assert "success 33.3% (1 of 3); assistant turns mean 1.33, min 1, max 2; tool call rate 33.3%" in out
     written = [json.loads(line) for line in path.read_text().splitlines()]
     assert written[0]["messages"][2] == {"role": "tool", "content": "56088"}
+
+
+def test_assistant_turns_count_the_assistant_messages():
+    """A tool call and an answer are two assistant turns, although the row's `turns` (verl's num_turns) is 3."""
+    from posttrain.rl.eval_report import assistant_turns
+
+    roles = ["user", "assistant", "tool", "assistant"]
+    assert assistant_turns({"turns": 3, "messages": [{"role": r, "content": ""} for r in roles]}) == 2
+    assert assistant_turns({"turns": 3}) == 3
