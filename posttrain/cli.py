@@ -449,8 +449,20 @@ def quiet_library_progress_bars() -> None:
         huggingface_hub.utils.enable_progress_bars()
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options and overrides in any order: `explain rm --json rm.batch_size=32` as well as `explain rm
+    rm.batch_size=32 --json` (argparse alone stops collecting a command's positionals at its first option)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if any(a.startswith("-") for a in rest) or (rest and not hasattr(args, "config")):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.config = [*args.config, *rest]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     quiet_library_progress_bars()
     try:
         return args.fn(args)

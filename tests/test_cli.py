@@ -140,3 +140,12 @@ def test_the_cli_hides_the_libraries_own_progress_bars(tiny_model_dir, tmp_path,
         assert "Loading weights" not in err and "Writing model shards" not in err, err
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_overrides_may_follow_options(capsys):
+    """`explain --json key=value`: overrides after an option reach the config (argparse alone refuses them)."""
+    assert main(["explain", "--json", "rollout.n=4", "data.train_batch_size=16"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["samples_per_step"] == 64
+    with pytest.raises(SystemExit):
+        main(["explain", "--json", "--no-such-option"])
