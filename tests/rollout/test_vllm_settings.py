@@ -191,11 +191,13 @@ def test_llm_arguments_cpu_cuda_tp_lora(monkeypatch):
     assert cpu["enable_prefix_caching"] is True  # multi-turn prefix reuse (generate_turns)
     assert cpu["kv_cache_memory_bytes"] == cpu_kv_cache_bytes(VLLMKnobs(max_model_len=256), CONFIG, "fp32")
     assert "gpu_memory_utilization" not in cpu and "enable_sleep_mode" not in cpu
+    assert cpu["block_size"] == 32  # whole blocks are reused: the smallest the CPU kernel takes
     gpu = llm_kwargs(VLLMKnobs(gpu_memory_utilization=0.4), "m", "bf16", 0, "cuda", CONFIG)
     assert (
         gpu["gpu_memory_utilization"] == 0.4
         and gpu["enable_sleep_mode"]
         and "kv_cache_memory_bytes" not in gpu
+        and "block_size" not in gpu
     )
     monkeypatch.setenv("WORLD_SIZE", "4")
     tp = llm_kwargs(VLLMKnobs(tensor_model_parallel_size=2), "m", "bf16", 0, "cuda", CONFIG)

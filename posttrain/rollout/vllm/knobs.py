@@ -26,6 +26,11 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The CPU KV cache is paged in blocks; a sequence's last block is allocated whole. Rounding each sequence up to
 # this many tokens covers the largest block size the CPU backend uses, so max_num_seqs full sequences always fit.
 CPU_KV_ROUND_TOKENS = 128
+# KV-cache block size on CPU: the smallest the CPU attention kernel takes (multiples of 32). vLLM picks 128 there
+# when not told, and its prefix cache reuses whole blocks only, so a multi-turn trajectory recomputed up to 127
+# tokens of its context at every turn: 3-turn trajectories ran at 1.58x the single-turn time per token with 128,
+# 1.29x with 32, and single-turn decoding was as fast (benchmarks/bench_multi_turn.py, docs/agents.md).
+CPU_BLOCK_TOKENS = 32
 # LoRA ranks vLLM accepts for max_lora_rank; an adapter's rank is rounded up to the next one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 INSTALL_HINT = (
@@ -260,6 +265,7 @@ def llm_kwargs(
         kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
     if device == "cpu":
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(k, model_config, dtype)
+        kwargs["block_size"] = CPU_BLOCK_TOKENS
     else:
         kwargs["gpu_memory_utilization"] = k.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = k.free_cache_engine
