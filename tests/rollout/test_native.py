@@ -216,3 +216,17 @@ def test_invalid_engine_arguments(model):
         _engine(model).generate([], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=r"prompt_ids\[1\]"):
         _engine(model).generate([[5], []], SamplingParams(max_tokens=2))
+
+
+def test_cuda_generation_leaves_cudnn_attention_out():
+    """On CUDA the engine generates with sdpa's cuDNN backend off (a new plan per decode length); on CPU the
+    context does nothing. The flags are process-wide, so this runs without a GPU."""
+    from posttrain.rollout.native.decoder import attention_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

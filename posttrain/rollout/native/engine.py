@@ -167,7 +167,7 @@ class NativeEngine(RolloutEngine, TurnEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), attention_backends(self.device):
                 if self.use_hf_forward or self._beyond_window(prompt_ids, params):
                     lockstep = self._lockstep()
                     return padded_generate(lockstep, prompt_ids, params, seed, prompt_offset, on_sample)
@@ -190,7 +190,7 @@ class NativeEngine(RolloutEngine, TurnEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), attention_backends(self.device):
                 longest = max(len(r.ids) + r.max_tokens - 1 for r in requests)
                 if self.use_hf_forward or self._exceeds_window(longest):
                     self._metrics = {
@@ -342,8 +342,7 @@ class NativeEngine(RolloutEngine, TurnEngine):
         n = sched.n
         while not sched.done:
             plan = sched.schedule()
-            with attention_backends(self.device):
-                logits, rows, sample_ids, steps, finishing = self._step(parts, sched.prompts, plan, sched)
+            logits, rows, sample_ids, steps, finishing = self._step(parts, sched.prompts, plan, sched)
             tokens, logprobs = [], []
             if sample_ids:  # else: only part of a long prompt was prefilled
                 if rows is not None:
