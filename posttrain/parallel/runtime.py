@@ -15,7 +15,9 @@ import datetime
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.utils.run_lock import lock_run_dir
 
 log = logging.getLogger("posttrain")
 
@@ -191,6 +194,33 @@ def shutdown_distributed(ctx: DistContext | None = None) -> None:
     then belongs to someone else (an in-process vLLM engine makes its own) and is left alone."""
     if (ctx is None or ctx.distributed) and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def ranked_run(device: torch.device, run_dir: str | Path, timeout_s: float) -> Iterator[DistContext]:
+    """The life of a training command on each of its ranks (`posttrain train`, `posttrain rm`).
+
+    Rank 0 takes the run directory's lock before anything is written there; every rank joins the process group
+    (none for a world of one); a failed collective ends the job instead of hanging it; the group and the lock are
+    released on the way out, however the body ends. Where ranks must leave together, the body ends with
+    ``ctx.barrier()``: gloo aborts a process whose peer tears the group down while it still talks to it.
+    """
+    lock = lock_run_dir(run_dir, take=launched_rank() == 0)
+    try:
+        ctx = init_distributed(device, timeout_s)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    try:
+        yield ctx
+    except Exception as exc:
+        abort_on_collective_failure(exc, ctx, timeout_s)  # exits when a peer is gone
+        raise
+    finally:
+        shutdown_distributed(ctx)
+        if lock is not None:
+            lock.release()
 
 
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:

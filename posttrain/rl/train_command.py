@@ -22,12 +22,9 @@ from posttrain.models.hf import load_causal_lm, save_hf
 from posttrain.models.lora import adapter_state, is_lora_model, policy_weights
 from posttrain.parallel.runtime import (
     DistContext,
-    abort_on_collective_failure,
-    init_distributed,
-    launched_rank,
     launched_world_size,
+    ranked_run,
     select_device,
-    shutdown_distributed,
 )
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.collect.samples import log_validation_samples
@@ -45,7 +42,6 @@ from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, reward_failure_summary
 from posttrain.utils.plots import plot_training_curves
-from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.signals import RunSignals
 from posttrain.utils.storage import atomic_dir, model_dir_complete, storage_errors
@@ -139,36 +135,21 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     Launched by torchrun (WORLD_SIZE > 1), every rank runs this; rank 0 alone prints, logs and exports.
     """
     build_plan(cfg, launched_world_size())  # a config error surfaces before any process group or model
-    # One run per run_dir (rank 0 speaks for the job); taken before anything in it is written.
-    lock = lock_run_dir(cfg.trainer.run_dir, take=launched_rank() == 0)
+    device = select_device(cfg)
+    keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     seed_everything(cfg.trainer.seed)
-    try:
-        device = select_device(cfg)
-        keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
-        ctx = init_distributed(device, cfg.trainer.dist_timeout_s)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    try:
+    # One run per run_dir: rank 0 takes its lock before anything in it is written (ranked_run).
+    with ranked_run(device, cfg.trainer.run_dir, cfg.trainer.dist_timeout_s) as ctx:
         if ctx.distributed and cfg.model.path == "builtin:tiny":
             # One rank builds (and caches) the built-in warm start; the others then read the cache.
             if ctx.is_main:
                 resolve_model_path(cfg, quiet=quiet)
             ctx.barrier()
         result, engine = _train(cfg, ctx, quiet=quiet or not ctx.is_main)
-        # Leave together: gloo aborts a process whose group is torn down while a peer still talks to it.
-        ctx.barrier()
+        ctx.barrier()  # leave together
         if engine is not None:  # after the last collective: an in-process vLLM engine tears the group down
             engine.close()
         return result
-    except Exception as exc:
-        abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
-        raise
-    finally:
-        shutdown_distributed(ctx)
-        if lock is not None:
-            lock.release()
 
 
 def _train(

@@ -26,12 +26,9 @@ from posttrain.parallel.data_parallel import data_parallel
 from posttrain.parallel.fsdp import full_state_dict, shard_model
 from posttrain.parallel.runtime import (
     DistContext,
-    abort_on_collective_failure,
-    init_distributed,
-    launched_rank,
     launched_world_size,
+    ranked_run,
     select_device,
-    shutdown_distributed,
 )
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, validate_pairs
@@ -42,7 +39,6 @@ from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
-from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 
 HEADLINE = {"rm/loss": "loss", "rm/accuracy": "acc", "val/accuracy": "val acc", "val/margin": "val margin"}
@@ -153,24 +149,10 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     train, val = _read_pairs(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
-    lock = lock_run_dir(run_dir, take=launched_rank() == 0)
-    try:
-        ctx = init_distributed(device, cfg.trainer.dist_timeout_s)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    try:
+    with ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx:
         out = _run(cfg, train, val, run_dir, ctx, quiet or not ctx.is_main)
-        ctx.barrier()  # leave together: gloo aborts a process whose peer tears the group down mid-talk
+        ctx.barrier()  # leave together
         return out
-    except Exception as exc:
-        abort_on_collective_failure(exc, ctx, cfg.trainer.dist_timeout_s)  # exits when a peer is gone
-        raise
-    finally:
-        shutdown_distributed(ctx)
-        if lock is not None:
-            lock.release()
 
 
 def _model_path(cfg: PostTrainConfig, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
