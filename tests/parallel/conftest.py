@@ -39,21 +39,23 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, scenario: str, out: Path, options: dict, timeout: float = 240, check: bool = True):
-    """Run ``workers.py <scenario>`` on ``nproc`` ranks; returns the CompletedProcess."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [
+def torchrun_command(nproc: int, *target: str) -> list[str]:
+    """`python -m torch.distributed.run` on ``nproc`` local ranks (loopback, a free port) running ``target``."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        str(WORKERS),
-        scenario,
-        str(out),
-        *[f"{k}={v}" for k, v in options.items()],
+        *target,
     ]
+
+
+def torchrun(nproc: int, scenario: str, out: Path, options: dict, timeout: float = 240, check: bool = True):
+    """Run ``workers.py <scenario>`` on ``nproc`` ranks; returns the CompletedProcess."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = torchrun_command(nproc, str(WORKERS), scenario, str(out), *[f"{k}={v}" for k, v in options.items()])
     ray_dir = tempfile.mkdtemp(prefix="ray-")  # where a rank that starts Ray puts its files (short: sockets)
     env = loopback_env(RAY_TMPDIR=ray_dir)
     proc = start_group(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)

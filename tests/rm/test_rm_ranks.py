@@ -4,7 +4,6 @@ batch that does not split over the ranks is refused before any model loads."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from posttrain.cli import main
 from posttrain.rm.demo import write_arithmetic_pairs
 from posttrain.rm.loop import RMSchedule
 from posttrain.utils.metrics import read_metrics
-from tests.parallel.conftest import REPO, end_group, free_port, loopback_env, start_group
+from tests.parallel.conftest import REPO, end_group, loopback_env, start_group, torchrun_command
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # a hung job fails the test, its processes killed
 
@@ -45,18 +44,7 @@ def _args(model_dir, data_dir, run_dir, *extra) -> list[str]:
 
 def _launch(nproc: int, args: list[str]) -> None:
     """`torchrun --nproc_per_node N -m posttrain rm ...`, as a user runs it on CPU."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "posttrain",
-        "rm",
-        *args,
-    ]
+    cmd = torchrun_command(nproc, "-m", "posttrain", "rm", *args)
     proc = start_group(
         cmd, env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
     )
