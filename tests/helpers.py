@@ -159,10 +159,14 @@ def one_problem_file(record: PromptRecord, path: Path, rows: int = 32) -> Path:
     return path
 
 
-def one_problem_warm_start(tmp_path, task: str, record: PromptRecord, seed: int, *lengths) -> Path:
-    """The short tests' warm start: 40 SFT steps of 32 demonstrations of ``record`` (half answer from memory with
-    a wrong number) at lr 3e-3, 5 warm-up steps, cosine to 3e-4 (docs/agents.md, "The short test")."""
-    demos = write_jsonl(demonstrations(task, [record], 40 * 32, seed), tmp_path / "demos.jsonl")
+def one_problem_warm_start(
+    tmp_path, task: str, record: PromptRecord, seed: int, *lengths, no_tool_rate: float | None = None
+) -> Path:
+    """The short tests' warm start: 40 SFT steps of 32 demonstrations of ``record`` (a share ``no_tool_rate``, by
+    default half, answer from memory with a wrong number) at lr 3e-3, 5 warm-up steps, cosine to 3e-4
+    (docs/agents.md, "The short test")."""
+    rows = demonstrations(task, [record], 40 * 32, seed, no_tool_rate)
+    demos = write_jsonl(rows, tmp_path / "demos.jsonl")
     schedule = ["sft.optim.lr=3e-3", "sft.optim.warmup_steps=5", "sft.optim.lr_schedule=cosine"]
     return sft_warm_start(
         tmp_path / "sft", demos, 40, seed, *lengths, *schedule, "sft.optim.min_lr_ratio=0.1"

@@ -10,9 +10,12 @@ only.
 
 The short test (``-m slow``, as the calculator's) plays one problem in every row: 40 SFT steps teach the python
 call for it, and a few GRPO steps, whose rollouts run the model's ``print(a * b)`` in the sandbox, make the model
-call the tool and answer with its output. It checks the rise of the success and that the calls carry it (the
-tool-call rate), so a policy that learned the product by heart and answered without the tool would fail it.
+call the tool and answer with its output. It checks the rise of the success, that the calls carry it (the
+tool-call rate: a policy that learned the product by heart and answered without the tool fails it) and that the
+answers are the product the sandbox printed.
 """
+
+import json
 
 import pytest
 
@@ -74,15 +77,29 @@ def validations(model, run_dir, *extra):
     return validation_curve(run_dir)
 
 
+def answered_with_the_printed_product(run_dir, step: int) -> float:
+    """The share of the validation trajectories at ``step`` whose tool message is the product (the sandbox ran
+    the model's code and it printed the product) and whose answer is that product."""
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["step"] == step]
+    printed = [[m["content"].strip() for m in row["messages"] if m["role"] == "tool"] for row in rows]
+    right = [row["ground_truth"] in out and row["reward"] == 1.0 for row, out in zip(rows, printed)]
+    return sum(right) / len(rows)
+
+
 @pytest.mark.slow  # about 2 minutes of CPU on one thread: over the budget of a test in the plain suite
 def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_sandboxed_python_tool(sandbox, tmp_path):
     (record,), _ = load_task("python_arithmetic", SEED, n_train=1, n_val=0, **OPTIONS)
-    model = one_problem_warm_start(tmp_path, "python_arithmetic", record, SEED, *LENGTHS)
+    # 60% of the demonstrations without the tool, not the calculator's half: from half, the warm start already
+    # called the tool in 69% and was right in 69% of its answers, which left GRPO 31 points to rise (it rose 19
+    # in 8 steps). From 75% it called in 3% and GRPO learned to answer 660 from memory (the call-rate check fails).
+    model = one_problem_warm_start(tmp_path, "python_arithmetic", record, SEED, *LENGTHS, no_tool_rate=0.6)
     rows = one_problem_file(record, tmp_path / "problem.jsonl")
     curve = validations(model, tmp_path / "grpo", *one_problem_grpo(rows, "arithmetic"))
     (success_before, calls_before), (success_after, calls_after) = curve[0], curve[-1]
     assert success_after >= success_before + 0.2, curve
     assert calls_after >= 0.9 > calls_before, curve
+    assert answered_with_the_printed_product(tmp_path / "grpo", 8) >= 0.8, curve
 
 
 @pytest.mark.benchmark
