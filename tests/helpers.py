@@ -1,5 +1,5 @@
 """Helpers shared by several test modules: small run configs, reading a run's metrics, a crash-and-resume
-scenario, gradient capture. (Fixtures live in conftest.py.)"""
+scenario, gradient capture, the tool tasks' one-problem learning runs. (Fixtures live in conftest.py.)"""
 
 import json
 from pathlib import Path
@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
+from posttrain.agents.demos import demonstrations, write_jsonl
 from posttrain.config.load import build_config
+from posttrain.data.records import PromptRecord
 from posttrain.rl import train_command as rl
 from posttrain.rl.train_command import run_training
 from posttrain.sft.command import run_sft_command
@@ -147,6 +149,51 @@ def sft_warm_start(run_dir, demos, steps: int, seed: int, *extra) -> Path:
     )
     run_sft_command(cfg, quiet=True)
     return Path(run_dir) / "sft_model"
+
+
+def one_problem_file(record: PromptRecord, path: Path, rows: int = 32) -> Path:
+    """A prompt file with ``record`` in each of its ``rows`` rows (prompt, answer and the record's extra fields): the
+    tool tasks' short learning tests play one problem, as guess_number's CI test plays one game."""
+    row = {"prompt": record.prompt, "answer": record.ground_truth, **record.extra}
+    path.write_text((json.dumps(row) + "\n") * rows)
+    return path
+
+
+def one_problem_warm_start(
+    tmp_path, task: str, record: PromptRecord, seed: int, *lengths, no_tool_rate: float | None = None
+) -> Path:
+    """The short tests' warm start: 40 SFT steps of 32 demonstrations of ``record`` (a share ``no_tool_rate``, by
+    default half, answer from memory with a wrong number) at lr 3e-3, 5 warm-up steps, cosine to 3e-4
+    (docs/agents.md, "The short test")."""
+    rows = demonstrations(task, [record], 40 * 32, seed, no_tool_rate)
+    demos = write_jsonl(rows, tmp_path / "demos.jsonl")
+    schedule = ["sft.optim.lr=3e-3", "sft.optim.warmup_steps=5", "sft.optim.lr_schedule=cosine"]
+    return sft_warm_start(
+        tmp_path / "sft", demos, 40, seed, *lengths, *schedule, "sft.optim.min_lr_ratio=0.1"
+    )
+
+
+def one_problem_grpo(rows: Path, reward: str) -> list[str]:
+    """The short tests' GRPO overrides on the rows of :func:`one_problem_file`: 8 steps of 16 x 8 samples (two
+    optimizer steps each), 32 sampled validation trajectories at steps 0 and 8. Temperature 0.5: at 1 the 40-step
+    warm start garbles its 70-token call and GRPO learns to answer from memory instead."""
+    return [
+        f"data.train_files=[{rows}]",
+        f"data.val_files=[{rows}]",
+        f"reward.function={reward}",
+        "rollout.temperature=0.5",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=8",
+        "data.num_val_examples=32",
+        "trainer.total_steps=8",
+        "trainer.test_freq=8",
+    ]
+
+
+def validation_curve(run_dir) -> list[tuple[float, float]]:
+    """The held-out success and tool-call rate of each validation of a run."""
+    rows = [row for row in read_metrics(run_dir) if "val/accuracy" in row]
+    return [(row["val/accuracy"], row["val/tool_call_frequency"]) for row in rows]
 
 
 def sft_cli_args(run, model_dir, rows: int = 8) -> list[str]:

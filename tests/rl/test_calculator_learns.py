@@ -15,15 +15,19 @@ the success and that the calls carry it (the tool-call rate), so a policy that l
 answered without the tool would fail it.
 """
 
-import json
-
 import pytest
 
 from posttrain.agents.demos import demonstrations, write_jsonl
 from posttrain.config.load import build_config
 from posttrain.data.tasks import load_task
 from posttrain.rl.train_command import run_training
-from tests.helpers import read_metrics, sft_warm_start
+from tests.helpers import (
+    one_problem_file,
+    one_problem_grpo,
+    one_problem_warm_start,
+    sft_warm_start,
+    validation_curve,
+)
 
 SEED = 1
 SFT_STEPS = 300
@@ -64,30 +68,15 @@ def validations(model, run_dir, *extra):
         ]
     )
     run_training(cfg, quiet=True)
-    rows = [row for row in read_metrics(run_dir) if "val/accuracy" in row]
-    return [(row["val/accuracy"], row["val/tool_call_frequency"]) for row in rows]
+    return validation_curve(run_dir)
 
 
 @pytest.mark.slow  # about 2 minutes of CPU on one thread: over the budget of a test in the plain suite
 def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_tool(tmp_path):
-    train, _ = load_task("calculator", SEED, n_train=1, n_val=0)
-    problem = {"prompt": train[0].prompt, "answer": train[0].ground_truth, **train[0].extra}
-    rows = tmp_path / "problem.jsonl"
-    rows.write_text((json.dumps(problem) + "\n") * 32)
-    model = warm_start(tmp_path, train, 40, "sft.optim.lr=3e-3", "sft.optim.warmup_steps=5", *COSINE[1:])
-    curve = validations(
-        model,
-        tmp_path / "grpo",
-        f"data.train_files=[{rows}]",
-        f"data.val_files=[{rows}]",
-        "reward.function=calculator",
-        "rollout.temperature=0.5",  # the 40-step warm start garbles its long call at temperature 1
-        "data.train_batch_size=16",
-        "actor.ppo_mini_batch_size=8",
-        "data.num_val_examples=32",
-        "trainer.total_steps=8",
-        "trainer.test_freq=8",
-    )
+    (record,), _ = load_task("calculator", SEED, n_train=1, n_val=0)
+    model = one_problem_warm_start(tmp_path, "calculator", record, SEED, *LENGTHS)
+    rows = one_problem_file(record, tmp_path / "problem.jsonl")
+    curve = validations(model, tmp_path / "grpo", *one_problem_grpo(rows, "calculator"))
     (success_before, calls_before), (success_after, calls_after) = curve[0], curve[-1]
     assert success_after >= success_before + 0.2, curve
     assert calls_after >= 0.9 > calls_before, curve

@@ -1,12 +1,21 @@
 """The built-in task python_arithmetic learns: SFT warm start on demonstrations that call the python tool, then
-GRPO with the tool running in the real sandbox raises the held-out success (the full run and its curve:
+GRPO with the tool running in the real sandbox raises the success (the full run and its curve:
 benchmarks/agent_tasks.py python_arithmetic, docs/sandbox.md "The built-in task python_arithmetic").
 
-The recipe is the calculator's (tests/rl/test_calculator_learns.py) with the python tool: products of two 2-digit
-numbers (``data.task_options``), 300 SFT steps of 32 demonstrations of which half answer from memory with a wrong
-number, then GRPO at lr 2e-4 with ``seq-mean-token-mean``. The prompt carries the task's instruction, hence
-``data.max_prompt_length=96``. The warm start alone takes about 7 minutes on one CPU thread: a benchmark test only.
+The benchmark test is the calculator's recipe (tests/rl/test_calculator_learns.py) with the python tool: products
+of two 2-digit numbers (``data.task_options``), 300 SFT steps of 32 demonstrations of which half answer from memory
+with a wrong number, then GRPO at lr 2e-4 with ``seq-mean-token-mean``. The prompt carries the task's instruction,
+hence ``data.max_prompt_length=96``. The warm start alone takes about 7 minutes on one CPU thread: a benchmark test
+only.
+
+The short test (``-m slow``, as the calculator's) plays one problem in every row: 40 SFT steps teach the python
+call for it, and a few GRPO steps, whose rollouts run the model's ``print(a * b)`` in the sandbox, make the model
+call the tool and answer with its output. It checks the rise of the success, that the calls carry it (the
+tool-call rate: a policy that learned the product by heart and answered without the tool fails it) and that the
+answers are the product the sandbox printed.
 """
+
+import json
 
 import pytest
 
@@ -14,7 +23,13 @@ from posttrain.agents.demos import demonstrations, write_jsonl
 from posttrain.config.load import build_config
 from posttrain.data.tasks import load_task
 from posttrain.rl.train_command import run_training
-from tests.helpers import read_metrics, sft_warm_start
+from tests.helpers import (
+    one_problem_file,
+    one_problem_grpo,
+    one_problem_warm_start,
+    sft_warm_start,
+    validation_curve,
+)
 
 SEED = 1
 SFT_STEPS = 300
@@ -23,14 +38,10 @@ OPTIONS = {"min_digits": 2, "max_digits": 2}
 LENGTHS = ["data.max_prompt_length=96", "data.max_response_length=192"]
 GRPO = [  # benchmarks/agent_tasks.py: COMMON_GRPO and GRPO["python_arithmetic"]
     "data.task=python_arithmetic",
-    *[f"data.task_options.{name}={value}" for name, value in OPTIONS.items()],
-    f"data.num_train_examples={N_TRAIN}",
     "algorithm.adv_estimator=grpo",
-    "data.train_batch_size=16",
     "rollout.n=8",
     "rollout.multi_turn.max_assistant_turns=3",
     "rollout.multi_turn.max_tokens_per_turn=96",
-    "actor.ppo_mini_batch_size=8",
     "actor.ppo_micro_batch_size_per_gpu=32",
     "actor.optim.lr=2e-4",
     "actor.optim.warmup_steps=5",
@@ -50,20 +61,59 @@ def warm_start(tmp_path):
     return sft_warm_start(tmp_path / "sft", demos, SFT_STEPS, SEED, *LENGTHS, *schedule)
 
 
-@pytest.mark.benchmark
-def test_grpo_raises_the_held_out_python_arithmetic_success_by_15_points(sandbox, tmp_path):
+def validations(model, run_dir, *extra):
+    """GRPO from ``model`` with the python tool in the sandbox; the success and tool-call rate of each validation."""
     cfg = build_config(
         overrides=[
             *GRPO,
             *LENGTHS,
-            f"model.path={warm_start(tmp_path)}",
-            "data.num_val_examples=128",
-            "trainer.total_steps=40",
-            "trainer.test_freq=10",
+            *extra,
+            f"model.path={model}",
             f"trainer.seed={SEED}",
-            f"trainer.run_dir={tmp_path / 'grpo'}",
+            f"trainer.run_dir={run_dir}",
         ]
     )
     run_training(cfg, quiet=True)
-    curve = [row["val/accuracy"] for row in read_metrics(tmp_path / "grpo") if "val/accuracy" in row]
-    assert max(curve[-2:]) >= curve[0] + 0.15, curve
+    return validation_curve(run_dir)
+
+
+def answered_with_the_printed_product(run_dir, step: int) -> float:
+    """The share of the validation trajectories at ``step`` whose tool message is the product (the sandbox ran
+    the model's code and it printed the product) and whose answer is that product."""
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["step"] == step]
+    printed = [[m["content"].strip() for m in row["messages"] if m["role"] == "tool"] for row in rows]
+    right = [row["ground_truth"] in out and row["reward"] == 1.0 for row, out in zip(rows, printed)]
+    return sum(right) / len(rows)
+
+
+@pytest.mark.slow  # about 2 minutes of CPU on one thread: over the budget of a test in the plain suite
+def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_sandboxed_python_tool(sandbox, tmp_path):
+    (record,), _ = load_task("python_arithmetic", SEED, n_train=1, n_val=0, **OPTIONS)
+    # 60% of the demonstrations without the tool, not the calculator's half: from half, the warm start already
+    # called the tool in 69% and was right in 69% of its answers, which left GRPO 31 points to rise (it rose 19
+    # in 8 steps). From 75% it called in 3% and GRPO learned to answer 660 from memory (the call-rate check fails).
+    model = one_problem_warm_start(tmp_path, "python_arithmetic", record, SEED, *LENGTHS, no_tool_rate=0.6)
+    rows = one_problem_file(record, tmp_path / "problem.jsonl")
+    curve = validations(model, tmp_path / "grpo", *one_problem_grpo(rows, "arithmetic"))
+    (success_before, calls_before), (success_after, calls_after) = curve[0], curve[-1]
+    assert success_after >= success_before + 0.2, curve
+    assert calls_after >= 0.9 > calls_before, curve
+    assert answered_with_the_printed_product(tmp_path / "grpo", 8) >= 0.8, curve
+
+
+@pytest.mark.benchmark
+def test_grpo_raises_the_held_out_python_arithmetic_success_by_15_points(sandbox, tmp_path):
+    curve = validations(
+        warm_start(tmp_path),
+        tmp_path / "grpo",
+        *[f"data.task_options.{name}={value}" for name, value in OPTIONS.items()],
+        f"data.num_train_examples={N_TRAIN}",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=8",
+        "data.num_val_examples=128",
+        "trainer.total_steps=40",
+        "trainer.test_freq=10",
+    )
+    successes = [success for success, _ in curve]
+    assert max(successes[-2:]) >= successes[0] + 0.15, successes
