@@ -28,7 +28,8 @@ A *step* is one rollout and the optimizer steps trained on it. Both trainers get
   PPO clip 0.2, group-normalised advantages (TRL ``scale_rewards="group"``), learning rate ``--lr`` constant with
   no warm-up, gradient clipping at 1.0.
 
-TRL's knobs for this: ``num_generations=n``, ``per_device_train_batch_size=prompts*n/optimizer_steps``,
+TRL's round is ``benchmarks/trl_grpo_step.py``. Its knobs for this: ``num_generations=n``,
+``per_device_train_batch_size=prompts*n/optimizer_steps``,
 ``gradient_accumulation_steps=1``, ``steps_per_generation=optimizer_steps`` (so TRL generates
 ``prompts*n`` completions at once and recomputes their old log-probs, as posttrain does), ``num_iterations=1``.
 A TRL "step" is one optimizer step, so a posttrain step is compared with ``optimizer_steps`` consecutive TRL
@@ -78,16 +79,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trl_grpo_step import run_trl  # noqa: E402
+
 from posttrain.config.load import build_config  # noqa: E402
 from posttrain.data.splits import load_splits
-from posttrain.data.tasks.arithmetic import arithmetic_reward  # noqa: E402
 from posttrain.models.tiny import create_tiny_model_dir  # noqa: E402
 from posttrain.parallel.runtime import select_device  # noqa: E402
 from posttrain.rl.build import build_components  # noqa: E402
@@ -96,7 +97,7 @@ from posttrain.sft.builtin import builtin_model_dir  # noqa: E402
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training  # noqa: E402
 from posttrain.utils.console import print_table  # noqa: E402
 from posttrain.utils.metrics import PhaseTimer  # noqa: E402
-from posttrain.utils.seed import seed_everything
+from posttrain.utils.seed import seed_everything  # noqa: E402
 
 # posttrain variants timed against TRL: name -> extra config overrides. Every variant computes the same
 # quantities (tests/models/test_prefix_grouper.py, tests/rl/test_throughput_options.py).
@@ -180,93 +181,6 @@ def run_posttrain(
     return times, phases
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, seed: int) -> list[tuple[float, float]]:
-    """Warm-up step + ``args.steps`` timed steps (``optimizer_steps`` TRL steps each); returns (wall, CPU)
-    seconds per step."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    cfg = posttrain_config(args, model_dir, Path(tempfile.gettempdir()))
-    records = load_splits(cfg).train
-    dataset = Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": r.prompt}] for r in records],
-            "ground_truth": [r.ground_truth for r in records],
-        }
-    )
-
-    def reward(prompts, completions, ground_truth, **kwargs):
-        return [arithmetic_reward("", c[0]["content"], gt, {}) for c, gt in zip(completions, ground_truth)]
-
-    class StepTimes(TrainerCallback):
-        def __init__(self) -> None:
-            self.begins: list[float] = []
-            self.ends: list[float] = []
-
-        def on_step_begin(self, *a, **k):
-            self.begins.append((time.perf_counter(), time.process_time()))
-
-        def on_step_end(self, *a, **k):
-            self.ends.append((time.perf_counter(), time.process_time()))
-
-    k = args.optimizer_steps
-    samples = args.prompts * args.n
-    with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(
-            output_dir=out,
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
-            gradient_checkpointing=False,
-            num_generations=args.n,
-            per_device_train_batch_size=samples // k,
-            gradient_accumulation_steps=1,
-            steps_per_generation=k,
-            num_iterations=1,
-            max_completion_length=args.max_tokens,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            learning_rate=args.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=0.0,
-            epsilon=0.2,
-            loss_type="dapo",
-            scale_rewards="group",
-            max_steps=k * (args.steps + 1),
-            logging_steps=10_000,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            seed=seed,
-            dataloader_num_workers=0,
-        )
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        timer = StepTimes()
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            callbacks=[timer],
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train()
-    # posttrain step s = TRL steps [k*s, k*s + k): from the first one's begin to the last one's end.
-    times = []
-    for s in range(1, args.steps + 1):
-        begin, end = timer.begins[k * s], timer.ends[k * s + k - 1]
-        times.append((end[0] - begin[0], end[1] - begin[1]))
-    return times
-
-
 def matmul_rate(hidden: int, intermediate: int, repeats: int = 30) -> float:
     """Peak FLOP/s of a ``[4096, hidden] x [hidden, intermediate]`` fp32 product on this process's threads: the
     fastest of ``repeats`` runs, in CPU seconds with one thread (other jobs cannot make it look slower) and wall
@@ -342,7 +256,8 @@ def worker(job: dict) -> None:
     if job["trainer"] in (TRL, TRL_KEPT_MEMORY):
         if job["trainer"] == TRL_KEPT_MEMORY:
             keep_freed_memory_for_cpu_training(True, torch.device("cpu"))
-        times, phases = run_trl(args, model_dir, job["seed"]), {}
+        records = load_splits(posttrain_config(args, model_dir, Path(tempfile.gettempdir()))).train
+        times, phases = run_trl(args, records, model_dir, job["seed"]), {}
     else:
         times, phases = run_posttrain(args, model_dir, job["seed"], job["extra"])
     print(json.dumps({"times": times, "phases": phases}))
