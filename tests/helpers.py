@@ -190,6 +190,30 @@ def one_problem_grpo(rows: Path, reward: str) -> list[str]:
     ]
 
 
+# The tool tasks' GRPO settings (benchmarks/agent_tasks.py: COMMON_GRPO and the task's GRPO entry).
+TOOL_TASK_GRPO = [
+    "algorithm.adv_estimator=grpo",
+    "rollout.n=8",
+    "rollout.multi_turn.max_assistant_turns=3",
+    "rollout.multi_turn.max_tokens_per_turn=96",
+    "actor.ppo_micro_batch_size_per_gpu=32",
+    "actor.optim.lr=2e-4",
+    "actor.optim.warmup_steps=5",
+    "actor.loss_agg_mode=seq-mean-token-mean",
+    "rollout.val_greedy=false",
+    "trainer.loggers=[jsonl]",
+]
+
+
+def tool_task_curve(task: str, model, run_dir, seed: int, *overrides) -> list[tuple[float, float]]:
+    """GRPO on the built-in tool ``task`` from ``model``; the success and tool-call rate of each validation."""
+    extra = [f"model.path={model}", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}"]
+    run_training(
+        build_config(overrides=[f"data.task={task}", *TOOL_TASK_GRPO, *overrides, *extra]), quiet=True
+    )
+    return validation_curve(run_dir)
+
+
 def validation_curve(run_dir) -> list[tuple[float, float]]:
     """The held-out success and tool-call rate of each validation of a run."""
     rows = [row for row in read_metrics(run_dir) if "val/accuracy" in row]

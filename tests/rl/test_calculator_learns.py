@@ -18,15 +18,13 @@ answered without the tool would fail it.
 import pytest
 
 from posttrain.agents.demos import demonstrations, write_jsonl
-from posttrain.config.load import build_config
 from posttrain.data.tasks import load_task
-from posttrain.rl.train_command import run_training
 from tests.helpers import (
     one_problem_file,
     one_problem_grpo,
     one_problem_warm_start,
     sft_warm_start,
-    validation_curve,
+    tool_task_curve,
 )
 
 SEED = 1
@@ -34,19 +32,6 @@ SFT_STEPS = 300
 N_TRAIN = 4000
 LENGTHS = ["data.max_prompt_length=64", "data.max_response_length=192"]
 COSINE = ["sft.optim.warmup_steps=10", "sft.optim.lr_schedule=cosine", "sft.optim.min_lr_ratio=0.1"]
-GRPO = [  # benchmarks/agent_tasks.py: COMMON_GRPO and GRPO["calculator"]
-    "data.task=calculator",
-    "algorithm.adv_estimator=grpo",
-    "rollout.n=8",
-    "rollout.multi_turn.max_assistant_turns=3",
-    "rollout.multi_turn.max_tokens_per_turn=96",
-    "actor.ppo_micro_batch_size_per_gpu=32",
-    "actor.optim.lr=2e-4",
-    "actor.optim.warmup_steps=5",
-    "actor.loss_agg_mode=seq-mean-token-mean",
-    "rollout.val_greedy=false",
-    "trainer.loggers=[jsonl]",
-]
 
 
 def warm_start(tmp_path, train, steps, *schedule):
@@ -55,20 +40,9 @@ def warm_start(tmp_path, train, steps, *schedule):
     return sft_warm_start(tmp_path / "sft", demos, steps, SEED, *LENGTHS, *schedule)
 
 
-def validations(model, run_dir, *extra):
-    """GRPO from ``model``; the held-out success and tool-call rate of each validation."""
-    cfg = build_config(
-        overrides=[
-            *GRPO,
-            *LENGTHS,
-            *extra,
-            f"model.path={model}",
-            f"trainer.seed={SEED}",
-            f"trainer.run_dir={run_dir}",
-        ]
-    )
-    run_training(cfg, quiet=True)
-    return validation_curve(run_dir)
+def grpo_curve(model, run_dir, *extra):
+    """GRPO from ``model`` (the benchmark's settings); the success and tool-call rate of each validation."""
+    return tool_task_curve("calculator", model, run_dir, SEED, *LENGTHS, *extra)
 
 
 @pytest.mark.slow  # about 2 minutes of CPU on one thread: over the budget of a test in the plain suite
@@ -76,7 +50,7 @@ def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_tool(tmp_pa
     (record,), _ = load_task("calculator", SEED, n_train=1, n_val=0)
     model = one_problem_warm_start(tmp_path, "calculator", record, SEED, *LENGTHS)
     rows = one_problem_file(record, tmp_path / "problem.jsonl")
-    curve = validations(model, tmp_path / "grpo", *one_problem_grpo(rows, "calculator"))
+    curve = grpo_curve(model, tmp_path / "grpo", *one_problem_grpo(rows, "calculator"))
     (success_before, calls_before), (success_after, calls_after) = curve[0], curve[-1]
     assert success_after >= success_before + 0.2, curve
     assert calls_after >= 0.9 > calls_before, curve
@@ -85,7 +59,7 @@ def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_tool(tmp_pa
 @pytest.mark.benchmark
 def test_grpo_raises_the_held_out_calculator_success_by_15_points(tmp_path):
     train, _ = load_task("calculator", SEED, n_train=N_TRAIN, n_val=128)
-    curve = validations(
+    curve = grpo_curve(
         warm_start(tmp_path, train, SFT_STEPS, *COSINE),
         tmp_path / "grpo",
         f"data.num_train_examples={N_TRAIN}",

@@ -20,15 +20,13 @@ import json
 import pytest
 
 from posttrain.agents.demos import demonstrations, write_jsonl
-from posttrain.config.load import build_config
 from posttrain.data.tasks import load_task
-from posttrain.rl.train_command import run_training
 from tests.helpers import (
     one_problem_file,
     one_problem_grpo,
     one_problem_warm_start,
     sft_warm_start,
-    validation_curve,
+    tool_task_curve,
 )
 
 SEED = 1
@@ -36,20 +34,8 @@ SFT_STEPS = 300
 N_TRAIN = 4000
 OPTIONS = {"min_digits": 2, "max_digits": 2}
 LENGTHS = ["data.max_prompt_length=96", "data.max_response_length=192"]
-GRPO = [  # benchmarks/agent_tasks.py: COMMON_GRPO and GRPO["python_arithmetic"]
-    "data.task=python_arithmetic",
-    "algorithm.adv_estimator=grpo",
-    "rollout.n=8",
-    "rollout.multi_turn.max_assistant_turns=3",
-    "rollout.multi_turn.max_tokens_per_turn=96",
-    "actor.ppo_micro_batch_size_per_gpu=32",
-    "actor.optim.lr=2e-4",
-    "actor.optim.warmup_steps=5",
-    "actor.loss_agg_mode=seq-mean-token-mean",
-    "rollout.val_greedy=false",
-    "env.kwargs={show_schemas: false}",
-    "trainer.loggers=[jsonl]",
-]
+# The python tool's schema block (500 tokens) stays out of the prompt, as in the demonstrations.
+GRPO = ["env.kwargs={show_schemas: false}"]
 
 
 def warm_start(tmp_path):
@@ -59,22 +45,6 @@ def warm_start(tmp_path):
     demos = write_jsonl(rows, tmp_path / "demos.jsonl")
     schedule = ["sft.optim.warmup_steps=10", "sft.optim.lr_schedule=cosine", "sft.optim.min_lr_ratio=0.1"]
     return sft_warm_start(tmp_path / "sft", demos, SFT_STEPS, SEED, *LENGTHS, *schedule)
-
-
-def validations(model, run_dir, *extra):
-    """GRPO from ``model`` with the python tool in the sandbox; the success and tool-call rate of each validation."""
-    cfg = build_config(
-        overrides=[
-            *GRPO,
-            *LENGTHS,
-            *extra,
-            f"model.path={model}",
-            f"trainer.seed={SEED}",
-            f"trainer.run_dir={run_dir}",
-        ]
-    )
-    run_training(cfg, quiet=True)
-    return validation_curve(run_dir)
 
 
 def answered_with_the_printed_product(run_dir, step: int) -> float:
@@ -87,6 +57,11 @@ def answered_with_the_printed_product(run_dir, step: int) -> float:
     return sum(right) / len(rows)
 
 
+def grpo_curve(model, run_dir, *extra):
+    """GRPO from ``model`` (the benchmark's settings); the success and tool-call rate of each validation."""
+    return tool_task_curve("python_arithmetic", model, run_dir, SEED, *GRPO, *LENGTHS, *extra)
+
+
 @pytest.mark.slow  # about 2 minutes of CPU on one thread: over the budget of a test in the plain suite
 def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_sandboxed_python_tool(sandbox, tmp_path):
     (record,), _ = load_task("python_arithmetic", SEED, n_train=1, n_val=0, **OPTIONS)
@@ -95,7 +70,7 @@ def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_sandboxed_p
     # in 8 steps). From 75% it called in 3% and GRPO learned to answer 660 from memory (the call-rate check fails).
     model = one_problem_warm_start(tmp_path, "python_arithmetic", record, SEED, *LENGTHS, no_tool_rate=0.6)
     rows = one_problem_file(record, tmp_path / "problem.jsonl")
-    curve = validations(model, tmp_path / "grpo", *one_problem_grpo(rows, "arithmetic"))
+    curve = grpo_curve(model, tmp_path / "grpo", *one_problem_grpo(rows, "arithmetic"))
     (success_before, calls_before), (success_after, calls_after) = curve[0], curve[-1]
     assert success_after >= success_before + 0.2, curve
     assert calls_after >= 0.9 > calls_before, curve
@@ -104,7 +79,7 @@ def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_sandboxed_p
 
 @pytest.mark.benchmark
 def test_grpo_raises_the_held_out_python_arithmetic_success_by_15_points(sandbox, tmp_path):
-    curve = validations(
+    curve = grpo_curve(
         warm_start(tmp_path),
         tmp_path / "grpo",
         *[f"data.task_options.{name}={value}" for name, value in OPTIONS.items()],
