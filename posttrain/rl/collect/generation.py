@@ -101,15 +101,17 @@ class Scorer:
         """[S] rewards of ``result``'s samples; ``rows[p]`` is the record of the call's prompt p. The metrics have
         the same names with no sample (their values are then weightless zeros): ranks reduce them together.
         ``background``: the samples were fed to it during generation (:meth:`feeder`); their rewards come from it."""
+        inputs = None  # decoded once, and only where needed: the feeder decoded the background's samples
         if background is not None:  # first: the thread ends here whatever happens next
             rewards, metrics = background.finish(len(result))
         records = [prompts.records[rows[p]] for p in result.prompt_index]
-        inputs = reward_inputs(records, result, self.tokenizer)
         if background is None:
+            inputs = reward_inputs(records, result, self.tokenizer)
             rewards, metrics = self.runner.score(inputs)
             metrics[WAIT_METRIC] = metrics["reward/time_s"]  # all of it after generation
         rm = None  # the reward model's scores; combined with the rule by posttrain.rewards.combine
         if self.reward_model is not None:
+            inputs = reward_inputs(records, result, self.tokenizer) if inputs is None else inputs
             texts = [i.response for i in inputs]
             rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts) if inputs else [])
         scores, parts = combine_rewards(torch.tensor(rewards, dtype=torch.float32), rm, self.weights)
