@@ -205,6 +205,16 @@ TOOL_TASK_GRPO = [
 ]
 
 
+# The full (benchmark-marked) runs: 40 GRPO steps of 16 prompts, 128 held-out problems validated every 10 steps.
+HELD_OUT_GRPO = [
+    "data.train_batch_size=16",
+    "actor.ppo_mini_batch_size=8",
+    "data.num_val_examples=128",
+    "trainer.total_steps=40",
+    "trainer.test_freq=10",
+]
+
+
 def tool_task_curve(task: str, model, run_dir, seed: int, *overrides) -> list[tuple[float, float]]:
     """GRPO on the built-in tool ``task`` from ``model``; the success and tool-call rate of each validation."""
     extra = [f"model.path={model}", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}"]

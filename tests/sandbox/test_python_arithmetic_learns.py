@@ -22,6 +22,7 @@ import pytest
 from posttrain.agents.demos import demonstrations, write_jsonl
 from posttrain.data.tasks import load_task
 from tests.helpers import (
+    HELD_OUT_GRPO,
     one_problem_file,
     one_problem_grpo,
     one_problem_warm_start,
@@ -84,11 +85,7 @@ def test_grpo_raises_the_held_out_python_arithmetic_success_by_15_points(sandbox
         tmp_path / "grpo",
         *[f"data.task_options.{name}={value}" for name, value in OPTIONS.items()],
         f"data.num_train_examples={N_TRAIN}",
-        "data.train_batch_size=16",
-        "actor.ppo_mini_batch_size=8",
-        "data.num_val_examples=128",
-        "trainer.total_steps=40",
-        "trainer.test_freq=10",
+        *HELD_OUT_GRPO,
     )
     successes = [success for success, _ in curve]
     assert max(successes[-2:]) >= successes[0] + 0.15, successes
