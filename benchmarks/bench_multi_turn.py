@@ -1,14 +1,17 @@
-"""Multi-turn rollouts against single-turn rollouts of the same sampled tokens: tokens/s, prefix reuse, tool latency.
+"""Multi-turn rollouts against single-turn rollouts of the same tokens: time per token, prefix reuse, tool latency.
 
 Run (one thread; in the environment with vLLM to include the vLLM engine, else the native engine only):
 ``OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/bench_multi_turn.py`` (``--help``).
 
 Workload: ``--trajectories`` rows, each a system prompt all rows share (``--system-words``: a stand-in for tool
-descriptions and rules) and a distinct short user message, rendered with the tiny tokenizer's chat template. Multi-turn: the agents driver (``run_trajectories``) runs 3 assistant turns of ``--turn-tokens`` sampled
-tokens each; after turns 1 and 2 a synthetic environment waits for its "tool" (``asyncio.sleep``, row i waits
+descriptions and rules) and a distinct short user message, rendered with the tiny tokenizer's chat template.
+Multi-turn: the agents driver (``run_trajectories``) runs 3 assistant turns of ``--turn-tokens`` sampled tokens
+each; after turns 1 and 2 a synthetic environment waits for its "tool" (``asyncio.sleep``, row i waits
 ``--tool-s`` x (i mod 4) / 3, so trajectories fall out of step as real tools make them) and answers with a fixed
-short tool message (about 10 tokens, mask 0). Single-turn: ``engine.generate`` on the same rendered prompts with
-``max_tokens = 3 x --turn-tokens``: the same number of sampled tokens, in one turn.
+short tool message (mask 0). Two single-turn baselines, ``engine.generate`` on the same rendered prompts:
+"single-turn" samples ``3 x --turn-tokens`` tokens (as many as the trajectories' assistant turns) and
+"single-turn, as long as a trajectory" samples as many as a trajectory's whole response, assistant and
+environment tokens (the same total tokens).
 
 Turns end at the per-turn limit. The random tiny model seldom emits its end-of-turn token, so the benchmark
 reports such a turn as ended (finish reason "stop") and the driver closes it with the template's eos, as it does
@@ -22,11 +25,15 @@ every round, and their keys/values must not be found from the round before).
 
 Model: the built-in tiny Qwen2 (``posttrain.models.tiny``: hidden 256, 4 layers, head size 64), random weights
 from seed 0, fp32. One untimed warm-up per engine and mode, then ``--repeats`` rounds, modes alternated within
-a round; medians of wall seconds. ``multi / single`` is seconds per sampled token of the mode over that of
-single-turn (1.00 = as fast per token; the goal is <= 1.25); the same ratio of the fastest runs is shown too
-(on a shared machine the minimum is the steadier figure). "time in engine": the share of the (warm-up) run's
-wall time spent inside engine calls; the rest is the driver, rendering, and waiting for tools. Prefill counts are per run (the warm-up's). Quote
-figures with the machine they came from and how busy it was.
+a round; medians of wall seconds.
+"per sampled token / single-turn": seconds per sampled token of the mode over that of "single-turn" (the strict
+ratio: the trajectories also prefill their environment's tokens); "per response token / single-turn as long":
+seconds per response token (assistant and environment) over that of the baseline as long as a trajectory. The goal
+is <= 1.25; the ratio of the fastest runs is in brackets (on a shared machine the minimum is the steadier figure).
+"time in engine": the share of the (warm-up) run's wall time spent inside engine calls; the rest is the driver,
+rendering, and waiting for tools. Below the table: the tools' waiting that shows in the wall time, beyond the
+slowest trajectory's own waits (which nothing can overlap with that trajectory's next turn). Prefill counts are per run (the warm-up's).
+Quote figures with the machine they came from and how busy it was.
 """
 
 from __future__ import annotations
@@ -113,19 +120,30 @@ def multi_turn(engine: Any, rows: list[dict], tok: Any, args: argparse.Namespace
     start = time.perf_counter()
     trajs = run_trajectories(rows, lambda row: FixedReplyEnv(row, tool_s), adapter, tok, settings)
     seconds = time.perf_counter() - start
-    tokens = sum(sum(t.mask) for t in trajs)
+    tokens = sum(t.assistant_tokens for t in trajs)
+    response = sum(len(t.response_ids) for t in trajs)
     turns = statistics.mean(t.num_assistant_turns for t in trajs)
-    return seconds, tokens, adapter.prefill, turns, (adapter.calls, adapter.engine_s / seconds)
+    return seconds, tokens, response, adapter.prefill, turns, (adapter.calls, adapter.engine_s / seconds)
 
 
-def single_turn(engine: Any, prompt_ids: list[list[int]], args: argparse.Namespace):
-    params = SamplingParams(max_tokens=TURNS * args.turn_tokens, temperature=1.0, seed=1)
+def single_turn(engine: Any, prompt_ids: list[list[int]], max_tokens: int):
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1)
     start = time.perf_counter()
     out = engine.generate(prompt_ids, params)
     seconds = time.perf_counter() - start
     metrics = engine.generation_metrics()
     prefill = {k: v for k, v in metrics.items() if k.startswith("rollout/prefill")}
-    return seconds, sum(out.response_lengths), prefill, 1.0, (1, 1.0)
+    tokens = sum(out.response_lengths)
+    return seconds, tokens, tokens, prefill, 1.0, (1, 1.0)
+
+
+SAMPLED = "single-turn"
+TOTAL = "single-turn, as long as a trajectory"
+
+
+def ratio(med: dict, low: dict, mode: str, tokens: int, base: str, base_tokens: int) -> str:
+    """Seconds per token of ``mode`` over those of the baseline ``base``: medians, and (in brackets) minima."""
+    return f"{(med[mode] / tokens) / (med[base] / base_tokens):.2f} ({(low[mode] / tokens) / (low[base] / base_tokens):.2f})"
 
 
 def run(fn: Any, engine: Any) -> tuple:
@@ -201,50 +219,67 @@ def main() -> None:
         r["prompt"] = [{"role": "system", "content": system}, {"role": "user", "content": r["prompt"]}]
     prompt_ids = [Renderer(tok).prompt_ids(r["prompt"]) for r in rows]
     max_len = max(len(p) for p in prompt_ids) + TURNS * (args.turn_tokens + 32) + 64
-    modes = {
-        "single-turn": lambda e: single_turn(e, prompt_ids, args),
-        "3 turns, reuse": lambda e: multi_turn(e, rows, tok, args, True, 0.0),
+    reuse, tools = "3 turns, reuse", f"3 turns, reuse, tools <= {args.tool_s:g} s"
+    multi_modes = {
+        reuse: lambda e: multi_turn(e, rows, tok, args, True, 0.0),
         "3 turns, no reuse": lambda e: multi_turn(e, rows, tok, args, False, 0.0),
-        f"3 turns, reuse, tools <= {args.tool_s:g} s": lambda e: multi_turn(
-            e, rows, tok, args, True, args.tool_s
-        ),
+        tools: lambda e: multi_turn(e, rows, tok, args, True, args.tool_s),
     }
-    table = []
+    table, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         engines = build_engines(args.engines.split(","), model, tok, tmp, max_len, args.trajectories)
         for name, engine in engines.items():
-            label = name
-            results = {mode: [run(fn, engine)] for mode, fn in modes.items()}  # warm-up: tokens, prefill
+            results = {
+                mode: [run(fn, engine)] for mode, fn in multi_modes.items()
+            }  # warm-up: tokens, prefill
+            # The single-turn baselines: as many sampled tokens as a trajectory's assistant turns, and as many
+            # as its whole response (assistant and environment tokens: "the same total tokens").
+            per_trajectory = round(results[reuse][0][2] / len(rows))
+            modes = {
+                SAMPLED: lambda e: single_turn(e, prompt_ids, TURNS * args.turn_tokens),
+                TOTAL: lambda e, k=per_trajectory: single_turn(e, prompt_ids, k),
+                **multi_modes,
+            }
+            for mode in (SAMPLED, TOTAL):
+                results[mode] = [run(modes[mode], engine)]
             times: dict[str, list[float]] = {mode: [] for mode in modes}
             for _ in range(args.repeats):
                 for mode, fn in modes.items():
                     times[mode].append(run(fn, engine)[0])
-            single = statistics.median(times["single-turn"]) / results["single-turn"][0][1]
-            single_min = min(times["single-turn"]) / results["single-turn"][0][1]
+            med = {mode: statistics.median(t) for mode, t in times.items()}
+            low = {mode: min(t) for mode, t in times.items()}
             for mode in modes:
-                _, tokens, prefill, turns, (calls, in_engine) = results[mode][0]
-                med, low = statistics.median(times[mode]), min(times[mode])
+                _, tokens, response, prefill, turns, (calls, in_engine) = results[mode][0]
+                single = results[SAMPLED][0][1]
+                whole = results[TOTAL][0][2]
                 table.append(
                     {
-                        "engine": label,
+                        "engine": name,
                         "mode": mode,
                         "sampled tokens": str(tokens),
+                        "response tokens": str(response),
                         "turns/traj": f"{turns:.1f}",
                         "engine calls": str(calls),
                         "time in engine": f"{in_engine:.0%}",
-                        "s (median)": f"{med:.2f}",
-                        "tok/s": f"{tokens / med:.0f}",
-                        "multi / single (s per token)": f"{(med / tokens) / single:.2f}",
-                        "s (min)": f"{low:.2f}",
-                        "multi / single (min)": f"{(low / tokens) / single_min:.2f}",
+                        "s (median)": f"{med[mode]:.2f}",
+                        "s (min)": f"{low[mode]:.2f}",
+                        "per sampled token / single-turn": f"{ratio(med, low, mode, tokens, SAMPLED, single)}",
+                        "per response token / single-turn as long": f"{ratio(med, low, mode, response, TOTAL, whole)}",
                         "prefill computed / reused": "-"
                         if not prefill
                         else f"{prefill['rollout/prefill_tokens']:.0f} / "
                         f"{prefill['rollout/prefill_reused_tokens']:.0f}",
                     }
                 )
+            waits = 2 * args.tool_s  # the slowest rows (i mod 4 == 3) wait tool_s after turns 1 and 2
+            notes.append(
+                f"{name}: with tools the run took {med[tools]:.2f} s (median); without them {med[reuse]:.2f} s, plus "
+                f"the slowest trajectory's own tool waits ({waits:.2f} s): {med[reuse] + waits:.2f} s. Every "
+                f"trajectory waits {sum(args.tool_s * (i % 4) / 3 for i in range(len(rows))) * 2:.1f} s for tools in "
+                f"all; what shows beyond the slowest trajectory's own waits: {med[tools] - med[reuse] - waits:+.2f} s."
+            )
     print(
         f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; {args.trajectories} "
         f"trajectories x {TURNS} turns x {args.turn_tokens} tokens; {args.repeats} alternating rounds; load average "
@@ -255,6 +290,9 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for row in table:
         print("| " + " | ".join(row[h] for h in header) + " |")
+    print()
+    for line in notes:
+        print(line)
 
 
 if __name__ == "__main__":
