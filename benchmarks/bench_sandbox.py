@@ -128,14 +128,15 @@ def scoring_a_step(max_concurrent: int, rounds: int) -> list[float]:
     return out
 
 
-# (label, reward, overrides): scored after generation ("after") or while the step generates ("during", the
-# default for the code reward); all 16 samples in the engine at once, or 4 at a time (waves that end apart).
+# (label, reward, overrides): scored after generation ("after": the code reward's default on a CPU rollout) or
+# while the step generates ("during": its default on a GPU rollout); all 16 samples in the engine at once, or 4
+# at a time (waves that end apart).
 GRPO_VARIANTS = [
     ("exact_match", "exact_match", ()),
     ("code, after", "code", ("reward.score_during_generation=never",)),
-    ("code, during", "code", ("reward.score_during_generation=auto",)),
+    ("code, during", "code", ("reward.score_during_generation=always",)),
     ("code, after, 4 seqs", "code", ("reward.score_during_generation=never", "rollout.max_num_seqs=4")),
-    ("code, during, 4 seqs", "code", ("reward.score_during_generation=auto", "rollout.max_num_seqs=4")),
+    ("code, during, 4 seqs", "code", ("reward.score_during_generation=always", "rollout.max_num_seqs=4")),
 ]
 
 

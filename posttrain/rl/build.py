@@ -380,6 +380,7 @@ def build_components(
         sampler=sampler,
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, dist.device),
+        generation_device=dist.device.type,
         agent=build_agent_loop(cfg, tokenizer),
         kl_ctrl=build_kl_controller(cfg),
         forward=forward,
@@ -452,4 +453,5 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, device),
         agent=build_agent_loop(cfg, tokenizer),
+        generation_device=device.type,
     )

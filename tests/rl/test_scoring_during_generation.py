@@ -1,15 +1,19 @@
 """reward.score_during_generation: a step's samples scored while the step still generates give the same rewards,
 metrics and weights as scoring them afterwards; scoring really starts before generation ends; a failing reward
-still fails the step."""
+still fails the step; ``auto`` scores during generation only where generation leaves the scoring CPUs free."""
 
 import functools
 import time
+import types
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from posttrain.config.load import build_config
+from posttrain.rewards.code import code_reward
 from posttrain.rewards.runner import RewardFunctionError
+from posttrain.rl.collect.rollout import context_scorer
 from posttrain.rl.train_command import run_training
 from posttrain.rollout.native.engine import NativeEngine
 from tests.helpers import read_metrics, small_config, untimed
@@ -48,7 +52,7 @@ def test_scoring_during_generation_changes_nothing_but_the_wait(tiny_model_dir, 
     reward, _ = reward_file(tmp_path)
     common = (f"reward.function={reward}:varied", f"reward.timeout_s={timeout_s}")
     off, off_weights = run(tiny_model_dir, tmp_path / "off", *common, "reward.score_during_generation=never")
-    on, on_weights = run(tiny_model_dir, tmp_path / "on", *common, "reward.score_during_generation=auto")
+    on, on_weights = run(tiny_model_dir, tmp_path / "on", *common, "reward.score_during_generation=always")
     assert [untimed(m) for m in on] == [untimed(m) for m in off]
     assert all("reward/wait_s" in m for m in on + off)
     for name, tensor in off_weights.items():
@@ -68,7 +72,10 @@ def test_scoring_starts_before_generation_ends(tiny_model_dir, tmp_path, monkeyp
 
     monkeypatch.setattr(NativeEngine, "generate", timed)
     extra = (f"reward.function={reward}:varied", "trainer.total_steps=1", "reward.timeout_s=0")
-    extra += ("data.max_response_length=16",)  # the three later waves take 48 decode steps or so
+    extra += (
+        "data.max_response_length=16",
+        "reward.score_during_generation=always",
+    )  # the three later waves take 48 decode steps or so
     metrics, _ = run(tiny_model_dir, tmp_path / "run", *extra)
     called = sorted(float(t) for t in calls.read_text().split())
     assert len(ends) == 1 and len(called) == 16  # one generate call, 4 prompts x 4 samples
@@ -82,6 +89,7 @@ def test_scoring_starts_before_generation_ends(tiny_model_dir, tmp_path, monkeyp
 def test_a_failing_reward_fails_the_step(tiny_model_dir, tmp_path, timeout_s):
     reward, _ = reward_file(tmp_path, fail_on=" ")  # any response with a space
     extra = (f"reward.function={reward}:varied", "reward.fail_fast=true", f"reward.timeout_s={timeout_s}")
+    extra += ("reward.score_during_generation=always",)
     with pytest.raises(RewardFunctionError, match="failed on purpose"):
         run(tiny_model_dir, tmp_path / "run", *extra, "trainer.total_steps=1")
 
@@ -102,3 +110,31 @@ def test_multi_turn_trajectories_are_scored_as_they_end(tiny_model_dir, tmp_path
     for name, tensor in off_weights.items():
         assert torch.equal(on_weights[name], tensor), name
     assert len(calls.read_text().split()) == 2 * 16
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "fn", "during"),
+    [
+        ("cpu", "local", code_reward, False),  # the sandbox would slow the CPU rollout by more than it saves
+        ("cuda", "local", code_reward, True),  # a GPU rollout leaves the CPUs free
+        ("cpu", "sandbox_fusion", code_reward, True),  # the programs run on the sandbox hosts
+        ("cuda", "local", lambda p, r, g, e: 0.0, False),  # a function without samples_at_once()
+    ],
+)
+def test_auto_scores_during_generation_where_the_cpus_are_free(device, backend, fn, during):
+    cfg = build_config(
+        overrides=[f"sandbox.backend={backend}", "sandbox.sandbox_fusion.url=http://127.0.0.1:1"]
+    )
+    context = types.SimpleNamespace(
+        cfg=cfg,
+        reward_model=None,
+        reward_runner=types.SimpleNamespace(fn=fn),
+        tokenizer=None,
+        generation_device=device,
+    )
+    assert context_scorer(context).during_generation is during
+    for when, forced in (("always", True), ("never", False)):
+        cfg = build_config(overrides=[f"reward.score_during_generation={when}"])
+        assert (
+            context_scorer(types.SimpleNamespace(**{**vars(context), "cfg": cfg})).during_generation is forced
+        )

@@ -92,7 +92,9 @@ class RewardConfig:
         "auto",
         "When a step's samples are scored: while the step still generates (each sample as the rollout engine "
         "finishes it, by a background thread) or after generation. auto: while generating for functions that "
-        "declare samples_at_once() (the built-in code reward), afterwards for the others; always: while "
+        "declare samples_at_once() (the built-in code reward) when generation leaves the scoring CPUs free (the "
+        "rollout runs on a GPU, or sandbox.backend=sandbox_fusion runs the code on other hosts), afterwards "
+        "otherwise (beside a CPU rollout the sandbox slows generation by more than it saves); always: while "
         "generating for every function (with reward.timeout_s=0 it is then called from a thread other than the "
         "main one: no signal-based timeouts); never: afterwards. The rewards and metrics are the same; "
         "reward/wait_s is the time the step waited for rewards after generation (docs/sandbox.md).",

@@ -38,6 +38,9 @@ class RolloutContext:
     dist: DistContext = DistContext()
     share: DataShare = SINGLE_SHARE
     agent: AgentLoop | None = None  # multi-turn runs: how trajectories are rolled out
+    generation_device: str = (
+        "cpu"  # where the engine generates, "cpu" or "cuda" (reward.score_during_generation)
+    )
 
     def close(self) -> None:
         self.reward_runner.close()

@@ -71,17 +71,22 @@ def context_scorer(context: RolloutContext) -> Scorer:
     rm = context.reward_model
     weights = RewardWeights.from_config(context.cfg, rm.model.config if rm is not None else None)
     fn = getattr(context.reward_runner, "fn", None)  # a stand-in runner may have none
-    during = scores_during_generation(context.cfg.reward.score_during_generation, fn)
+    cpus_free = context.generation_device == "cuda" or context.cfg.sandbox.backend == "sandbox_fusion"
+    during = scores_during_generation(context.cfg.reward.score_during_generation, fn, cpus_free)
     return Scorer(
         context.reward_runner, rm, context.tokenizer, overlong_shaping(context.cfg), weights, during
     )
 
 
-def scores_during_generation(when: str, fn) -> bool:
+def scores_during_generation(when: str, fn, cpus_free: bool) -> bool:
     """``reward.score_during_generation``: whether the step's samples are scored while it generates. ``auto``:
     for functions that declare ``samples_at_once`` (thread-safe, and slow enough to be worth hiding: the code
-    reward); a cheap rule gains nothing from a thread and chunks."""
-    return when == "always" or (when == "auto" and declares_samples_at_once(fn))
+    reward), when generation leaves the CPUs that score free (``cpus_free``: it runs on a GPU, or the code runs
+    on sandbox hosts). A cheap rule gains nothing from a thread and chunks, and beside a CPU rollout the
+    sandbox's programs slow generation by more than they save (docs/sandbox.md)."""
+    if when != "auto":
+        return when == "always"
+    return cpus_free and declares_samples_at_once(fn)
 
 
 def context_baselines(context: RolloutContext, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:
