@@ -23,6 +23,15 @@ at once and 4 at a time (``rollout.max_num_seqs=4``: samples that end apart); th
 ``--rounds`` rounds::
 
     python3 benchmarks/bench_sandbox.py --grpo-steps 4 --rounds 2
+
+``--grpo-steps N --sandbox-host`` puts the sandbox on a CPU of its own, as sandbox hosts (or a GPU rollout, which
+leaves the CPUs free) give it: this process, the trainer, runs on CPU 0 with one torch thread, and
+``posttrain sandbox serve`` on CPU 1 serves ``sandbox.backend=sandbox_fusion``. The policy is ``builtin:base``
+after 60 SFT steps on the data's solutions, so its samples end apart, as a real policy's do (192-token
+responses). Variants: ``exact_match``, and the code reward on the host scored after generation and with
+``reward.score_during_generation=auto`` (during, since the programs run on the host)::
+
+    python3 benchmarks/bench_sandbox.py --grpo-steps 6 --rounds 2 --sandbox-host
 """
 
 from __future__ import annotations
@@ -89,7 +98,9 @@ SOLUTIONS = [  # right answers to the six problems of CODE_DATA, in its order
 ]
 
 
-def grpo_run(model: Path, run_dir: Path, reward: str, steps: int, *extra: str) -> list[dict]:
+def grpo_run(
+    model: Path, run_dir: Path, reward: str, steps: int, *extra: str, length: int = 64
+) -> list[dict]:
     from posttrain.config.load import build_config
     from posttrain.rl.train_command import run_training
     from posttrain.utils.metrics import read_metrics
@@ -102,7 +113,11 @@ def grpo_run(model: Path, run_dir: Path, reward: str, steps: int, *extra: str) -
         "rollout.n=4",
         "data.max_prompt_length=256",
     ]
-    overrides += ["data.max_response_length=64", "actor.ppo_mini_batch_size=4", f"reward.function={reward}"]
+    overrides += [
+        f"data.max_response_length={length}",
+        "actor.ppo_mini_batch_size=4",
+        f"reward.function={reward}",
+    ]
     overrides += ["actor.ppo_micro_batch_size_per_gpu=16", *extra]
     run_training(build_config(overrides=overrides), quiet=True)
     return read_metrics(run_dir / "metrics.jsonl")
@@ -140,26 +155,37 @@ GRPO_VARIANTS = [
 ]
 
 
+def variant_table(
+    model: Path, work: Path, variants: list, steps: int, rounds: int, length: int = 64
+) -> list[dict]:
+    """Run each variant's ``steps`` GRPO steps, alternating in ``rounds`` rounds, and print its medians over the
+    steps after the first; returns the last run's metrics."""
+    print(
+        f"{'variant':26} {'step s':>7} {'rollout s':>9} {'scoring ms':>10} {'wait ms':>8}  "
+        f"(medians of the {steps - 1} steps after the first; wait: scoring left after generation)"
+    )
+    for r in range(rounds):  # variants alternate, so load from other jobs hits them alike
+        for label, reward, extra in variants:
+            run_dir = work / f"{label.replace(' ', '').replace(',', '_')}_{r}"
+            runs = grpo_run(model, run_dir, reward, steps, *extra, length=length)[
+                1:
+            ]  # the first step warms up
+            step, rollout, scoring, wait = (
+                statistics.median(m[key] for m in runs)
+                for key in ("timing/step", "timing/rollout", "reward/time_s", "reward/wait_s")
+            )
+            print(f"{label:26} {step:7.2f} {rollout:9.2f} {scoring * 1e3:10.1f} {wait * 1e3:8.1f}")
+        print(f"  round {r + 1} done, load average {os.getloadavg()[0]:.1f}")
+    return runs
+
+
 def grpo_steps(steps: int, rounds: int) -> None:
     from posttrain.models.tiny import create_tiny_model_dir
 
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
-    print(
-        f"{'variant':22} {'step s':>7} {'rollout s':>9} {'scoring ms':>10} {'wait ms':>8}  "
-        f"(medians of the {steps - 1} steps after the first; wait: scoring left after generation)"
-    )
     with tempfile.TemporaryDirectory() as d:
         model = create_tiny_model_dir(Path(d) / "model", seed=0)
-        for r in range(rounds):  # variants alternate, so load from other jobs hits them alike
-            for label, reward, extra in GRPO_VARIANTS:
-                run_dir = Path(d) / f"{label.replace(' ', '').replace(',', '_')}_{r}"
-                runs = grpo_run(model, run_dir, reward, steps, *extra)[1:]  # the first step warms up
-                step, rollout, scoring, wait = (
-                    statistics.median(m[key] for m in runs)
-                    for key in ("timing/step", "timing/rollout", "reward/time_s", "reward/wait_s")
-                )
-                print(f"{label:22} {step:7.2f} {rollout:9.2f} {scoring * 1e3:10.1f} {wait * 1e3:8.1f}")
-            print(f"  round {r + 1} done, load average {os.getloadavg()[0]:.1f}")
+        runs = variant_table(model, Path(d), GRPO_VARIANTS, steps, rounds)
         counts = {k.split("/")[-1]: runs[-1][k] for k in runs[-1] if k.startswith("reward/code/")}
         print(f"  last step's code counts: {counts}; finish/eos {runs[-1]['finish/eos']:.2f}")
     for k in (4, 8):
@@ -170,12 +196,102 @@ def grpo_steps(steps: int, rounds: int) -> None:
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
+def warm_start(work: Path, steps: int) -> Path:
+    """``builtin:base`` fine-tuned on the code data's solutions (a fenced block each): a policy that writes
+    programs of different lengths and ends them itself, as a real one does."""
+    from posttrain.config.load import build_config
+    from posttrain.sft.command import run_sft_command
+
+    rows = [json.loads(line) for line in CODE_DATA.open()]
+    demos = work / "demos.jsonl"
+    lines = [
+        json.dumps({"prompt": r["prompt"], "response": f"```python\n{SOLUTIONS[i]}\n```"})
+        for i, r in enumerate(rows)
+    ]
+    demos.write_text("\n".join(lines * 8) + "\n")
+    overrides = [
+        "model.path=builtin:base",
+        f"sft.train_files=[{demos}]",
+        f"sft.max_steps={steps}",
+        "sft.epochs=100",
+    ]
+    overrides += [
+        "sft.batch_size=8",
+        "sft.micro_batch_size_per_gpu=8",
+        "sft.optim.lr=1e-3",
+        "trainer.test_freq=0",
+    ]
+    overrides += [
+        f"trainer.run_dir={work / 'sft'}",
+        "data.max_prompt_length=256",
+        "data.max_response_length=192",
+    ]
+    return run_sft_command(build_config(overrides=overrides), quiet=True)
+
+
+def sandbox_host_steps(steps: int, rounds: int) -> None:
+    """The code reward with the sandbox on CPUs of its own: this process (the trainer, one torch thread) on CPU 0,
+    ``posttrain sandbox serve`` on CPU 1 as a sandbox host (``sandbox.backend=sandbox_fusion``), and a warm-started
+    policy whose samples end apart. ``auto`` then scores during generation."""
+    import socket
+
+    import torch
+
+    if len(os.sched_getaffinity(0)) < 2:
+        sys.exit("--sandbox-host needs 2 CPUs: one for the trainer, one for the sandbox host")
+    os.sched_setaffinity(0, {0})  # threads and processes started from here on inherit it
+    torch.set_num_threads(1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "posttrain", "sandbox", "serve", "--port", str(port)]
+    host = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {1})
+    )
+    try:
+        print(host.stdout.readline().strip())
+        on_host = ("sandbox.backend=sandbox_fusion", f"sandbox.sandbox_fusion.url=http://127.0.0.1:{port}")
+        variants = [
+            ("exact_match", "exact_match", ()),
+            ("code on the host, after", "code", (*on_host, "reward.score_during_generation=never")),
+            ("code on the host, auto", "code", on_host),
+        ]
+        print(
+            f"trainer on CPU 0 (1 thread), sandbox host on CPU 1; load average {os.getloadavg()[0]:.1f} at the start"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            start = time.monotonic()
+            model = warm_start(Path(d), 60)
+            print(
+                f"warm start: 60 SFT steps of builtin:base on the solutions, {time.monotonic() - start:.0f} s"
+            )
+            runs = variant_table(model, Path(d), variants, steps, rounds, length=192)
+            last = runs[-1]
+            print(
+                f"  last step: finish/eos {last['finish/eos']:.2f}, response_length/mean "
+                f"{last['response_length/mean']:.0f}, reward/mean {last['reward/mean']:.2f}, sandbox runs "
+                f"{last['reward/code/cases'] + last['reward/code/compile_errors']:.0f}"
+            )
+    finally:
+        host.terminate()
+        host.wait()
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=40, help="executions per row and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--grpo-steps", type=int, default=0, help="measure the code reward in N GRPO steps")
+    parser.add_argument(
+        "--sandbox-host",
+        action="store_true",
+        help="with --grpo-steps: the sandbox on a CPU of its own (see above)",
+    )
     args = parser.parse_args()
+    if args.grpo_steps and args.sandbox_host:
+        sandbox_host_steps(args.grpo_steps, args.rounds)
+        return
     if args.grpo_steps:
         grpo_steps(args.grpo_steps, args.rounds)
         return
