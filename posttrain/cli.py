@@ -23,7 +23,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
-from posttrain.parallel.runtime import launched_world_size
+from posttrain.parallel.runtime import launched_world_size, select_device
 from posttrain.planning.advice import advise, starting_point
 from posttrain.planning.explain import advice_lines, estimate_table, plan_tree
 from posttrain.planning.keys import key_lines
@@ -34,6 +34,8 @@ from posttrain.planning.preflight import check_loggers, check_model_path, prefli
 from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.planning.tune import run_tune
+from posttrain.rewards.code import code_reward
+from posttrain.rl.collect.rollout import scoring_line
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
 from posttrain.rl.train_command import run_training
@@ -192,6 +194,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(turns)
     if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
         console.print(probe_line(cfg.sandbox))
+        console.print(scoring_line(cfg, select_device(cfg).type, code_reward))
     if estimate is None:
         console.print(
             f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from posttrain.config.load import build_config
 from posttrain.rewards.code import code_reward
 from posttrain.rewards.runner import RewardFunctionError
-from posttrain.rl.collect.rollout import context_scorer
+from posttrain.rl.collect.rollout import context_scorer, scoring_line
 from posttrain.rl.train_command import run_training
 from posttrain.rollout.native.engine import NativeEngine
 from tests.helpers import read_metrics, small_config, untimed
@@ -133,6 +133,8 @@ def test_auto_scores_during_generation_where_the_cpus_are_free(device, backend, 
         generation_device=device,
     )
     assert context_scorer(context).during_generation is during
+    line = scoring_line(cfg, device, fn)  # what `posttrain explain` prints
+    assert line.startswith(f"scoring: {'during' if during else 'after'} generation (auto: "), line
     for when, forced in (("always", True), ("never", False)):
         cfg = build_config(overrides=[f"reward.score_during_generation={when}"])
         assert (

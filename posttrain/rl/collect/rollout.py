@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms.advantages import estimator_needs
+from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, ShareMetrics, select_share
 from posttrain.rewards.combine import RewardWeights
@@ -71,11 +72,32 @@ def context_scorer(context: RolloutContext) -> Scorer:
     rm = context.reward_model
     weights = RewardWeights.from_config(context.cfg, rm.model.config if rm is not None else None)
     fn = getattr(context.reward_runner, "fn", None)  # a stand-in runner may have none
-    cpus_free = context.generation_device == "cuda" or context.cfg.sandbox.backend == "sandbox_fusion"
+    cpus_free = generation_leaves_cpus_free(context.cfg, context.generation_device)
     during = scores_during_generation(context.cfg.reward.score_during_generation, fn, cpus_free)
     return Scorer(
         context.reward_runner, rm, context.tokenizer, overlong_shaping(context.cfg), weights, during
     )
+
+
+def generation_leaves_cpus_free(cfg: PostTrainConfig, generation_device: str) -> bool:
+    """Whether rewards scored beside generation run on CPUs that generation does not use: the rollout runs on a
+    GPU, or the code reward's programs run on sandbox hosts (``sandbox.backend=sandbox_fusion``)."""
+    return generation_device == "cuda" or cfg.sandbox.backend == "sandbox_fusion"
+
+
+def scoring_line(cfg: PostTrainConfig, generation_device: str, fn) -> str:
+    """One line for `posttrain explain`: when the reward ``fn`` scores a step's samples, and why."""
+    when = cfg.reward.score_during_generation
+    during = scores_during_generation(when, fn, generation_leaves_cpus_free(cfg, generation_device))
+    if when != "auto":
+        why = f"reward.score_during_generation={when}"
+    elif during:
+        why = "auto: generation leaves the scoring CPUs free"
+    elif declares_samples_at_once(fn):
+        why = f"auto: the rollout runs on {generation_device} and the sandbox would share its CPUs"
+    else:
+        why = "auto: the function does not declare samples_at_once()"
+    return f"scoring: {'during' if during else 'after'} generation ({why}; docs/sandbox.md)"
 
 
 def scores_during_generation(when: str, fn, cpus_free: bool) -> bool:
