@@ -32,6 +32,12 @@ responses). Variants: ``exact_match``, and the code reward on the host scored af
 ``reward.score_during_generation=auto`` (during, since the programs run on the host)::
 
     python3 benchmarks/bench_sandbox.py --grpo-steps 6 --rounds 2 --sandbox-host
+
+``--grpo-steps N --gpu``: the same warm-started policy, trained and generating on CUDA, with the local sandbox
+on the machine's CPUs (the case ``auto`` scores during generation for); variants ``exact_match`` and the code
+reward after generation and with ``auto``::
+
+    python3 benchmarks/bench_sandbox.py --grpo-steps 6 --rounds 2 --gpu
 """
 
 from __future__ import annotations
@@ -229,6 +235,19 @@ def warm_start(work: Path, steps: int) -> Path:
     return run_sft_command(build_config(overrides=overrides), quiet=True)
 
 
+def warm_policy_table(work: Path, variants: list, steps: int, rounds: int) -> None:
+    """The warm-started policy's GRPO steps under ``variants`` (192-token responses), and its last step's shape."""
+    start = time.monotonic()
+    model = warm_start(work, 60)
+    print(f"warm start: 60 SFT steps of builtin:base on the solutions, {time.monotonic() - start:.0f} s")
+    last = variant_table(model, work, variants, steps, rounds, length=192)[-1]
+    print(
+        f"  last step: finish/eos {last['finish/eos']:.2f}, response_length/mean "
+        f"{last['response_length/mean']:.0f}, reward/mean {last['reward/mean']:.2f}, sandbox runs "
+        f"{last['reward/code/cases'] + last['reward/code/compile_errors']:.0f}"
+    )
+
+
 def sandbox_host_steps(steps: int, rounds: int) -> None:
     """The code reward with the sandbox on CPUs of its own: this process (the trainer, one torch thread) on CPU 0,
     ``posttrain sandbox serve`` on CPU 1 as a sandbox host (``sandbox.backend=sandbox_fusion``), and a warm-started
@@ -260,22 +279,27 @@ def sandbox_host_steps(steps: int, rounds: int) -> None:
             f"trainer on CPU 0 (1 thread), sandbox host on CPU 1; load average {os.getloadavg()[0]:.1f} at the start"
         )
         with tempfile.TemporaryDirectory() as d:
-            start = time.monotonic()
-            model = warm_start(Path(d), 60)
-            print(
-                f"warm start: 60 SFT steps of builtin:base on the solutions, {time.monotonic() - start:.0f} s"
-            )
-            runs = variant_table(model, Path(d), variants, steps, rounds, length=192)
-            last = runs[-1]
-            print(
-                f"  last step: finish/eos {last['finish/eos']:.2f}, response_length/mean "
-                f"{last['response_length/mean']:.0f}, reward/mean {last['reward/mean']:.2f}, sandbox runs "
-                f"{last['reward/code/cases'] + last['reward/code/compile_errors']:.0f}"
-            )
+            warm_policy_table(Path(d), variants, steps, rounds)
     finally:
         host.terminate()
         host.wait()
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def gpu_steps(steps: int, rounds: int) -> None:
+    """The code reward beside a GPU rollout: the warm-started policy trains and generates on CUDA, the local
+    sandbox runs on this machine's CPUs; ``auto`` scores during generation there."""
+    import torch
+
+    on_gpu = ("trainer.device=cuda",)
+    variants = [
+        ("exact_match", "exact_match", on_gpu),
+        ("code, after", "code", (*on_gpu, "reward.score_during_generation=never")),
+        ("code, auto", "code", on_gpu),
+    ]
+    print(f"{os.cpu_count()} CPUs, GPU {torch.cuda.get_device_name()}")
+    with tempfile.TemporaryDirectory() as d:
+        warm_policy_table(Path(d), variants, steps, rounds)
 
 
 def main() -> None:
@@ -288,7 +312,13 @@ def main() -> None:
         action="store_true",
         help="with --grpo-steps: the sandbox on a CPU of its own (see above)",
     )
+    parser.add_argument(
+        "--gpu", action="store_true", help="with --grpo-steps: the warm-started policy on CUDA (see above)"
+    )
     args = parser.parse_args()
+    if args.grpo_steps and args.gpu:
+        gpu_steps(args.grpo_steps, args.rounds)
+        return
     if args.grpo_steps and args.sandbox_host:
         sandbox_host_steps(args.grpo_steps, args.rounds)
         return
