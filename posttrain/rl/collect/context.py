@@ -38,9 +38,8 @@ class RolloutContext:
     dist: DistContext = DistContext()
     share: DataShare = SINGLE_SHARE
     agent: AgentLoop | None = None  # multi-turn runs: how trajectories are rolled out
-    generation_device: str = (
-        "cpu"  # where the engine generates, "cpu" or "cuda" (reward.score_during_generation)
-    )
+    # Where the engine generates, "cpu" or "cuda": reward.score_during_generation=auto reads it.
+    generation_device: str = "cpu"
 
     def close(self) -> None:
         self.reward_runner.close()
