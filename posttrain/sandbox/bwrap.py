@@ -61,6 +61,18 @@ def python_prefixes() -> list[str]:
     return out
 
 
+def way_to(directory: str) -> list[str]:
+    """bwrap's arguments that make ``directory``'s parents (empty directories inside the sandbox) traversable by
+    every user: bwrap would give them their host modes, and a parent such as root's /root (0700) would keep the
+    sandbox's own user id from the interpreter bound below it (the loader then finds another libpython, or none)."""
+    out: list[str] = []
+    for parent in reversed(Path(directory).parents):
+        inside_system = any(str(parent) == d or str(parent).startswith(d + "/") for d in SYSTEM_DIRS)
+        if str(parent) != "/" and not inside_system:
+            out += ["--perms", "0755", "--dir", str(parent)]
+    return out
+
+
 def bwrap_argv(
     bwrap: str, workdir: str, limiter: list[str], command: list[str], uid: int | None
 ) -> list[str]:
@@ -83,7 +95,7 @@ def bwrap_argv(
         elif os.path.isdir(d):
             argv += ["--ro-bind", d, d]
     for d in python_prefixes():
-        argv += ["--ro-bind", d, d]
+        argv += way_to(d) + ["--ro-bind", d, d]
     argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, "/tmp", "--chdir", "/tmp", "--", *limiter]
     if uid is not None:
         argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]

@@ -1,5 +1,6 @@
 """The local backend's behaviour apart from security: statuses, languages, stdin and files, clear errors."""
 
+import os
 import sys
 
 import pytest
@@ -16,6 +17,15 @@ def test_statuses_exit_codes_and_output(sandbox):
     assert (failed.status, failed.exit_code) == ("error", 3)
     syntax = sandbox.run(RunRequest("def f(:"))
     assert syntax.status == "error" and "SyntaxError" in syntax.stderr
+
+
+def test_the_code_runs_on_this_interpreter_with_its_site(sandbox):
+    """The trainer's interpreter, not another Python the loader finds when its install is out of reach (as root,
+    a pyenv or conda install under /root sits below a 0700 directory), with ``site`` loaded (``exit``)."""
+    probe = "import os, sys; print(sys.version); print(os.path.realpath(sys.base_prefix)); exit(5)"
+    r = sandbox.run(RunRequest(probe))
+    assert (r.status, r.exit_code) == ("error", 5), r
+    assert r.stdout.splitlines() == [sys.version, os.path.realpath(sys.base_prefix)], r
 
 
 def test_stdin_files_and_bash(sandbox):
