@@ -9,9 +9,8 @@ Rows: a plain subprocess (``python3 main.py`` with the sandbox's environment, no
 (``sandbox.unsafe_no_isolation=true``), and the bubblewrap sandbox run one at a time and with
 ``max_concurrent`` 2 and 8 (``Sandbox.run_many``); and ``echo`` in bash, plain and sandboxed, which shows the
 sandbox's own cost apart from interpreter start-up. The overhead is a row's median latency minus the plain
-subprocess's of the same language. (Python's start-up depends on the ``.pth`` files of its site-packages: a
-file that imports from a directory the sandbox does not show fails fast inside, so Python may start faster
-sandboxed than plain.) Rows alternate in rounds so that load from other jobs hits them alike.
+subprocess's of the same language. (Python's start-up depends on the ``.pth`` files of its site-packages,
+which run inside the sandbox as outside.) Rows alternate in rounds so that load from other jobs hits them alike.
 
 ``--grpo-steps N`` measures instead what the code reward adds to a GRPO step on the built-in code data
 (``examples/code/tiny_code.jsonl``, 4 prompts x 4 samples a step, the tiny model): N steps with
