@@ -46,6 +46,11 @@ def find_bwrap(setting: str = "") -> str:
     )
 
 
+def in_system_dirs(path: str) -> bool:
+    """Whether ``path`` is one of SYSTEM_DIRS or below one (bound read-only as they are)."""
+    return any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS)
+
+
 def python_binary() -> str:
     """The interpreter the sandbox runs: this one (its install prefix is bound read-only inside)."""
     return os.path.realpath(sys.executable)
@@ -55,8 +60,7 @@ def python_prefixes() -> list[str]:
     """Directories outside the system dirs that the interpreter needs (a pyenv or conda install, say)."""
     out = []
     for path in (os.path.realpath(sys.base_prefix), os.path.dirname(python_binary())):
-        system = any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS)
-        if not system and not any(path == p or path.startswith(p + "/") for p in out):
+        if not in_system_dirs(path) and not any(path == p or path.startswith(p + "/") for p in out):
             out.append(path)
     return out
 
@@ -66,11 +70,19 @@ def way_to(directory: str) -> list[str]:
     every user: bwrap would give them their host modes, and a parent such as root's /root (0700) would keep the
     sandbox's own user id from the interpreter bound below it (the loader then finds another libpython, or none)."""
     out: list[str] = []
-    for parent in reversed(Path(directory).parents):
-        inside_system = any(str(parent) == d or str(parent).startswith(d + "/") for d in SYSTEM_DIRS)
-        if str(parent) != "/" and not inside_system:
-            out += ["--perms", "0755", "--dir", str(parent)]
+    for parent in map(str, reversed(Path(directory).parents)):
+        if parent != "/" and not in_system_dirs(parent):
+            out += ["--perms", "0755", "--dir", parent]
     return out
+
+
+@functools.cache
+def interpreter_binds() -> tuple[str, ...]:
+    """bwrap's arguments that show this interpreter's install inside, read-only (the same for every run)."""
+    out: list[str] = []
+    for d in python_prefixes():
+        out += way_to(d) + ["--ro-bind", d, d]
+    return tuple(out)
 
 
 def bwrap_argv(
@@ -94,8 +106,7 @@ def bwrap_argv(
             argv += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             argv += ["--ro-bind", d, d]
-    for d in python_prefixes():
-        argv += way_to(d) + ["--ro-bind", d, d]
+    argv += interpreter_binds()
     argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, "/tmp", "--chdir", "/tmp", "--", *limiter]
     if uid is not None:
         argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]

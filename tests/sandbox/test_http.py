@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.cli import main
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.sandbox import Limits, RunRequest
@@ -32,6 +33,9 @@ def served(sandbox):
     yield server
     server.shutdown()
     server.server_close()
+
+
+CODE_DATA = Path(__file__).parents[2] / "examples/code/tiny_code.jsonl"
 
 
 def free_port() -> int:
@@ -179,6 +183,21 @@ def test_verls_keys_and_a_missing_url(served):
     results = box.run_many([RunRequest(f"print({i})") for i in range(5)])
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
     box.close()
+
+
+def test_explain_shows_the_sandbox_and_when_the_code_reward_scores(sandbox, capsys):
+    code = [
+        "reward.function=code",
+        f"data.train_files=[{CODE_DATA}]",
+        "model.path=builtin:base",
+        "trainer.device=cpu",
+    ]
+    assert main(["explain", *code]) == 0
+    out = capsys.readouterr().out
+    assert "probe: print(6 * 7) -> 42" in out
+    assert "scoring: after generation (auto: the rollout runs on cpu" in out  # this CPU rollout
+    assert main(["explain", *code, "reward.score_during_generation=always"]) == 0
+    assert "scoring: during generation (reward.score_during_generation=always" in capsys.readouterr().out
 
 
 def test_the_explain_probe_line_and_a_sandbox_that_cannot_run():

@@ -72,23 +72,30 @@ def context_scorer(context: RolloutContext) -> Scorer:
     rm = context.reward_model
     weights = RewardWeights.from_config(context.cfg, rm.model.config if rm is not None else None)
     fn = getattr(context.reward_runner, "fn", None)  # a stand-in runner may have none
-    cpus_free = generation_leaves_cpus_free(context.cfg, context.generation_device)
-    during = scores_during_generation(context.cfg.reward.score_during_generation, fn, cpus_free)
+    during = scores_during_generation(context.cfg, fn, context.generation_device)
     return Scorer(
         context.reward_runner, rm, context.tokenizer, overlong_shaping(context.cfg), weights, during
     )
 
 
-def generation_leaves_cpus_free(cfg: PostTrainConfig, generation_device: str) -> bool:
-    """Whether rewards scored beside generation run on CPUs that generation does not use: the rollout runs on a
-    GPU, or the code reward's programs run on sandbox hosts (``sandbox.backend=sandbox_fusion``)."""
-    return generation_device == "cuda" or cfg.sandbox.backend == "sandbox_fusion"
+def scores_during_generation(cfg: PostTrainConfig, fn, generation_device: str) -> bool:
+    """``reward.score_during_generation``: whether the step's samples are scored while it generates. ``auto``:
+    for functions that declare ``samples_at_once`` (thread-safe, and slow enough to be worth hiding: the code
+    reward), when generation leaves the CPUs that score free: it runs on a GPU, or the code reward's programs
+    run on sandbox hosts (``sandbox.backend=sandbox_fusion``). A cheap rule gains nothing from a thread and
+    chunks, and beside a CPU rollout the sandbox's programs slow generation by more than they save
+    (docs/sandbox.md)."""
+    when = cfg.reward.score_during_generation
+    if when != "auto":
+        return when == "always"
+    cpus_free = generation_device == "cuda" or cfg.sandbox.backend == "sandbox_fusion"
+    return cpus_free and declares_samples_at_once(fn)
 
 
 def scoring_line(cfg: PostTrainConfig, generation_device: str, fn) -> str:
     """One line for `posttrain explain`: when the reward ``fn`` scores a step's samples, and why."""
     when = cfg.reward.score_during_generation
-    during = scores_during_generation(when, fn, generation_leaves_cpus_free(cfg, generation_device))
+    during = scores_during_generation(cfg, fn, generation_device)
     if when != "auto":
         why = f"reward.score_during_generation={when}"
     elif during:
@@ -98,17 +105,6 @@ def scoring_line(cfg: PostTrainConfig, generation_device: str, fn) -> str:
     else:
         why = "auto: the function does not declare samples_at_once()"
     return f"scoring: {'during' if during else 'after'} generation ({why}; docs/sandbox.md)"
-
-
-def scores_during_generation(when: str, fn, cpus_free: bool) -> bool:
-    """``reward.score_during_generation``: whether the step's samples are scored while it generates. ``auto``:
-    for functions that declare ``samples_at_once`` (thread-safe, and slow enough to be worth hiding: the code
-    reward), when generation leaves the CPUs that score free (``cpus_free``: it runs on a GPU, or the code runs
-    on sandbox hosts). A cheap rule gains nothing from a thread and chunks, and beside a CPU rollout the
-    sandbox's programs slow generation by more than they save (docs/sandbox.md)."""
-    if when != "auto":
-        return when == "always"
-    return cpus_free and declares_samples_at_once(fn)
 
 
 def context_baselines(context: RolloutContext, scorer: Scorer, prompt_rows: list[int]) -> torch.Tensor | None:
