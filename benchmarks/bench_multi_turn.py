@@ -169,7 +169,33 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (medians reported)")
     p.add_argument("--engines", default="native,vllm", help="native and/or vllm (vllm when importable)")
+    p.add_argument(
+        "--engine-costs",
+        action="store_true",
+        help="only each engine's prefill rate and its cost per call (see engine_costs), no table",
+    )
     return p.parse_args()
+
+
+def engine_costs(engine: Any, rows: int, repeats: int) -> str:
+    """What a turn costs an engine apart from decoding: ``rows`` prompts of 256 new random tokens prefilled
+    (``max_tokens=1``), and a call whose ``rows`` prompts are all cached (the same call again: its fixed cost);
+    medians of ``repeats`` runs from an empty cache."""
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=1)
+    fresh, cached = [], []
+    for k in range(repeats + 1):  # the first round warms up
+        prompts = torch.randint(10, 200, (rows, 256), generator=torch.Generator().manual_seed(k)).tolist()
+        engine.release_memory()
+        engine.wake_up()
+        for times in (fresh, cached):
+            start = time.perf_counter()
+            engine.generate(prompts, params)
+            times.append(time.perf_counter() - start)
+    prefill = statistics.median(fresh[1:])
+    return (
+        f"{rows} x 256 new tokens prefilled in {prefill:.3f} s ({rows * 256 / prefill:,.0f} tokens/s); the same "
+        f"{rows} prompts again, all cached: {statistics.median(cached[1:]) * 1e3:.1f} ms a call (medians of {repeats})"
+    )
 
 
 def build_engines(names: list[str], model: Any, tok: Any, directory: str, max_len: int, seqs: int) -> dict:
@@ -231,6 +257,9 @@ def main() -> None:
         tok.save_pretrained(tmp)
         engines = build_engines(args.engines.split(","), model, tok, tmp, max_len, args.trajectories)
         for name, engine in engines.items():
+            if args.engine_costs:
+                print(f"{name}: {engine_costs(engine, args.trajectories, args.repeats)}")
+                continue
             results = {
                 mode: [run(fn, engine)] for mode, fn in multi_modes.items()
             }  # warm-up: tokens, prefill
@@ -280,6 +309,8 @@ def main() -> None:
                 f"trajectory waits {sum(args.tool_s * (i % 4) / 3 for i in range(len(rows))) * 2:.1f} s for tools in "
                 f"all; what shows beyond the slowest trajectory's own waits: {med[tools] - med[reuse] - waits:+.2f} s."
             )
+    if args.engine_costs:
+        return
     print(
         f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; {args.trajectories} "
         f"trajectories x {TURNS} turns x {args.turn_tokens} tokens; {args.repeats} alternating rounds; load average "
