@@ -23,6 +23,12 @@ at once and 4 at a time (``rollout.max_num_seqs=4``: samples that end apart); th
 
     python3 benchmarks/bench_sandbox.py --grpo-steps 4 --rounds 2
 
+``--cases``: seconds to score a step's worth (16) of correct programs of 3 and of 20 stdin/stdout cases, one
+sandbox run per case (``sandbox.code_reward.cases_per_run=1``) against the default (the harness runs up to 16
+cases in one sandbox run, a forked process each)::
+
+    python3 benchmarks/bench_sandbox.py --cases --rounds 5
+
 ``--grpo-steps N --sandbox-host`` puts the sandbox on a CPU of its own, as sandbox hosts (or a GPU rollout, which
 leaves the CPUs free) give it: this process, the trainer, runs on CPU 0 with one torch thread, and
 ``posttrain sandbox serve`` on CPU 1 serves ``sandbox.backend=sandbox_fusion``. The policy is ``builtin:base``
@@ -49,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from posttrain.sandbox import Limits, LocalSandbox, RunRequest
@@ -154,6 +161,11 @@ def scoring_a_step(max_concurrent: int, rounds: int) -> list[float]:
 GRPO_VARIANTS = [
     ("exact_match", "exact_match", ()),
     ("code, after", "code", ("reward.score_during_generation=never",)),
+    (
+        "code, after, run per case",
+        "code",
+        ("reward.score_during_generation=never", "sandbox.code_reward.cases_per_run=1"),
+    ),
     ("code, during", "code", ("reward.score_during_generation=always",)),
     ("code, after, 4 seqs", "code", ("reward.score_during_generation=never", "rollout.max_num_seqs=4")),
     ("code, during, 4 seqs", "code", ("reward.score_during_generation=always", "rollout.max_num_seqs=4")),
@@ -301,6 +313,37 @@ def gpu_steps(steps: int, rounds: int) -> None:
         warm_policy_table(Path(d), variants, steps, rounds)
 
 
+def cases_table(rounds: int) -> None:
+    """Seconds to score 16 correct programs of N stdin/stdout cases each with the code reward, one sandbox run
+    per case (``sandbox.code_reward.cases_per_run=1``) against the default (up to 16 cases a run, a forked
+    process each), at ``max_concurrent`` 4; the variants alternate in rounds."""
+    from posttrain.rewards.code import CodeReward
+
+    program = "a, b = map(int, input().split())\nprint(a + b)"
+    box = Sandbox(LocalSandbox(Limits(time_limit_s=10)), 4)
+    times: dict[tuple[int, int], list[float]] = {}
+    for _ in range(rounds):
+        for n in (3, 20):
+            cases = json.dumps(
+                {"inputs": [f"{i} 1\n" for i in range(n)], "outputs": [str(i + 1) for i in range(n)]}
+            )
+            for per_run in (1, 16):
+                reward = CodeReward(box, cases_per_run=per_run)
+                start = time.perf_counter()
+                with ThreadPoolExecutor(
+                    4
+                ) as pool:  # as the reward runner scores: max_concurrent samples at once
+                    scores = list(pool.map(reward, [""] * 16, [program] * 16, [cases] * 16, [{}] * 16))
+                times.setdefault((n, per_run), []).append(time.perf_counter() - start)
+                assert scores == [1.0] * 16, scores
+    print(
+        f"{'cases per sample':>16} {'run per case s':>14} {'one run s':>10} {'ratio':>6}  (16 samples, medians)"
+    )
+    for n in (3, 20):
+        one, many = (statistics.median(times[(n, k)]) for k in (1, 16))
+        print(f"{n:16d} {one:14.3f} {many:10.3f} {one / many:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=40, help="executions per row and round")
@@ -314,7 +357,13 @@ def main() -> None:
     parser.add_argument(
         "--gpu", action="store_true", help="with --grpo-steps: the warm-started policy on CUDA (see above)"
     )
+    parser.add_argument(
+        "--cases", action="store_true", help="the code reward per test case: a run each against one run"
+    )
     args = parser.parse_args()
+    if args.cases:
+        cases_table(args.rounds)
+        return
     if args.grpo_steps and args.gpu:
         gpu_steps(args.grpo_steps, args.rounds)
         return

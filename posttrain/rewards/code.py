@@ -10,6 +10,9 @@ CodeContests-style data), in one of two forms:
   ``class Solution`` with that method works too.
 
 The program is the last fenced code block of the response (```` ```python ````), else the whole response.
+It runs under :mod:`posttrain.rewards.code_harness`: one sandbox run holds up to
+``sandbox.code_reward.cases_per_run`` cases, each in a forked process of its own under the sandbox's limits,
+and the expected outputs never enter the sandbox (the harness reports digests, compared here).
 The score is the fraction of cases passed, or 1.0/0.0 with ``sandbox.code_reward.mode=all_or_nothing``. A
 program that does not compile scores 0 after one run; a case over the time or memory limit fails. The counts
 (cases, passes, compile errors, time and memory limits, sandbox errors) are kept in :data:`COUNTS` and reach the
@@ -18,44 +21,35 @@ step's metrics as ``reward/code/<name>`` (:mod:`posttrain.rewards.counts`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
-from posttrain.rewards import counts
+from posttrain.rewards import code_harness, counts
+from posttrain.rewards.code_harness import text_digest, value_digest
 from posttrain.sandbox.build import Sandbox, build_sandbox
-from posttrain.sandbox.types import MEMORY_LIMIT, SANDBOX_ERROR, TIME_LIMIT, RunRequest, RunResult
+from posttrain.sandbox.process import run_status
+from posttrain.sandbox.types import (
+    FINISHED,
+    MEMORY_LIMIT,
+    SANDBOX_ERROR,
+    TIME_LIMIT,
+    Limits,
+    RunRequest,
+    RunResult,
+)
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 COUNTS: Counter[str] = Counter()
-_SYNTAX_ERRORS = ("SyntaxError", "IndentationError", "TabError")
 _LOCK = threading.Lock()
-
-CALL_HARNESS = """\
-import json, sys
-sys.path.insert(0, ".")
-import solution
-case = json.loads(sys.stdin.read())
-fn = getattr(solution, case["fn_name"], None)
-if fn is None and hasattr(solution, "Solution"):
-    fn = getattr(solution.Solution(), case["fn_name"])
-args = case["input"]
-if isinstance(args, str):
-    args = json.loads(args)
-got = fn(*args) if isinstance(args, list) else fn(args)
-got = json.loads(json.dumps(got))  # tuples -> lists, as the expected values are JSON
-want = case["output"]
-if isinstance(want, str):
-    try:
-        want = json.loads(want)
-    except ValueError:
-        pass
-print("__PASSED__" if got == want or [got] == want else "__FAILED__")
-"""
+HARNESS_SOURCE = Path(code_harness.__file__).read_text()
 
 
 def extract_code(response: str) -> str:
@@ -87,25 +81,6 @@ def parse_cases(ground_truth: str | dict | None) -> dict[str, Any]:
     return cases
 
 
-def _same_output(got: str, want: Any) -> bool:
-    want = (
-        want if isinstance(want, str) else "\n".join(map(str, want)) if isinstance(want, list) else str(want)
-    )
-    lines = lambda text: [line.rstrip() for line in text.strip().splitlines()]  # noqa: E731
-    return lines(got) == lines(want)
-
-
-def _requests(code: str, cases: dict[str, Any]) -> list[RunRequest]:
-    fn_name = cases.get("fn_name")
-    if not fn_name:
-        return [RunRequest(code, stdin=_text(i)) for i in cases["inputs"]]
-    files = {"solution.py": code.encode()}
-    return [
-        RunRequest(CALL_HARNESS, stdin=json.dumps({"fn_name": fn_name, "input": i, "output": o}), files=files)
-        for i, o in zip(cases["inputs"], cases["outputs"], strict=True)
-    ]
-
-
 def _text(value: Any) -> str:
     return (
         value
@@ -116,25 +91,70 @@ def _text(value: Any) -> str:
     )
 
 
-def _passed(result: RunResult, want: Any, call_based: bool) -> bool:
-    if not result.ok:
-        return False
-    if call_based:
-        return result.stdout.strip().endswith("__PASSED__")
-    return _same_output(result.stdout, want)
+def expected_digests(cases: dict[str, Any]) -> list[frozenset[str]]:
+    """For each case, the digests of the outputs that pass it (the harness reports the program's digest)."""
+    if not cases.get("fn_name"):
+        return [frozenset({text_digest(_text(want))}) for want in cases["outputs"]]
+    out = []
+    for want in cases["outputs"]:
+        if isinstance(want, str):
+            with contextlib.suppress(ValueError):
+                want = json.loads(want)
+        ok = {value_digest(want)}
+        if isinstance(want, list) and len(want) == 1:  # the expected value wrapped in a list
+            ok.add(value_digest(want[0]))
+        out.append(frozenset(ok))
+    return out
 
 
-def _compile_error(result: RunResult) -> bool:
-    """The program did not compile: Python's last error line names a syntax error."""
-    lines = result.stderr.strip().splitlines()
-    return result.status == "error" and bool(lines) and lines[-1].startswith(_SYNTAX_ERRORS)
+def harness_request(code: str, cases: dict[str, Any], inputs: list[Any], limits: Limits) -> RunRequest:
+    """One sandbox run of the harness over ``inputs`` (some of the cases), each under ``limits``."""
+    spec = {
+        "fn_name": cases.get("fn_name"),
+        "inputs": inputs if cases.get("fn_name") else [_text(i) for i in inputs],
+        "time_limit_s": limits.time_limit_s,
+        "cpu_seconds": limits.cpu_seconds,
+        "max_output_bytes": limits.max_output_bytes,
+        "budget_s": limits.time_limit_s * len(inputs),
+    }
+    files = {code_harness.SOLUTION_FILE: code.encode(), code_harness.CASES_FILE: json.dumps(spec).encode()}
+    return RunRequest(HARNESS_SOURCE, files=files, executions=len(inputs))
+
+
+@dataclass(frozen=True)
+class HarnessRun:
+    """A harness run read back: a compile error, or per case its status and output digest."""
+
+    compile_error: str | None
+    statuses: list[str]
+    digests: list[str]
+
+
+def read_harness(result: RunResult, cases: int) -> HarnessRun:
+    """The harness's report: a case each, up to the one that reached its time limit (the harness stops there);
+    without a report (the run itself was killed or failed) every case takes the run's status."""
+    marker = result.stdout.rfind(code_harness.REPORT_MARKER)
+    if marker < 0:
+        status = result.status if result.status != FINISHED else SANDBOX_ERROR
+        return HarnessRun(None, [status] * cases, [""] * cases)
+    report = json.loads(result.stdout[marker + len(code_harness.REPORT_MARKER) :])
+    if report["compile_error"]:
+        return HarnessRun(report["compile_error"], [], [])
+    statuses = [
+        run_status(c["returncode"], c["timed_out"], c["truncated"], c["stderr"].encode(), 0)[0]
+        for c in report["cases"]
+    ]
+    return HarnessRun(None, statuses, [c["digest"] for c in report["cases"]])
 
 
 class CodeReward:
     """The code reward over one sandbox; callable as a reward function."""
 
-    def __init__(self, sandbox: Sandbox, mode: str = "fraction", max_cases: int = 0) -> None:
+    def __init__(
+        self, sandbox: Sandbox, mode: str = "fraction", max_cases: int = 0, cases_per_run: int = 16
+    ) -> None:
         self.sandbox, self.mode, self.max_cases = sandbox, mode, max_cases
+        self.cases_per_run = cases_per_run
 
     def samples_at_once(self) -> int:
         """Samples the reward runner may score at once (thread-safe: the sandbox bounds the programs running
@@ -148,31 +168,60 @@ class CodeReward:
         if not code:
             _count(no_code=1)
             return 0.0
-        requests = _requests(code, cases)
-        wants = list(cases["outputs"])
+        inputs, wants = list(cases["inputs"]), expected_digests(cases)
         if self.max_cases:
-            requests, wants = requests[: self.max_cases], wants[: self.max_cases]
-        if not requests:
+            inputs, wants = inputs[: self.max_cases], wants[: self.max_cases]
+        if not inputs:
             return 0.0
-        first = self.sandbox.run(requests[0])  # a program that does not compile is not run again
-        if _compile_error(first):
+        run = self._run(code, cases, inputs)
+        if run.compile_error:
             _count(samples=1, cases=1, compile_errors=1)
             return 0.0
-        results = [first, *self.sandbox.run_many(requests[1:])]
-        call_based = bool(cases.get("fn_name"))
-        passed = sum(_passed(r, w, call_based) for r, w in zip(results, wants, strict=True))
-        statuses = Counter(r.status for r in results)
+        statuses, digests = run.statuses, run.digests
+        passed = sum(s == FINISHED and d in ok for s, d, ok in zip(statuses, digests, wants, strict=True))
+        counted = Counter(statuses)
         _count(
             samples=1,
-            cases=len(results),
+            cases=len(statuses),
             passed=passed,
-            time_limits=statuses[TIME_LIMIT],
-            memory_limits=statuses[MEMORY_LIMIT],
-            sandbox_errors=statuses[SANDBOX_ERROR],
+            time_limits=counted[TIME_LIMIT],
+            memory_limits=counted[MEMORY_LIMIT],
+            sandbox_errors=counted[SANDBOX_ERROR],
         )
         if self.mode == "all_or_nothing":
-            return 1.0 if passed == len(results) else 0.0
-        return passed / len(results)
+            return 1.0 if passed == len(statuses) else 0.0
+        return passed / len(statuses)
+
+    def _run(self, code: str, cases: dict[str, Any], inputs: list[Any]) -> HarnessRun:
+        """The cases in runs of ``cases_per_run``: the first alone (a program that does not compile is not run
+        again), the others in parallel. A run stops after a case that reached its time limit, and the cases it
+        left get a run each, in parallel: a program that loops takes no longer than with a run per case."""
+        size = self.cases_per_run
+        chunks = [inputs[i : i + size] for i in range(0, len(inputs), size)]
+        first = self._read(self.sandbox.run(self._request(code, cases, chunks[0])), chunks[0])
+        if first.compile_error:
+            return first
+        rest = self.sandbox.run_many([self._request(code, cases, c) for c in chunks[1:]])
+        runs = [first, *(self._read(r, c) for r, c in zip(rest, chunks[1:], strict=True))]
+        statuses: list[str | None] = []
+        digests: list[str] = []
+        for run, chunk in zip(runs, chunks, strict=True):
+            missing = len(chunk) - len(run.statuses)
+            statuses += [*run.statuses, *[None] * missing]
+            digests += [*run.digests, *[""] * missing]
+        left = [i for i, status in enumerate(statuses) if status is None]
+        singles = self.sandbox.run_many([self._request(code, cases, [inputs[i]]) for i in left])
+        for i, result in zip(left, singles, strict=True):
+            single = self._read(result, [inputs[i]])
+            statuses[i], digests[i] = single.statuses[0], single.digests[0]
+        return HarnessRun(None, statuses, digests)  # type: ignore[arg-type]  (no None left)
+
+    def _request(self, code: str, cases: dict[str, Any], inputs: list[Any]) -> RunRequest:
+        return harness_request(code, cases, inputs, self.sandbox.limits)
+
+    @staticmethod
+    def _read(result: RunResult, inputs: list[Any]) -> HarnessRun:
+        return read_harness(result, len(inputs))
 
 
 def _count(**kw: int) -> None:
@@ -188,7 +237,8 @@ def configure_code_reward(cfg: SandboxConfig) -> CodeReward:
     """Build the sandbox of the `sandbox` section for the built-in `code` reward (a ConfigError now, at start-up,
     when it cannot work here)."""
     global _DEFAULT
-    _DEFAULT = CodeReward(build_sandbox(cfg), cfg.code_reward.mode, cfg.code_reward.max_cases)
+    reward = cfg.code_reward
+    _DEFAULT = CodeReward(build_sandbox(cfg), reward.mode, reward.max_cases, reward.cases_per_run)
     return _DEFAULT
 
 

@@ -136,7 +136,9 @@ def run_command(
     for pipe in (proc.stdout, proc.stderr):
         pipe.close()
     duration = time.monotonic() - start
-    status, code = _status(proc.returncode, timed_out, out.over or err.over, bytes(err.data), signal_offset)
+    status, code = run_status(
+        proc.returncode, timed_out, out.over or err.over, bytes(err.data), signal_offset
+    )
     text = lambda b: bytes(b).decode("utf-8", errors="replace")  # noqa: E731
     return RunResult(status, code, text(out.data), text(err.data), duration)
 
@@ -150,9 +152,10 @@ def _feed(pipe, data: bytes) -> None:  # noqa: ANN001
         pass  # the program exited without reading its stdin
 
 
-def _status(
+def run_status(
     returncode: int, timed_out: bool, truncated: bool, stderr: bytes, signal_offset: int
 ) -> tuple[str, int | None]:
+    """A run's status and exit code from how it ended (also the code reward's, for each case its harness ran)."""
     if timed_out:
         return TIME_LIMIT, None
     if truncated:

@@ -16,6 +16,7 @@ SANDBOX_ERROR = (
 )
 STATUSES = (FINISHED, ERROR, TIME_LIMIT, MEMORY_LIMIT, OUTPUT_TRUNCATED, SANDBOX_ERROR)
 LANGUAGES = ("python", "bash")
+HARNESS_START_S = 2.0  # a run of several executions: the harness's own start and bookkeeping
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,10 @@ class RunRequest:
     """One program to run: its source, language, stdin and extra files (name -> bytes, put beside it).
 
     ``time_limit_s`` and ``memory_limit_mb`` override the sandbox's limits for this run (they may only lower
-    a server's limits, never raise them)."""
+    a server's limits, never raise them). ``executions``: the program runs that many executions one after the
+    other, each under the limits itself (the code reward's harness), so the run's wall-clock limit is that many
+    times the sandbox's, plus :data:`HARNESS_START_S`. It is not part of the HTTP API: a service gives the whole
+    run its own limit."""
 
     code: str
     language: str = "python"
@@ -64,9 +68,12 @@ class RunRequest:
     files: dict[str, bytes] = field(default_factory=dict)
     time_limit_s: float | None = None
     memory_limit_mb: int | None = None
+    executions: int = 1
 
     def limits(self, base: Limits) -> Limits:
         out = base
+        if self.executions > 1:
+            out = replace(out, time_limit_s=base.time_limit_s * self.executions + HARNESS_START_S)
         if self.time_limit_s:
             out = replace(out, time_limit_s=min(self.time_limit_s, base.time_limit_s))
             if base.cpu_time_limit_s:

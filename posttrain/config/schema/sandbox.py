@@ -41,6 +41,12 @@ class CodeRewardConfig:
     max_cases: int = knob(
         0, "Run at most this many test cases per sample (the first ones); 0: all of them.", min=0
     )
+    cases_per_run: int = knob(
+        16,
+        "Test cases one sandbox run holds, each in a forked process of its own with the sandbox's limits "
+        "(a sample with more cases uses several runs in parallel); 1: a sandbox run per case.",
+        min=1,
+    )
 
 
 @dataclass
