@@ -38,9 +38,15 @@ responses). Variants: ``exact_match``, and the code reward on the host scored af
 
     python3 benchmarks/bench_sandbox.py --grpo-steps 6 --rounds 2 --sandbox-host
 
+``--grpo-steps N --warm``: the warm-started policy on this machine's CPUs with the local sandbox; variants
+``exact_match`` and the code reward scored after generation, its cases in one sandbox run (the default) and
+one run per case (``sandbox.code_reward.cases_per_run=1``)::
+
+    python3 benchmarks/bench_sandbox.py --grpo-steps 6 --rounds 2 --warm
+
 ``--grpo-steps N --gpu``: the same warm-started policy, trained and generating on CUDA, with the local sandbox
 on the machine's CPUs (the case ``auto`` scores during generation for); variants ``exact_match`` and the code
-reward after generation and with ``auto``::
+reward after generation, with ``auto``, and with ``auto`` and a run per case::
 
     python3 benchmarks/bench_sandbox.py --grpo-steps 6 --rounds 2 --gpu
 """
@@ -297,6 +303,21 @@ def sandbox_host_steps(steps: int, rounds: int) -> None:
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
+def warm_steps(steps: int, rounds: int) -> None:
+    """The warm-started policy (programs that compile and pass) with the local sandbox on this machine: the code
+    reward's cases in one run each against a run per case, both scored after generation."""
+    after = "reward.score_during_generation=never"
+    variants = [
+        ("exact_match", "exact_match", ()),
+        ("code, after", "code", (after,)),
+        ("code, after, run per case", "code", (after, "sandbox.code_reward.cases_per_run=1")),
+    ]
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    with tempfile.TemporaryDirectory() as d:
+        warm_policy_table(Path(d), variants, steps, rounds)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
 def gpu_steps(steps: int, rounds: int) -> None:
     """The code reward beside a GPU rollout: the warm-started policy trains and generates on CUDA, the local
     sandbox runs on this machine's CPUs; ``auto`` scores during generation there."""
@@ -307,6 +328,7 @@ def gpu_steps(steps: int, rounds: int) -> None:
         ("exact_match", "exact_match", on_gpu),
         ("code, after", "code", (*on_gpu, "reward.score_during_generation=never")),
         ("code, auto", "code", on_gpu),
+        ("code, auto, run per case", "code", (*on_gpu, "sandbox.code_reward.cases_per_run=1")),
     ]
     print(f"{os.cpu_count()} CPUs, GPU {torch.cuda.get_device_name()}")
     with tempfile.TemporaryDirectory() as d:
@@ -355,6 +377,9 @@ def main() -> None:
         help="with --grpo-steps: the sandbox on a CPU of its own (see above)",
     )
     parser.add_argument(
+        "--warm", action="store_true", help="with --grpo-steps: the warm-started policy on CPU (see above)"
+    )
+    parser.add_argument(
         "--gpu", action="store_true", help="with --grpo-steps: the warm-started policy on CUDA (see above)"
     )
     parser.add_argument(
@@ -366,6 +391,9 @@ def main() -> None:
         return
     if args.grpo_steps and args.gpu:
         gpu_steps(args.grpo_steps, args.rounds)
+        return
+    if args.grpo_steps and args.warm:
+        warm_steps(args.grpo_steps, args.rounds)
         return
     if args.grpo_steps and args.sandbox_host:
         sandbox_host_steps(args.grpo_steps, args.rounds)

@@ -108,16 +108,21 @@ def expected_digests(cases: dict[str, Any]) -> list[frozenset[str]]:
 
 
 def harness_request(code: str, cases: dict[str, Any], inputs: list[Any], limits: Limits) -> RunRequest:
-    """One sandbox run of the harness over ``inputs`` (some of the cases), each under ``limits``."""
+    """One sandbox run of the harness over ``inputs`` (some of the cases), each under ``limits``: the program,
+    the settings, and each stdin/stdout case's input as a file of its own."""
+    call_based = bool(cases.get("fn_name"))
     spec = {
         "fn_name": cases.get("fn_name"),
-        "inputs": inputs if cases.get("fn_name") else [_text(i) for i in inputs],
+        "inputs": inputs if call_based else [],
+        "count": len(inputs),
         "time_limit_s": limits.time_limit_s,
         "cpu_seconds": limits.cpu_seconds,
         "max_output_bytes": limits.max_output_bytes,
         "budget_s": limits.time_limit_s * len(inputs),
     }
     files = {code_harness.SOLUTION_FILE: code.encode(), code_harness.CASES_FILE: json.dumps(spec).encode()}
+    if not call_based:
+        files |= {code_harness.input_file(i): _text(value).encode() for i, value in enumerate(inputs)}
     return RunRequest(HARNESS_SOURCE, files=files, executions=len(inputs))
 
 

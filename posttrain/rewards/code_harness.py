@@ -2,9 +2,10 @@
 
 This file is two things. The host imports its comparison helpers (:func:`text_digest`, :func:`value_digest`)
 to fingerprint the expected outputs. And its source is the program the sandbox runs (stdlib only, no posttrain
-import). Inside, it reads ``cases.json`` and ``solution.py``, compiles the solution once, and then forks one
-child per case. Each child gets the case's stdin as its file descriptor 0 and pipes as 1 and 2, with the case's
-own CPU-time limit; the harness keeps the case's wall-clock limit and output cap, and kills the child's whole
+import). Inside, it reads ``cases.json`` (the settings, and call-based cases' arguments) and ``solution.py``,
+opens and unlinks each stdin/stdout case's input file (``case-<i>.in``), compiles the solution once, and then
+forks one child per case. Each child gets its case's input as its file descriptor 0 and pipes as 1 and 2, with
+the case's own CPU-time limit; the harness keeps the case's wall-clock limit and output cap, and kills the child's whole
 process group at the end. A fork costs about a millisecond where a fresh sandboxed interpreter costs tens, so
 a sample's cases cost one sandbox start instead of one each (docs/sandbox.md has the figures).
 
@@ -124,17 +125,24 @@ def _run_solution(code, cases: dict, index: int, result_fd: int) -> int:
     return status
 
 
-def _stdin_fd(text: str) -> int:
-    """A file holding the case's stdin, already unlinked: the program reads it and finds no other case's."""
-    path = f".stdin-{os.getpid()}"
-    with open(path, "w", encoding="utf-8") as out:
-        out.write(text)
-    fd = os.open(path, os.O_RDONLY)
-    os.unlink(path)
-    return fd
+def _inputs(cases: dict) -> list[int]:
+    """One open file per case to be its stdin, each already unlinked: the cases' inputs stay out of this
+    process's memory (a forked child starts with it, under the same memory limit) and out of the directory."""
+    if cases.get("fn_name"):
+        return [os.open(os.devnull, os.O_RDONLY) for _ in cases["inputs"]]
+    fds = []
+    for index in range(cases["count"]):
+        name = input_file(index)
+        fds.append(os.open(name, os.O_RDONLY))
+        os.unlink(name)
+    return fds
 
 
-def _run_case(code, cases: dict, index: int, deadline: float) -> dict:
+def input_file(index: int) -> str:
+    return f"case-{index}.in"
+
+
+def _run_case(code, cases: dict, index: int, stdin_fd: int, deadline: float) -> dict:
     """One case in a forked child; what the host needs to score it."""
     limit_s = min(cases["time_limit_s"], max(0.0, deadline - time.monotonic()))
     if limit_s <= 0:
@@ -145,8 +153,6 @@ def _run_case(code, cases: dict, index: int, deadline: float) -> dict:
             "stderr": "",
             "digest": "",
         }
-    stdin = cases["inputs"][index] if not cases.get("fn_name") else ""
-    fd_in = _stdin_fd(stdin if isinstance(stdin, str) else str(stdin))
     (out_r, out_w), (err_r, err_w), (res_r, res_w) = os.pipe(), os.pipe(), os.pipe()
     start = time.monotonic()
     pid = os.fork()
@@ -154,18 +160,17 @@ def _run_case(code, cases: dict, index: int, deadline: float) -> dict:
         status = 1
         try:
             os.setpgid(0, 0)
-            for fd, target in ((fd_in, 0), (out_w, 1), (err_w, 2)):
+            for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2), (res_w, 3)):
                 os.dup2(fd, target)
-            for fd in (fd_in, out_w, err_w, out_r, err_r, res_r):
-                os.close(fd)
+            os.closerange(4, 1 << 16)  # the other cases' inputs and the harness's pipes
             cpu = cases["cpu_seconds"]
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            status = _run_solution(code, cases, index, res_w)
+            status = _run_solution(code, cases, index, 3)
         finally:
             os._exit(status)
     with contextlib.suppress(OSError):  # the child already did, or already exited
         os.setpgid(pid, pid)
-    for fd in (fd_in, out_w, err_w, res_w):
+    for fd in (stdin_fd, out_w, err_w, res_w):
         os.close(fd)
     outputs = _collect(pid, (out_r, err_r, res_r), cases["max_output_bytes"], start + limit_s)
     _kill_group(pid)  # whatever the program left running in its group
@@ -260,20 +265,20 @@ def main() -> None:
     with open(CASES_FILE, encoding="utf-8") as f:
         cases = json.load(f)
     os.unlink(CASES_FILE)
-    with open(SOLUTION_FILE, encoding="utf-8", errors="replace") as f:
-        source = f.read()
+    stdin_fds = _inputs(cases)
+    with open(SOLUTION_FILE, "rb") as f:
+        source = f.read()  # bytes: a coding declaration applies, as when Python runs the file
     report: dict = {"compile_error": None, "cases": []}
     try:
-        name = SOLUTION_FILE if cases.get("fn_name") else "main.py"
-        code = compile(source, name, "exec")
+        code = compile(source, SOLUTION_FILE if cases.get("fn_name") else "main.py", "exec")
     except (SyntaxError, ValueError) as exc:
         report["compile_error"] = f"{type(exc).__name__}: {exc}"
         code = None
     if code is not None:
         sys.stdout.flush()
         deadline = time.monotonic() + cases["budget_s"]
-        for index in range(len(cases["inputs"])):
-            case = _run_case(code, cases, index, deadline)
+        for index, stdin_fd in enumerate(stdin_fds):
+            case = _run_case(code, cases, index, stdin_fd, deadline)
             report["cases"].append(case)
             if case["timed_out"] or case["returncode"] == -signal.SIGXCPU:
                 break  # the host runs the cases left in parallel: a looping program costs no more time
