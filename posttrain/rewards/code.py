@@ -37,6 +37,7 @@ from posttrain.rewards.code_harness import text_digest, value_digest
 from posttrain.sandbox.build import Sandbox, build_sandbox
 from posttrain.sandbox.process import run_status
 from posttrain.sandbox.types import (
+    ERROR,
     FINISHED,
     MEMORY_LIMIT,
     SANDBOX_ERROR,
@@ -50,6 +51,9 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 COUNTS: Counter[str] = Counter()
 _LOCK = threading.Lock()
 HARNESS_SOURCE = Path(code_harness.__file__).read_text()
+# The harness's report on one case, at most (its stderr's tail and a digest): the report of a run must fit in the
+# sandbox's output cap, so a small ``sandbox.max_output_bytes`` means fewer cases a run.
+REPORT_BYTES_PER_CASE = 1024
 
 
 def extract_code(response: str) -> str:
@@ -136,20 +140,26 @@ class HarnessRun:
 
 
 def read_harness(result: RunResult, cases: int) -> HarnessRun:
-    """The harness's report: a case each, up to the one that reached its time limit (the harness stops there);
-    without a report (the run itself was killed or failed) every case takes the run's status."""
+    """The harness's report: a case each, up to the one that reached its time limit (the harness stops there).
+    Without a report, or with one the program garbled, every case takes the run's status (an error where the
+    run finished): nothing the program does makes the reward raise."""
     marker = result.stdout.rfind(code_harness.REPORT_MARKER)
-    if marker < 0:
-        status = result.status if result.status != FINISHED else SANDBOX_ERROR
+    try:
+        report = (
+            json.loads(result.stdout[marker + len(code_harness.REPORT_MARKER) :]) if marker >= 0 else None
+        )
+        if report is not None and report["compile_error"]:
+            return HarnessRun(str(report["compile_error"]), [], [])
+        statuses = [
+            run_status(
+                int(c["returncode"]), bool(c["timed_out"]), bool(c["truncated"]), c["stderr"].encode(), 0
+            )[0]
+            for c in report["cases"][:cases]
+        ]
+        return HarnessRun(None, statuses, [str(c["digest"]) for c in report["cases"][:cases]])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        status = result.status if result.status != FINISHED else ERROR
         return HarnessRun(None, [status] * cases, [""] * cases)
-    report = json.loads(result.stdout[marker + len(code_harness.REPORT_MARKER) :])
-    if report["compile_error"]:
-        return HarnessRun(report["compile_error"], [], [])
-    statuses = [
-        run_status(c["returncode"], c["timed_out"], c["truncated"], c["stderr"].encode(), 0)[0]
-        for c in report["cases"]
-    ]
-    return HarnessRun(None, statuses, [c["digest"] for c in report["cases"]])
 
 
 class CodeReward:
@@ -201,7 +211,7 @@ class CodeReward:
         """The cases in runs of ``cases_per_run``: the first alone (a program that does not compile is not run
         again), the others in parallel. A run stops after a case that reached its time limit, and the cases it
         left get a run each, in parallel: a program that loops takes no longer than with a run per case."""
-        size = self.cases_per_run
+        size = max(1, min(self.cases_per_run, self.sandbox.limits.max_output_bytes // REPORT_BYTES_PER_CASE))
         chunks = [inputs[i : i + size] for i in range(0, len(inputs), size)]
         first = self._read(self.sandbox.run(self._request(code, cases, chunks[0])), chunks[0])
         if first.compile_error:

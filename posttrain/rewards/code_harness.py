@@ -34,15 +34,13 @@ import resource
 import selectors
 import signal
 import sys
-import threading
 import time
-import traceback
 import types
 
 CASES_FILE = "cases.json"
 SOLUTION_FILE = "solution.py"
 REPORT_MARKER = "__posttrain_code_harness_report__ "
-STDERR_TAIL = 2048  # what the host needs to tell a memory error from another error
+STDERR_TAIL = 128  # characters: what the host needs to tell a memory error from another error (the last line)
 
 
 def canonical_text(text: str) -> str:
@@ -84,9 +82,11 @@ def _python_exit_code(exc: SystemExit) -> int:
 
 def _finish_like_python() -> None:
     """What an interpreter does after the main module: join non-daemon threads, run atexit, flush."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading = sys.modules.get("threading")  # only a program that started threads has imported it
+    if threading is not None:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -119,6 +119,8 @@ def _run_solution(code, cases: dict, index: int, result_fd: int) -> int:
     except SystemExit as exc:
         status = _python_exit_code(exc)
     except BaseException:
+        import traceback  # here, not at the top: the harness starts once per run, and most cases raise nothing
+
         traceback.print_exc()
         status = 1
     _finish_like_python()
@@ -185,7 +187,7 @@ def _run_case(code, cases: dict, index: int, stdin_fd: int, deadline: float) -> 
         "returncode": outputs["returncode"],
         "timed_out": outputs["timed_out"],
         "truncated": outputs["truncated"],
-        "stderr": stderr[-STDERR_TAIL:].decode("utf-8", errors="replace"),
+        "stderr": stderr[-4 * STDERR_TAIL :].decode("utf-8", errors="replace")[-STDERR_TAIL:],
         "digest": digest,
     }
 
@@ -272,7 +274,7 @@ def main() -> None:
     try:
         code = compile(source, SOLUTION_FILE if cases.get("fn_name") else "main.py", "exec")
     except (SyntaxError, ValueError) as exc:
-        report["compile_error"] = f"{type(exc).__name__}: {exc}"
+        report["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
         code = None
     if code is not None:
         sys.stdout.flush()
@@ -282,7 +284,8 @@ def main() -> None:
             report["cases"].append(case)
             if case["timed_out"] or case["returncode"] == -signal.SIGXCPU:
                 break  # the host runs the cases left in parallel: a looping program costs no more time
-    sys.stdout.write("\n" + REPORT_MARKER + json.dumps(report) + "\n")
+    line = "\n" + REPORT_MARKER + json.dumps(report, ensure_ascii=False) + "\n"
+    sys.stdout.buffer.write(line.encode("utf-8", errors="replace"))  # whatever the locale's encoding
     sys.stdout.flush()
 
 

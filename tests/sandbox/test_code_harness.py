@@ -202,3 +202,31 @@ def test_a_program_that_kills_the_harness_scores_zero(box):
     before = COUNTS.copy()
     assert CodeReward(box)("", code, json.dumps(SUM), {}) == 0.0
     assert COUNTS["cases"] - before["cases"] == 3
+
+
+def test_a_garbled_report_makes_every_case_an_error_not_an_exception():
+    from posttrain.rewards.code import read_harness
+    from posttrain.rewards.code_harness import REPORT_MARKER
+    from posttrain.sandbox.types import RunResult
+
+    for stdout in [REPORT_MARKER + "{not json", REPORT_MARKER + '{"cases": 3}', "no report at all"]:
+        run = read_harness(RunResult("finished", 0, stdout, "", 0.1), 2)
+        assert run.statuses == ["error", "error"] and run.compile_error is None
+    killed = read_harness(RunResult("time_limit", None, "", "", 9.0), 2)
+    assert killed.statuses == ["time_limit", "time_limit"]
+    case = {"returncode": 0, "timed_out": False, "truncated": False, "stderr": "", "digest": "d"}
+    extra = read_harness(
+        RunResult(
+            "finished", 0, REPORT_MARKER + json.dumps({"compile_error": None, "cases": [case] * 5}), "", 0.1
+        ),
+        2,
+    )
+    assert extra.statuses == ["finished", "finished"]  # never more cases than the run held
+
+
+def test_a_small_output_cap_puts_fewer_cases_in_a_run(sandbox):
+    """Each case's report takes up to 1 KB of the run's output: a 2.5 KB cap holds 2 cases a run."""
+    counting = Counting(LocalSandbox(Limits(time_limit_s=5.0, max_output_bytes=2500)))
+    cases = {"inputs": [f"{i} {i}\n" for i in range(5)], "outputs": [f"{2 * i}\n" for i in range(5)]}
+    assert CodeReward(Sandbox(counting, 2))("", READ + "print(a + b)", json.dumps(cases), {}) == 1.0
+    assert counting.runs == 3
