@@ -260,7 +260,7 @@ def warm_policy_table(work: Path, variants: list, steps: int, rounds: int) -> No
     last = variant_table(model, work, variants, steps, rounds, length=192)[-1]
     print(
         f"  last step: finish/eos {last['finish/eos']:.2f}, response_length/mean "
-        f"{last['response_length/mean']:.0f}, reward/mean {last['reward/mean']:.2f}, sandbox runs "
+        f"{last['response_length/mean']:.0f}, reward/mean {last['reward/mean']:.2f}, cases run (a compile error counts one) "
         f"{last['reward/code/cases'] + last['reward/code/compile_errors']:.0f}"
     )
 
