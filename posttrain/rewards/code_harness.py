@@ -35,6 +35,7 @@ import selectors
 import signal
 import sys
 import time
+import traceback
 import types
 
 CASES_FILE = "cases.json"
@@ -119,8 +120,6 @@ def _run_solution(code, cases: dict, index: int, result_fd: int) -> int:
     except SystemExit as exc:
         status = _python_exit_code(exc)
     except BaseException:
-        import traceback  # here, not at the top: the harness starts once per run, and most cases raise nothing
-
         traceback.print_exc()
         status = 1
     _finish_like_python()
