@@ -111,9 +111,12 @@ def expected_digests(cases: dict[str, Any]) -> list[frozenset[str]]:
     return out
 
 
-def harness_request(code: str, cases: dict[str, Any], inputs: list[Any], limits: Limits) -> RunRequest:
+def harness_request(
+    code: str, cases: dict[str, Any], inputs: list[Any], limits: Limits, own_pid_namespace: bool = False
+) -> RunRequest:
     """One sandbox run of the harness over ``inputs`` (some of the cases), each under ``limits``: the program,
-    the settings, and each stdin/stdout case's input as a file of its own."""
+    the settings, and each stdin/stdout case's input as a file of its own. ``own_pid_namespace``: the backend
+    runs it in a PID namespace of its own, where the harness may kill whatever a case left behind."""
     call_based = bool(cases.get("fn_name"))
     spec = {
         "fn_name": cases.get("fn_name"),
@@ -123,6 +126,7 @@ def harness_request(code: str, cases: dict[str, Any], inputs: list[Any], limits:
         "cpu_seconds": limits.cpu_seconds,
         "max_output_bytes": limits.max_output_bytes,
         "budget_s": limits.time_limit_s * len(inputs),
+        "own_pid_namespace": own_pid_namespace,
     }
     files = {code_harness.SOLUTION_FILE: code.encode(), code_harness.CASES_FILE: json.dumps(spec).encode()}
     if not call_based:
@@ -232,7 +236,8 @@ class CodeReward:
         return HarnessRun(None, statuses, digests)  # type: ignore[arg-type]  (no None left)
 
     def _request(self, code: str, cases: dict[str, Any], inputs: list[Any]) -> RunRequest:
-        return harness_request(code, cases, inputs, self.sandbox.limits)
+        backend = self.sandbox.backend
+        return harness_request(code, cases, inputs, backend.limits, backend.own_pid_namespace)
 
     @staticmethod
     def _read(result: RunResult, inputs: list[Any]) -> HarnessRun:

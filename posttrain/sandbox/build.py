@@ -19,6 +19,7 @@ from posttrain.sandbox.types import Limits, RunRequest, RunResult
 class Backend(Protocol):
     name: str
     limits: Limits
+    own_pid_namespace: bool  # each run alone in a PID namespace of its own (beside the namespace's init)
 
     def run(self, request: RunRequest) -> RunResult: ...
 

@@ -30,6 +30,7 @@ class FusionSandbox:
     """Runs programs on SandboxFusion-compatible services. ``run`` is thread-safe."""
 
     name = "sandbox_fusion"
+    own_pid_namespace = False  # a service's isolation is its own business: assume nothing
 
     def __init__(
         self,

@@ -55,6 +55,9 @@ class LocalSandbox:
     def __init__(self, limits: Limits | None = None, bwrap_path: str = "", unsafe_no_isolation: bool = False):
         self.limits = limits or Limits()
         self.unsafe = unsafe_no_isolation
+        self.own_pid_namespace = (
+            not self.unsafe
+        )  # bwrap --unshare-pid: the program and bwrap's init, nothing else
         self.as_root = os.geteuid() == 0
         self.bwrap = ""
         if not self.unsafe:
