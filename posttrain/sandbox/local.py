@@ -10,7 +10,14 @@ import threading
 from pathlib import Path
 
 from posttrain.config.errors import ConfigError
-from posttrain.sandbox.bwrap import bwrap_argv, check_bwrap, find_bwrap, inside_env, python_binary
+from posttrain.sandbox.bwrap import (
+    bwrap_argv,
+    check_bwrap,
+    find_bwrap,
+    inside_env,
+    python_binary,
+    wait_for_namespace,
+)
 from posttrain.sandbox.process import PRLIMIT, rlimit_argv, run_command
 from posttrain.sandbox.types import LANGUAGES, SANDBOX_ERROR, Limits, RunRequest, RunResult
 
@@ -110,5 +117,11 @@ class LocalSandbox:
             if os.path.exists(PRLIMIT):
                 return run_command(rlimit_argv(limits) + program, limits, stdin=stdin, env=env, cwd=workdir)
             return run_command(program, limits, stdin=stdin, env=env, cwd=workdir, preexec_limits=True)
-        argv = bwrap_argv(self.bwrap, workdir, rlimit_argv(limits), program, uid)
-        return run_command(argv, limits, stdin=stdin, signal_offset=128)
+        info_read, info_write = os.pipe()
+        try:
+            argv = bwrap_argv(self.bwrap, workdir, rlimit_argv(limits), program, uid, info_fd=info_write)
+            result = run_command(argv, limits, stdin=stdin, signal_offset=128, pass_fds=(info_write,))
+        finally:
+            os.close(info_write)
+        wait_for_namespace(info_read)  # nothing of the run is left, not even a process the kernel is removing
+        return result

@@ -100,12 +100,14 @@ def run_command(
     cwd: str | None = None,
     signal_offset: int = 0,
     preexec_limits: bool = False,
+    pass_fds: tuple[int, ...] = (),
 ) -> RunResult:
     """Run ``argv`` under ``limits``; never raises for what the program does.
 
     ``signal_offset``: a launcher that reports a child killed by signal N as exit code offset + N (bubblewrap:
     128) lets the status tell a CPU-limit kill from an ordinary exit. The rlimits are in ``argv``
-    (:func:`rlimit_argv`), or set before exec with ``preexec_limits``."""
+    (:func:`rlimit_argv`), or set before exec with ``preexec_limits``. ``pass_fds``: file descriptors the
+    command inherits (bwrap's ``--info-fd``)."""
     start = time.monotonic()
     proc = subprocess.Popen(
         argv,
@@ -116,6 +118,7 @@ def run_command(
         cwd=cwd,
         start_new_session=True,
         preexec_fn=(lambda: _set_limits(limits)) if preexec_limits else None,
+        pass_fds=pass_fds,
     )
     stop = threading.Event()
     out = _Capture(limits.max_output_bytes, bytearray())
