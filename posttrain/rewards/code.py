@@ -125,7 +125,6 @@ def harness_request(
         "time_limit_s": limits.time_limit_s,
         "cpu_seconds": limits.cpu_seconds,
         "max_output_bytes": limits.max_output_bytes,
-        "budget_s": limits.time_limit_s * len(inputs),
         "own_pid_namespace": own_pid_namespace,
     }
     files = {code_harness.SOLUTION_FILE: code.encode(), code_harness.CASES_FILE: json.dumps(spec).encode()}
@@ -148,22 +147,24 @@ def read_harness(result: RunResult, cases: int) -> HarnessRun:
     Without a report, or with one the program garbled, every case takes the run's status (an error where the
     run finished): nothing the program does makes the reward raise."""
     marker = result.stdout.rfind(code_harness.REPORT_MARKER)
-    try:
-        report = (
-            json.loads(result.stdout[marker + len(code_harness.REPORT_MARKER) :]) if marker >= 0 else None
-        )
-        if report is not None and report["compile_error"]:
-            return HarnessRun(str(report["compile_error"]), [], [])
-        statuses = [
-            run_status(
-                int(c["returncode"]), bool(c["timed_out"]), bool(c["truncated"]), c["stderr"].encode(), 0
-            )[0]
-            for c in report["cases"][:cases]
+    if marker >= 0:
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            return _harness_run(json.loads(result.stdout[marker + len(code_harness.REPORT_MARKER) :]), cases)
+    status = result.status if result.status != FINISHED else ERROR
+    return HarnessRun(None, [status] * cases, [""] * cases)
+
+
+def _harness_run(report: dict[str, Any], cases: int) -> HarnessRun:
+    if report["compile_error"]:
+        return HarnessRun(str(report["compile_error"]), [], [])
+    reported = report["cases"][:cases]
+    statuses = [
+        run_status(int(c["returncode"]), bool(c["timed_out"]), bool(c["truncated"]), c["stderr"].encode(), 0)[
+            0
         ]
-        return HarnessRun(None, statuses, [str(c["digest"]) for c in report["cases"][:cases]])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        status = result.status if result.status != FINISHED else ERROR
-        return HarnessRun(None, [status] * cases, [""] * cases)
+        for c in reported
+    ]
+    return HarnessRun(None, statuses, [str(c["digest"]) for c in reported])
 
 
 class CodeReward:
@@ -217,31 +218,28 @@ class CodeReward:
         left get a run each, in parallel: a program that loops takes no longer than with a run per case."""
         size = max(1, min(self.cases_per_run, self.sandbox.limits.max_output_bytes // REPORT_BYTES_PER_CASE))
         chunks = [inputs[i : i + size] for i in range(0, len(inputs), size)]
-        first = self._read(self.sandbox.run(self._request(code, cases, chunks[0])), chunks[0])
+        first = read_harness(self.sandbox.run(self._request(code, cases, chunks[0])), len(chunks[0]))
         if first.compile_error:
             return first
         rest = self.sandbox.run_many([self._request(code, cases, c) for c in chunks[1:]])
-        runs = [first, *(self._read(r, c) for r, c in zip(rest, chunks[1:], strict=True))]
-        statuses: list[str | None] = []
+        runs = [first, *(read_harness(r, len(c)) for r, c in zip(rest, chunks[1:], strict=True))]
+        statuses: list[str] = []
         digests: list[str] = []
+        left: list[int] = []  # cases a run did not reach, after one that reached its time limit
         for run, chunk in zip(runs, chunks, strict=True):
-            missing = len(chunk) - len(run.statuses)
-            statuses += [*run.statuses, *[None] * missing]
-            digests += [*run.digests, *[""] * missing]
-        left = [i for i, status in enumerate(statuses) if status is None]
+            reached = len(run.statuses)
+            left += range(len(statuses) + reached, len(statuses) + len(chunk))
+            statuses += [*run.statuses, *[""] * (len(chunk) - reached)]
+            digests += [*run.digests, *[""] * (len(chunk) - reached)]
         singles = self.sandbox.run_many([self._request(code, cases, [inputs[i]]) for i in left])
         for i, result in zip(left, singles, strict=True):
-            single = self._read(result, [inputs[i]])
+            single = read_harness(result, 1)
             statuses[i], digests[i] = single.statuses[0], single.digests[0]
-        return HarnessRun(None, statuses, digests)  # type: ignore[arg-type]  (no None left)
+        return HarnessRun(None, statuses, digests)
 
     def _request(self, code: str, cases: dict[str, Any], inputs: list[Any]) -> RunRequest:
         backend = self.sandbox.backend
         return harness_request(code, cases, inputs, backend.limits, backend.own_pid_namespace)
-
-    @staticmethod
-    def _read(result: RunResult, inputs: list[Any]) -> HarnessRun:
-        return read_harness(result, len(inputs))
 
 
 def _count(**kw: int) -> None:

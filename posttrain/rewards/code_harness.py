@@ -131,7 +131,7 @@ def _inputs(cases: dict) -> list[int]:
     """One open file per case to be its stdin, each already unlinked: the cases' inputs stay out of this
     process's memory (a forked child starts with it, under the same memory limit) and out of the directory."""
     if cases.get("fn_name"):
-        return [os.open(os.devnull, os.O_RDONLY) for _ in cases["inputs"]]
+        return [os.open(os.devnull, os.O_RDONLY) for _ in range(cases["count"])]
     fds = []
     for index in range(cases["count"]):
         name = input_file(index)
@@ -291,7 +291,9 @@ def main() -> None:
         code = None
     if code is not None:
         sys.stdout.flush()
-        deadline = time.monotonic() + cases["budget_s"]
+        deadline = time.monotonic() + cases["time_limit_s"] * len(
+            stdin_fds
+        )  # the run's limit, less its start
         for index, stdin_fd in enumerate(stdin_fds):
             case = _run_case(code, cases, index, stdin_fd, deadline)
             report["cases"].append(case)
