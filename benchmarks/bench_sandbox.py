@@ -29,6 +29,12 @@ cases in one sandbox run, a forked process each)::
 
     python3 benchmarks/bench_sandbox.py --cases --rounds 5
 
+``--linger S``: for S seconds, with a busy loop per CPU, a program that leaves a detached process runs again
+and again; how often a process of the sandbox is still listed right after a run returns, with the run's wait
+for its namespace's init and without it (as root)::
+
+    python3 benchmarks/bench_sandbox.py --linger 120 --rounds 2
+
 ``--grpo-steps N --sandbox-host`` puts the sandbox on a CPU of its own, as sandbox hosts (or a GPU rollout, which
 leaves the CPUs free) give it: this process, the trainer, runs on CPU 0 with one torch thread, and
 ``posttrain sandbox serve`` on CPU 1 serves ``sandbox.backend=sandbox_fusion``. The policy is ``builtin:base``
@@ -366,6 +372,42 @@ def cases_table(rounds: int) -> None:
         print(f"{n:16d} {one:14.3f} {many:10.3f} {one / many:6.2f}")
 
 
+LEAVES_ONE = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(1)"
+
+
+def linger_table(seconds: float, rounds: int) -> None:
+    """How often a process of the sandbox is still listed right after a run returns. A program that leaves a
+    detached process runs again and again for ``seconds``, with a busy loop per CPU loading the machine, with
+    the run's wait for its namespace's init (the default) and without it (patched out here, to compare); the
+    two alternate in ``rounds``. As root only (the processes are counted by the sandbox's user ids)."""
+    import posttrain.sandbox.local as local
+
+    box = LocalSandbox(Limits(time_limit_s=10))
+    if not box.as_root:
+        sys.exit("--linger counts processes by the sandbox's user ids, which only a root trainer gives")
+    waits = {"with the wait": local.wait_for_namespace, "without it": os.close}
+    counts = {label: [0, 0] for label in waits}
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        for _ in range(rounds):
+            for label, wait in waits.items():
+                local.wait_for_namespace = wait
+                end = time.monotonic() + seconds / rounds
+                while time.monotonic() < end:
+                    assert box.run(RunRequest(LEAVES_ONE)).stdout.strip() == "1"
+                    counts[label][0] += 1
+                    counts[label][1] += bool(local.sandbox_user_pids())
+                    while local.sandbox_user_pids():  # the next run starts with nothing left
+                        time.sleep(0.001)
+    finally:
+        local.wait_for_namespace = waits["with the wait"]
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    for label, (runs, listed) in counts.items():
+        print(f"{label:14} a sandbox process listed right after {listed} of {runs} runs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=40, help="executions per row and round")
@@ -383,11 +425,20 @@ def main() -> None:
         "--gpu", action="store_true", help="with --grpo-steps: the warm-started policy on CUDA (see above)"
     )
     parser.add_argument(
+        "--linger",
+        type=float,
+        default=0,
+        help="seconds of runs counting processes listed after a run (above)",
+    )
+    parser.add_argument(
         "--cases", action="store_true", help="the code reward per test case: a run each against one run"
     )
     args = parser.parse_args()
     if args.cases:
         cases_table(args.rounds)
+        return
+    if args.linger:
+        linger_table(args.linger, args.rounds)
         return
     if args.grpo_steps and args.gpu:
         gpu_steps(args.grpo_steps, args.rounds)

@@ -130,8 +130,9 @@ def wait_for_namespace(info_fd: int, timeout_s: float = 2.0) -> None:
 
     bwrap can exit a moment before its namespace's init has finished exiting, and the kernel empties the
     namespace as that init exits: a process killed with it could still show in /proc for a few milliseconds
-    after the run (4 runs in 817 on 2 loaded cores; none in 803 with this wait, which took 0.03 ms at the
-    median). ``info_fd`` is the read end of bwrap's ``--info-fd``, which names that init's pid."""
+    after the run (2 runs in 1,477 on 2 loaded cores without this wait, none in 1,492 with it:
+    ``benchmarks/bench_sandbox.py --linger``). ``info_fd`` is the read end of bwrap's ``--info-fd``, which
+    names that init's pid."""
     try:
         os.set_blocking(info_fd, False)
         data = os.read(info_fd, 65536)

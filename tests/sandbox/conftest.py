@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.config.errors import ConfigError
 from posttrain.sandbox import Limits, LocalSandbox
-from posttrain.sandbox.local import _UID_BASE, _UIDS_PER_PROCESS
+from posttrain.sandbox.local import sandbox_user_pids
 
 TIGHT = Limits(
     time_limit_s=5.0, memory_limit_mb=256, max_processes=16, max_file_size_mb=1, max_output_bytes=65536
@@ -24,19 +24,7 @@ def sandbox() -> LocalSandbox:
         pytest.skip(f"no working bwrap here: {exc}")
 
 
-def sandbox_pids() -> list[int]:
-    """Processes running under one of this process's sandbox user ids (only its sandboxes use those ids; another
-    process's sandboxes, e.g. a second test run on the same machine, have ids of their own)."""
-    first = _UID_BASE + (os.getpid() % (1 << 22)) * _UIDS_PER_PROCESS
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if first <= os.stat(f"/proc/{entry}").st_uid < first + _UIDS_PER_PROCESS:
-                    out.append(int(entry))
-            except FileNotFoundError:
-                pass
-    return out
+sandbox_pids = sandbox_user_pids  # processes under this process's sandbox user ids
 
 
 def child_pids() -> list[int]:

@@ -254,3 +254,14 @@ def test_a_small_output_cap_puts_fewer_cases_in_a_run(sandbox):
     cases = {"inputs": [f"{i} {i}\n" for i in range(5)], "outputs": [f"{2 * i}\n" for i in range(5)]}
     assert CodeReward(Sandbox(counting, 2))("", READ + "print(a + b)", json.dumps(cases), {}) == 1.0
     assert counting.runs == 3
+
+
+def test_cases_per_run_below_one_is_a_config_error_naming_the_key():
+    from posttrain.config.errors import ConfigError
+    from posttrain.config.load import build_config
+
+    with pytest.raises(ConfigError, match=r"'sandbox\.code_reward\.cases_per_run' = 0 must be >= 1"):
+        build_config(overrides=["sandbox.code_reward.cases_per_run=0"])
+    assert (
+        build_config(overrides=["sandbox.code_reward.cases_per_run=1"]).sandbox.code_reward.cases_per_run == 1
+    )
