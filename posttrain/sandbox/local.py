@@ -4,24 +4,35 @@ name says so asks for it, as a bare subprocess with rlimits and nothing else).""
 from __future__ import annotations
 
 import os
-import shutil
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
 from posttrain.config.errors import ConfigError
 from posttrain.sandbox.bwrap import (
+    _fds,
     bwrap_argv,
     check_bwrap,
     find_bwrap,
     inside_env,
     python_binary,
+    seccomp_fd,
     wait_for_namespace,
 )
 from posttrain.sandbox.process import PRLIMIT, rlimit_argv, run_command
-from posttrain.sandbox.types import LANGUAGES, SANDBOX_ERROR, Limits, RunRequest, RunResult
+from posttrain.sandbox.types import (
+    HARNESS_START_S,
+    LANGUAGES,
+    SANDBOX_ERROR,
+    Limits,
+    RunRequest,
+    RunResult,
+)
 
 SOURCE_NAMES = {"python": "main.py", "bash": "main.sh"}
+MAX_FILES = 256  # files a run may bring: each is a descriptor handed to bwrap
+_MIB = 1024 * 1024
 _UID_BASE = 1_000_000_000  # far above any real account's user id
 _UIDS_PER_PROCESS = 256
 
@@ -97,46 +108,115 @@ class LocalSandbox:
             return RunResult(
                 SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0
             )
+        files = staged_files(request)
         limits = request.limits(self.limits)
-        uid = _UIDS.take() if self.as_root and not self.unsafe else None
-        workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+        if self.unsafe:
+            return self._run_unisolated(request, files, limits)
+        uid = _UIDS.take() if self.as_root else None
         try:
-            self._stage(workdir, request, uid)
-            return self._execute(workdir, request, limits, uid)
+            return self._execute(request, files, limits, uid)
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
             if uid is not None:
                 _UIDS.give(uid)
 
-    def _stage(self, workdir: str, request: RunRequest, uid: int | None) -> None:
-        root = Path(workdir)
-        (root / SOURCE_NAMES[request.language]).write_text(request.code)
-        for name, data in request.files.items():
-            target = (root / name).resolve()
-            if not target.is_relative_to(root.resolve()):
-                raise ConfigError(
-                    f"sandbox file name {name!r} leaves the sandbox's directory; use a relative name"
-                )
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        if uid is not None:
-            for path in [root, *root.rglob("*")]:
-                os.chown(path, uid, uid)
+    def _execute(
+        self, request: RunRequest, files: dict[str, bytes], limits: Limits, uid: int | None
+    ) -> RunResult:
+        """One run in bwrap. Its files are handed in as descriptors and copied into its tmpfs: nothing of the
+        run is on the host's disk, so nothing is left when the run (or this process) dies."""
+        staged = [(_memfd(data), name) for name, data in files.items()]
+        filter_fd = seccomp_fd()
+        info_read, info_write = os.pipe()
+        fds = (info_write, *_fds(filter_fd), *(fd for fd, _ in staged))
+        try:
+            argv = bwrap_argv(
+                self.bwrap,
+                rlimit_argv(limits),
+                program_argv(request.language),
+                uid,
+                disk_bytes=limits.max_disk_mb * _MIB,
+                staged=staged,
+                seccomp_fd=filter_fd,
+                info_fd=info_write,
+            )
+            result = run_command(
+                argv,
+                limits,
+                stdin=request.stdin.encode(),
+                signal_offset=128,
+                pass_fds=fds,
+                progress_limit_s=self._progress_limit(request),
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+        wait_for_namespace(info_read)  # nothing of the run is left, not even a process the kernel is removing
+        return result
 
-    def _execute(self, workdir: str, request: RunRequest, limits: Limits, uid: int | None) -> RunResult:
-        source = SOURCE_NAMES[request.language]
-        program = [python_binary(), source] if request.language == "python" else ["/bin/bash", source]
-        stdin = request.stdin.encode()
-        if self.unsafe:
+    def _progress_limit(self, request: RunRequest) -> float | None:
+        """A run of several executions writes to stdout as each begins (:attr:`RunRequest.executions`): one
+        that stays silent for longer than an execution may take is stopped then, not at the whole run's limit
+        (a program that stops its harness gains nothing)."""
+        return self.limits.time_limit_s + HARNESS_START_S if request.executions > 1 else None
+
+    def _run_unisolated(self, request: RunRequest, files: dict[str, bytes], limits: Limits) -> RunResult:
+        """sandbox.unsafe_no_isolation: a plain subprocess in a directory of its own, removed afterwards."""
+        workdir = tempfile.mkdtemp(prefix="posttrain-unisolated-")
+        try:
+            for name, data in files.items():
+                target = Path(workdir, name)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
             env = {**inside_env(), "HOME": workdir, "TMPDIR": workdir}
+            program, stdin = program_argv(request.language), request.stdin.encode()
             if os.path.exists(PRLIMIT):
                 return run_command(rlimit_argv(limits) + program, limits, stdin=stdin, env=env, cwd=workdir)
             return run_command(program, limits, stdin=stdin, env=env, cwd=workdir, preexec_limits=True)
-        info_read, info_write = os.pipe()
-        try:
-            argv = bwrap_argv(self.bwrap, workdir, rlimit_argv(limits), program, uid, info_fd=info_write)
-            result = run_command(argv, limits, stdin=stdin, signal_offset=128, pass_fds=(info_write,))
         finally:
-            os.close(info_write)
-        wait_for_namespace(info_read)  # nothing of the run is left, not even a process the kernel is removing
-        return result
+            # rm, not shutil.rmtree: Python 3.11's rmtree recurses, and a deep tree the code made would raise
+            subprocess.run(["rm", "-rf", "--", workdir], check=False, capture_output=True)
+
+
+def program_argv(language: str) -> list[str]:
+    source = SOURCE_NAMES[language]
+    return [python_binary(), source] if language == "python" else ["/bin/bash", source]
+
+
+def staged_files(request: RunRequest) -> dict[str, bytes]:
+    """The files a run starts with (its program first), names checked; a ConfigError for a name that cannot be
+    a file of the sandbox's directory."""
+    if len(request.files) > MAX_FILES:
+        raise ConfigError(f"a run may bring at most {MAX_FILES} files; this one has {len(request.files)}")
+    for name in request.files:
+        check_file_name(name)
+    source = SOURCE_NAMES[request.language]
+    names = set(request.files)
+    for name in names:
+        if name == source:
+            raise ConfigError(f"sandbox file name {name!r} is the program's own file; choose another name")
+        if any(other.startswith(name + "/") for other in names):
+            raise ConfigError(f"sandbox file name {name!r} is also a directory of another file")
+    return {source: request.code.encode(), **request.files}
+
+
+def check_file_name(name: str) -> None:
+    """A relative path of plain components (no '.', '..' or empty ones, no NUL, each at most 255 bytes)."""
+    parts = name.split("/")
+    if (
+        "\0" in name
+        or name.startswith("/")
+        or any(p in ("", ".", "..") or len(p.encode()) > 255 for p in parts)
+    ):
+        raise ConfigError(
+            f"sandbox file name {name!r} is not a relative path of plain names (no '/' at the start, no '.', "
+            "'..' or empty parts, no NUL, each part at most 255 bytes)"
+        )
+
+
+def _memfd(data: bytes) -> int:
+    fd = os.memfd_create("posttrain-sandbox-file", 0)
+    view = memoryview(data)
+    while view:  # os.write may write less than asked
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

@@ -72,10 +72,12 @@ class _Capture:
     cap: int
     data: bytearray
     over: bool = False
+    last: float = 0.0  # time.monotonic() of the last read
 
     def drain(self, pipe, stop: threading.Event) -> None:  # noqa: ANN001 (a binary file object)
         try:
             while chunk := pipe.read1(_READ_CHUNK):
+                self.last = time.monotonic()
                 room = self.cap - len(self.data)
                 self.data += chunk[:room]
                 if len(chunk) > room:
@@ -101,13 +103,15 @@ def run_command(
     signal_offset: int = 0,
     preexec_limits: bool = False,
     pass_fds: tuple[int, ...] = (),
+    progress_limit_s: float | None = None,
 ) -> RunResult:
     """Run ``argv`` under ``limits``; never raises for what the program does.
 
     ``signal_offset``: a launcher that reports a child killed by signal N as exit code offset + N (bubblewrap:
     128) lets the status tell a CPU-limit kill from an ordinary exit. The rlimits are in ``argv``
     (:func:`rlimit_argv`), or set before exec with ``preexec_limits``. ``pass_fds``: file descriptors the
-    command inherits (bwrap's ``--info-fd``)."""
+    command inherits (bwrap's ``--info-fd``). ``progress_limit_s``: the run also ends (a time limit) once its
+    stdout has been silent that long."""
     start = time.monotonic()
     proc = subprocess.Popen(
         argv,
@@ -121,7 +125,7 @@ def run_command(
         pass_fds=pass_fds,
     )
     stop = threading.Event()
-    out = _Capture(limits.max_output_bytes, bytearray())
+    out = _Capture(limits.max_output_bytes, bytearray(), last=start)
     err = _Capture(limits.max_output_bytes, bytearray())
     threads = [
         threading.Thread(target=out.drain, args=(proc.stdout, stop), daemon=True),
@@ -131,7 +135,7 @@ def run_command(
     ]
     for t in threads:
         t.start()
-    timed_out = not stop.wait(limits.time_limit_s)
+    timed_out = not _wait(stop, start + limits.time_limit_s, out, progress_limit_s)
     _kill_group(proc)  # whatever the outcome: nothing the program started outlives the call
     proc.wait()
     for t in threads[:2]:
@@ -144,6 +148,18 @@ def run_command(
     )
     text = lambda b: bytes(b).decode("utf-8", errors="replace")  # noqa: E731
     return RunResult(status, code, text(out.data), text(err.data), duration)
+
+
+def _wait(stop: threading.Event, deadline: float, out: _Capture, progress_limit_s: float | None) -> bool:
+    """Wait for ``stop`` until ``deadline`` (and, with ``progress_limit_s``, until stdout has been silent that
+    long); whether it was set in time."""
+    while True:
+        until = deadline if progress_limit_s is None else min(deadline, out.last + progress_limit_s)
+        left = until - time.monotonic()
+        if left <= 0:
+            return stop.is_set()
+        if stop.wait(left):
+            return True
 
 
 def _feed(pipe, data: bytes) -> None:  # noqa: ANN001

@@ -29,6 +29,7 @@ class Limits:
     max_processes: int = 64
     max_file_size_mb: int = 16
     max_output_bytes: int = 1_000_000
+    max_disk_mb: int = 128
 
     @classmethod
     def from_config(cls, cfg: SandboxConfig) -> Limits:
@@ -39,6 +40,7 @@ class Limits:
             max_processes=cfg.max_processes,
             max_file_size_mb=cfg.max_file_size_mb,
             max_output_bytes=cfg.max_output_bytes,
+            max_disk_mb=cfg.max_disk_mb,
         )
 
     @property
@@ -48,7 +50,8 @@ class Limits:
     def describe(self) -> str:
         return (
             f"wall {self.time_limit_s:g} s, cpu {self.cpu_seconds} s, memory {self.memory_limit_mb} MiB, "
-            f"{self.max_processes} processes, files {self.max_file_size_mb} MiB, output {self.max_output_bytes} bytes"
+            f"{self.max_processes} processes, files {self.max_file_size_mb} MiB, /tmp {self.max_disk_mb} MiB, "
+            f"output {self.max_output_bytes} bytes"
         )
 
 

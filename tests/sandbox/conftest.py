@@ -10,7 +10,12 @@ from posttrain.sandbox import Limits, LocalSandbox
 from posttrain.sandbox.local import sandbox_user_pids
 
 TIGHT = Limits(
-    time_limit_s=5.0, memory_limit_mb=256, max_processes=16, max_file_size_mb=1, max_output_bytes=65536
+    time_limit_s=5.0,
+    memory_limit_mb=256,
+    max_processes=16,
+    max_file_size_mb=1,
+    max_output_bytes=65536,
+    max_disk_mb=16,
 )
 
 

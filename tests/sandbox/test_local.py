@@ -49,8 +49,37 @@ def test_a_request_may_lower_the_limits_never_raise_them():
 
 def test_an_unknown_language_or_an_escaping_file_name_is_reported(sandbox):
     assert sandbox.run(RunRequest("x", language="cobol")).status == "sandbox_error"
-    with pytest.raises(ConfigError, match="leaves the sandbox"):
+    with pytest.raises(ConfigError, match="not a relative path of plain names"):
         sandbox.run(RunRequest("", files={"../../etc/x": b""}))
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"),
+    [
+        ("", "plain names"),
+        (".", "plain names"),
+        ("a/../b", "plain names"),
+        ("/etc/passwd", "plain names"),
+        ("a//b", "plain names"),
+        ("nul\0byte", "plain names"),
+        ("x" * 300, "plain names"),
+        ("main.py", "the program's own file"),
+    ],
+)
+def test_a_file_name_that_cannot_be_a_sandbox_file_is_refused(sandbox, name, rule):
+    with pytest.raises(ConfigError, match=rule):
+        sandbox.run(RunRequest("", files={name: b""}))
+
+
+def test_a_file_beside_a_directory_of_the_same_name_is_refused(sandbox):
+    with pytest.raises(ConfigError, match="also a directory of another file"):
+        sandbox.run(RunRequest("", files={"a": b"", "a/b": b""}))
+
+
+def test_files_in_subdirectories_arrive_and_may_be_removed(sandbox):
+    code = "import os; print(open('d/e/f.txt').read()); os.remove('d/e/f.txt'); os.remove('g'); print('ok')"
+    result = sandbox.run(RunRequest(code, files={"d/e/f.txt": b"deep", "g": b""}))
+    assert (result.status, result.stdout.split()) == ("finished", ["deep", "ok"]), result.stderr
 
 
 def test_missing_bwrap_says_what_to_install(monkeypatch, tmp_path):

@@ -4,6 +4,7 @@ the sandbox held (docs/sandbox.md lists each as the proof of a claim)."""
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -112,8 +113,11 @@ def test_writes_outside_the_private_tmp_fail(sandbox):
         sandbox,
         """
         import os
-        for path in ["/usr/x", "/etc/x", "/x", "/proc/x", "/dev/x", "/root/x", os.path.realpath(os.__file__)]:
+        paths = ["/usr/x", "/etc/x", "/x", "/proc/x", "/dev/x", "/dev/shm/x", "/root/x", "/sandbox-dir/x"]
+        for path in paths + [os.path.realpath(os.__file__)]:
             try:
+                if path.endswith("-dir/x"):
+                    os.mkdir(os.path.dirname(path))
                 open(path, "a").write("x")
                 print(path, "written")
             except OSError:
@@ -127,11 +131,74 @@ def test_writes_outside_the_private_tmp_fail(sandbox):
     assert lines[-1] == "fine"
 
 
-def test_the_private_tmp_is_gone_afterwards(sandbox, tmp_path, monkeypatch):
+def test_nothing_of_a_run_is_on_the_hosts_disk(sandbox, tmp_path, monkeypatch):
+    """The run's files are copied into its tmpfs by bwrap; nothing is staged in (or left in) a host directory,
+    even by a tree too deep for a recursive clean-up."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    r = run(sandbox, "open('/tmp/left.txt', 'w').write('x' * 1000); import os; print(os.listdir('/tmp'))")
-    assert "left.txt" in r.stdout, r
+    deep = "import os\nfor _ in range(3000):\n    os.mkdir('d'); os.chdir('d')\nprint(len(os.getcwd()))"
+    r = run(sandbox, deep, files={"input.txt": b"x" * 1000})
+    assert r.status == "finished" and int(r.stdout) > 6000, r
     assert list(tmp_path.iterdir()) == []
+    again = run(sandbox, "import os; print(sorted(os.listdir('/tmp')))")
+    assert again.stdout.strip() == "['main.py']", again  # the next run starts empty
+
+
+def test_the_private_tmp_is_capped_and_its_memory_given_back(sandbox):
+    """/tmp is a tmpfs of sandbox.max_disk_mb (16 MiB here): files past it fail with ENOSPC; the next run
+    finds the space free again."""
+    fill = """
+        import errno
+        written = 0
+        try:
+            for i in range(100):
+                with open(f"/tmp/f{i}", "wb") as f:
+                    f.write(b"x" * 1_000_000)  # under the per-file cap of 1 MiB
+                written += 1
+        except OSError as exc:
+            print(written, errno.errorcode[exc.errno])
+        """
+    for _ in range(2):
+        r = run(sandbox, fill)
+        count, error = r.stdout.split()
+        assert 10 <= int(count) <= 16 and error == "ENOSPC", r
+
+
+def test_a_killed_caller_leaves_no_process_and_no_directory(tmp_path):
+    """The process that runs a sandbox dies mid-run (a reward worker killed at its timeout): bwrap dies with it
+    (--die-with-parent) and no directory stays behind."""
+    script = textwrap.dedent(
+        f"""
+        import os, tempfile
+        tempfile.tempdir = {str(tmp_path)!r}
+        from posttrain.sandbox import LocalSandbox, RunRequest
+        print(os.getpid(), flush=True)
+        LocalSandbox().run(RunRequest("import time; open('/tmp/x', 'w').write('x'); time.sleep(300)"))
+        """
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(PROJECT)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(proc.stdout.readline())
+    time.sleep(1.0)  # the sandbox is running
+    proc.kill()
+    proc.wait()
+    first = 1_000_000_000 + (pid % (1 << 22)) * 256  # that process's sandbox user ids (as root)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _uids_running(first, first + 256):
+        time.sleep(0.05)
+    assert not _uids_running(first, first + 256)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _uids_running(low: int, high: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and low <= os.stat(f"/proc/{entry}").st_uid < high:
+                out.append(int(entry))
+        except FileNotFoundError:
+            pass
+    return out
 
 
 # --- processes -------------------------------------------------------------------------------------------

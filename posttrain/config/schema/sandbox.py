@@ -80,6 +80,13 @@ class SandboxConfig:
         min=1,
     )
     max_file_size_mb: int = knob(16, "Largest file the code may write (RLIMIT_FSIZE).", unit="MiB", min=0)
+    max_disk_mb: int = knob(
+        128,
+        "Size of a run's private /tmp, a tmpfs and the only place it may write (local backend): it lives in "
+        "memory, so count max_concurrent x (memory_limit_mb + max_disk_mb) in the machine's budget.",
+        unit="MiB",
+        min=1,
+    )
     max_output_bytes: int = knob(
         1_000_000,
         "Bytes of stdout and of stderr kept; more ends the run with status output_truncated.",
