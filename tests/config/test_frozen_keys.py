@@ -59,7 +59,7 @@ async_training.enable async_training.max_staleness
 async_training.partial_rollout async_training.partial_rollout_tokens
 async_training.rollout_num_cpus async_training.rollout_num_gpus
 sandbox.backend sandbox.max_concurrent sandbox.time_limit_s sandbox.cpu_time_limit_s sandbox.memory_limit_mb
-sandbox.max_processes sandbox.max_file_size_mb sandbox.max_output_bytes sandbox.bwrap_path sandbox.unsafe_no_isolation
+sandbox.max_processes sandbox.max_file_size_mb sandbox.max_disk_mb sandbox.max_output_bytes sandbox.bwrap_path sandbox.unsafe_no_isolation
 sandbox.sandbox_fusion.url sandbox.sandbox_fusion.request_timeout_s sandbox.sandbox_fusion.max_retries
 sandbox.code_reward.mode sandbox.code_reward.max_cases sandbox.code_reward.cases_per_run
 async_training.rollout_worker
