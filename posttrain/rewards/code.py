@@ -6,8 +6,8 @@ CodeContests-style data), in one of two forms:
 - stdin/stdout: ``{"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}``: each input is the program's stdin,
   each output the expected stdout (compared line by line, trailing whitespace ignored);
 - call-based: the same plus ``"fn_name": "add"``: each input is the list of arguments (or a JSON text of it)
-  and each output the expected return value (or a one-element list holding it); a LeetCode-style
-  ``class Solution`` with that method works too.
+  and each output the expected return value, compared as APPS's checker does (:func:`expected_digests`); a
+  LeetCode-style ``class Solution`` with that method works too.
 
 The program is the last fenced code block of the response (```` ```python ````), else the whole response.
 It runs under :mod:`posttrain.rewards.code_harness`: one sandbox run holds up to
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -37,9 +38,9 @@ from posttrain.rewards.code_harness import text_digest, value_digest
 from posttrain.sandbox.build import Sandbox, build_sandbox
 from posttrain.sandbox.process import run_status
 from posttrain.sandbox.types import (
-    ERROR,
     FINISHED,
     MEMORY_LIMIT,
+    OUTPUT_TRUNCATED,
     SANDBOX_ERROR,
     TIME_LIMIT,
     Limits,
@@ -96,27 +97,35 @@ def _text(value: Any) -> str:
 
 
 def expected_digests(cases: dict[str, Any]) -> list[frozenset[str]]:
-    """For each case, the digests of the outputs that pass it (the harness reports the program's digest)."""
+    """For each case, the digests of the outputs that pass it (the harness reports the program's digest).
+
+    Call-based cases follow APPS's checker (``testing_util.py``, which TACO's reuses): the returned value is
+    compared with ``==`` to the expected value as the JSON holds it (a string stays a string: ``"123"`` is not
+    passed by ``123``), a tuple counts as a list, and when the expected value is a non-empty list, its first
+    element passes too (APPS wraps many expected values in a list)."""
     if not cases.get("fn_name"):
         return [frozenset({text_digest(_text(want))}) for want in cases["outputs"]]
     out = []
     for want in cases["outputs"]:
-        if isinstance(want, str):
-            with contextlib.suppress(ValueError):
-                want = json.loads(want)
         ok = {value_digest(want)}
-        if isinstance(want, list) and len(want) == 1:  # the expected value wrapped in a list
+        if isinstance(want, list) and want:
             ok.add(value_digest(want[0]))
         out.append(frozenset(ok))
     return out
 
 
 def harness_request(
-    code: str, cases: dict[str, Any], inputs: list[Any], limits: Limits, own_pid_namespace: bool = False
+    code: str,
+    cases: dict[str, Any],
+    inputs: list[Any],
+    limits: Limits,
+    nonce: str,
+    own_pid_namespace: bool = False,
 ) -> RunRequest:
     """One sandbox run of the harness over ``inputs`` (some of the cases), each under ``limits``: the program,
-    the settings, and each stdin/stdout case's input as a file of its own. ``own_pid_namespace``: the backend
-    runs it in a PID namespace of its own, where the harness may kill whatever a case left behind."""
+    the settings, each stdin/stdout case's input as a file of its own, and ``nonce``, which the harness's report
+    must carry. ``own_pid_namespace``: the backend runs it in a PID namespace of its own, where the harness may
+    kill whatever a case left behind."""
     call_based = bool(cases.get("fn_name"))
     spec = {
         "fn_name": cases.get("fn_name"),
@@ -127,7 +136,11 @@ def harness_request(
         "max_output_bytes": limits.max_output_bytes,
         "own_pid_namespace": own_pid_namespace,
     }
-    files = {code_harness.SOLUTION_FILE: code.encode(), code_harness.CASES_FILE: json.dumps(spec).encode()}
+    files = {
+        code_harness.SOLUTION_FILE: code.encode(),
+        code_harness.CASES_FILE: json.dumps(spec).encode(),
+        code_harness.NONCE_FILE: nonce.encode(),
+    }
     if not call_based:
         files |= {code_harness.input_file(i): _text(value).encode() for i, value in enumerate(inputs)}
     return RunRequest(HARNESS_SOURCE, files=files, executions=len(inputs))
@@ -142,28 +155,38 @@ class HarnessRun:
     digests: list[str]
 
 
-def read_harness(result: RunResult, cases: int) -> HarnessRun:
+def read_harness(result: RunResult, cases: int, nonce: str) -> HarnessRun:
     """The harness's report: a case each, up to the one that reached its time limit (the harness stops there).
-    Without a report, or with one the program garbled, every case takes the run's status (an error where the
-    run finished): nothing the program does makes the reward raise."""
-    marker = result.stdout.rfind(code_harness.REPORT_MARKER)
-    if marker >= 0:
+
+    Trusted only from a run that finished and only with ``nonce``, holding no more cases than the run had and
+    fewer only after a time limit. Otherwise every case takes the run's status where that is a limit (time,
+    memory, output), else ``sandbox_error``: nothing the program does makes the reward raise or pass."""
+    prefix = code_harness.REPORT_MARKER + nonce + " "
+    tail = result.stdout.rstrip("\n").rpartition("\n")[2]
+    if result.status == FINISHED and nonce and tail.startswith(prefix):
         with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-            return _harness_run(json.loads(result.stdout[marker + len(code_harness.REPORT_MARKER) :]), cases)
-    status = result.status if result.status != FINISHED else ERROR
+            run = _harness_run(json.loads(tail[len(prefix) :]), cases)
+            if run is not None:
+                return run
+    status = result.status if result.status in (TIME_LIMIT, MEMORY_LIMIT, OUTPUT_TRUNCATED) else SANDBOX_ERROR
     return HarnessRun(None, [status] * cases, [""] * cases)
 
 
-def _harness_run(report: dict[str, Any], cases: int) -> HarnessRun:
+def _harness_run(report: dict[str, Any], cases: int) -> HarnessRun | None:
+    """The report read back; None when it cannot be the harness's (a count that does not fit)."""
     if report["compile_error"]:
         return HarnessRun(str(report["compile_error"]), [], [])
-    reported = report["cases"][:cases]
+    reported = report["cases"]
+    if not isinstance(reported, list) or not 0 < len(reported) <= cases:
+        return None
     statuses = [
         run_status(int(c["returncode"]), bool(c["timed_out"]), bool(c["truncated"]), c["stderr"].encode(), 0)[
             0
         ]
         for c in reported
     ]
+    if len(reported) < cases and statuses[-1] != TIME_LIMIT:
+        return None  # the harness stops early only after a case that reached its time limit
     return HarnessRun(None, statuses, [str(c["digest"]) for c in reported])
 
 
@@ -218,11 +241,10 @@ class CodeReward:
         left get a run each, in parallel: a program that loops takes no longer than with a run per case."""
         size = max(1, min(self.cases_per_run, self.sandbox.limits.max_output_bytes // REPORT_BYTES_PER_CASE))
         chunks = [inputs[i : i + size] for i in range(0, len(inputs), size)]
-        first = read_harness(self.sandbox.run(self._request(code, cases, chunks[0])), len(chunks[0]))
+        first = self._harness(code, cases, [chunks[0]])[0]
         if first.compile_error:
             return first
-        rest = self.sandbox.run_many([self._request(code, cases, c) for c in chunks[1:]])
-        runs = [first, *(read_harness(r, len(c)) for r, c in zip(rest, chunks[1:], strict=True))]
+        runs = [first, *self._harness(code, cases, chunks[1:])]
         statuses: list[str] = []
         digests: list[str] = []
         left: list[int] = []  # cases a run did not reach, after one that reached its time limit
@@ -231,15 +253,21 @@ class CodeReward:
             left += range(len(statuses) + reached, len(statuses) + len(chunk))
             statuses += [*run.statuses, *[""] * (len(chunk) - reached)]
             digests += [*run.digests, *[""] * (len(chunk) - reached)]
-        singles = self.sandbox.run_many([self._request(code, cases, [inputs[i]]) for i in left])
-        for i, result in zip(left, singles, strict=True):
-            single = read_harness(result, 1)
+        singles = self._harness(code, cases, [[inputs[i]] for i in left])
+        for i, single in zip(left, singles, strict=True):
             statuses[i], digests[i] = single.statuses[0], single.digests[0]
         return HarnessRun(None, statuses, digests)
 
-    def _request(self, code: str, cases: dict[str, Any], inputs: list[Any]) -> RunRequest:
+    def _harness(self, code: str, cases: dict[str, Any], chunks: list[list[Any]]) -> list[HarnessRun]:
+        """One harness run per chunk of inputs, in parallel, each with a nonce of its own."""
         backend = self.sandbox.backend
-        return harness_request(code, cases, inputs, backend.limits, backend.own_pid_namespace)
+        nonces = [secrets.token_hex(16) for _ in chunks]
+        requests = [
+            harness_request(code, cases, chunk, backend.limits, nonce, backend.own_pid_namespace)
+            for chunk, nonce in zip(chunks, nonces, strict=True)
+        ]
+        results = self.sandbox.run_many(requests)
+        return [read_harness(r, len(c), n) for r, c, n in zip(results, chunks, nonces, strict=True)]
 
 
 def _count(**kw: int) -> None:

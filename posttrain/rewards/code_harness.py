@@ -13,6 +13,13 @@ a sample's cases cost one sandbox start instead of one each (docs/sandbox.md has
 After a case that reached its time limit the harness stops; the host runs the cases it left one per run, in
 parallel, so a program that loops on every case takes no longer than with a run per case.
 
+Only the harness can report. It is not dumpable (no other process of its user id may open its descriptors
+through /proc, or trace it), each case's child closes every descriptor but its own pipes before the program runs,
+and the report carries a nonce the host put in a file the harness unlinks at its start and keeps open (never in
+its memory while a case runs): a case cannot forge the report, and the host trusts none without the nonce. The
+harness writes a newline to its stdout as each case begins, so the host can stop a run whose harness was
+stopped (SIGSTOP) one execution's time limit after its last sign of life (:class:`RunRequest.executions`).
+
 What the harness never sees is the expected output. It reports, for each case, the exit status, whether the
 wall-clock limit or the output cap ended it, the tail of stderr and a SHA-256 digest of the case's normalised
 output (stdin/stdout cases) or return value (call-based cases). The host compares digests. A program that
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -41,6 +49,8 @@ import types
 
 CASES_FILE = "cases.json"
 SOLUTION_FILE = "solution.py"
+NONCE_FILE = "nonce"
+_PR_SET_DUMPABLE = 4
 REPORT_MARKER = "__posttrain_code_harness_report__ "
 STDERR_TAIL = 128  # characters: what the host needs to tell a memory error from another error (the last line)
 
@@ -164,7 +174,8 @@ def _run_case(code, cases: dict, index: int, stdin_fd: int, deadline: float) -> 
             os.setpgid(0, 0)
             for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2), (res_w, 3)):
                 os.dup2(fd, target)
-            os.closerange(4, 1 << 16)  # the other cases' inputs and the harness's pipes
+            os.closerange(4, 1 << 16)  # the other cases' inputs, the harness's pipes and its nonce
+            _set_dumpable(1)  # the program's own /proc/self as in a run of its own; the harness stays closed
             cpu = cases["cpu_seconds"]
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
             status = _run_solution(code, cases, index, 3)
@@ -190,6 +201,13 @@ def _run_case(code, cases: dict, index: int, stdin_fd: int, deadline: float) -> 
         "stderr": stderr[-4 * STDERR_TAIL :].decode("utf-8", errors="replace")[-STDERR_TAIL:],
         "digest": digest,
     }
+
+
+def _set_dumpable(flag: int) -> None:
+    """prctl(PR_SET_DUMPABLE): 0 keeps every other process of this user id out of this one's /proc entries
+    (descriptors, memory) and from tracing it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, flag, 0, 0, 0)
 
 
 def _kill_group(pid: int) -> None:
@@ -276,13 +294,28 @@ def _drain(selector, data: list, cap: int) -> None:
             _read_into(selector, key, data[key.data], cap)
 
 
+def _write(data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(1, view) :]
+
+
+def _alive() -> None:
+    """A sign of life for the host: a case begins (see the module's docstring)."""
+    _write(b"\n")
+
+
 def main() -> None:
+    _set_dumpable(0)
+    nonce_fd = os.open(NONCE_FILE, os.O_RDONLY)
+    os.unlink(NONCE_FILE)
     with open(CASES_FILE, encoding="utf-8") as f:
         cases = json.load(f)
     os.unlink(CASES_FILE)
     stdin_fds = _inputs(cases)
     with open(SOLUTION_FILE, "rb") as f:
         source = f.read()  # bytes: a coding declaration applies, as when Python runs the file
+    _alive()
     report: dict = {"compile_error": None, "cases": []}
     try:
         code = compile(source, SOLUTION_FILE if cases.get("fn_name") else "main.py", "exec")
@@ -290,18 +323,18 @@ def main() -> None:
         report["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
         code = None
     if code is not None:
-        sys.stdout.flush()
         deadline = time.monotonic() + cases["time_limit_s"] * len(
             stdin_fds
         )  # the run's limit, less its start
         for index, stdin_fd in enumerate(stdin_fds):
+            _alive()
             case = _run_case(code, cases, index, stdin_fd, deadline)
             report["cases"].append(case)
             if case["timed_out"] or case["returncode"] == -signal.SIGXCPU:
                 break  # the host runs the cases left in parallel: a looping program costs no more time
-    line = "\n" + REPORT_MARKER + json.dumps(report, ensure_ascii=False) + "\n"
-    sys.stdout.buffer.write(line.encode("utf-8", errors="replace"))  # whatever the locale's encoding
-    sys.stdout.flush()
+    nonce = os.pread(nonce_fd, 256, 0).decode()
+    line = "\n" + REPORT_MARKER + nonce + " " + json.dumps(report, ensure_ascii=False) + "\n"
+    _write(line.encode("utf-8", errors="replace"))  # whatever the locale's encoding
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ STDIN_PROGRAMS = {
     "leaves a process": "import os, time\n" + READ + "if os.fork() == 0:\n    os.setsid()\n"
     "    time.sleep(60)\nprint(a + b)",
 }
-ADD = {"fn_name": "add", "inputs": [[1, 2], "[10, -3]", [0, 0]], "outputs": [3, "[7]", [0]]}
+ADD = {"fn_name": "add", "inputs": [[1, 2], "[10, -3]", [0, 0]], "outputs": [3, [7], [0]]}
 CALL_PROGRAMS = {
     "right": "def add(a, b):\n    return a + b",
     "solution class": "class Solution:\n    def add(self, a, b):\n        return a + b if a > 1 else -1",
@@ -228,24 +228,79 @@ def test_what_a_case_leaves_outside_its_group_is_killed_before_the_next(box):
     assert CodeReward(box)("", LEAVES_A_SLEEPER, json.dumps(SUM), {}) == 1.0
 
 
-def test_a_garbled_report_makes_every_case_an_error_not_an_exception():
+def test_only_a_report_with_the_runs_nonce_that_fits_is_trusted():
     from posttrain.rewards.code import read_harness
     from posttrain.rewards.code_harness import REPORT_MARKER
     from posttrain.sandbox.types import RunResult
 
-    for stdout in [REPORT_MARKER + "{not json", REPORT_MARKER + '{"cases": 3}', "no report at all"]:
-        run = read_harness(RunResult("finished", 0, stdout, "", 0.1), 2)
-        assert run.statuses == ["error", "error"] and run.compile_error is None
-    killed = read_harness(RunResult("time_limit", None, "", "", 9.0), 2)
-    assert killed.statuses == ["time_limit", "time_limit"]
     case = {"returncode": 0, "timed_out": False, "truncated": False, "stderr": "", "digest": "d"}
-    extra = read_harness(
-        RunResult(
-            "finished", 0, REPORT_MARKER + json.dumps({"compile_error": None, "cases": [case] * 5}), "", 0.1
-        ),
-        2,
-    )
-    assert extra.statuses == ["finished", "finished"]  # never more cases than the run held
+    late = {**case, "returncode": -9, "timed_out": True}
+
+    def report(cases, nonce="n0nce", status="finished"):
+        line = REPORT_MARKER + nonce + " " + json.dumps({"compile_error": None, "cases": cases})
+        return read_harness(RunResult(status, 0, "\n\n" + line + "\n", "", 0.1), 2, "n0nce").statuses
+
+    assert report([case, case]) == ["finished", "finished"]
+    assert report([late]) == ["time_limit"]  # the harness stops after a time limit: the host runs the rest
+    refused = ["sandbox_error", "sandbox_error"]
+    assert report([case] * 5) == refused  # more cases than the run held
+    assert report([case]) == refused  # fewer, without a time limit
+    assert report([]) == refused  # the empty forged report that raised IndexError
+    assert report([case, case], nonce="guess") == refused
+    assert report([case, case], status="error") == refused  # the harness itself failed
+    for stdout in [REPORT_MARKER + "n0nce {not json", REPORT_MARKER + 'n0nce {"cases": 3}', "no report"]:
+        run = read_harness(RunResult("finished", 0, stdout, "", 0.1), 2, "n0nce")
+        assert run.statuses == refused and run.compile_error is None
+    killed = read_harness(RunResult("time_limit", None, "", "", 9.0), 2, "n0nce")
+    assert killed.statuses == ["time_limit", "time_limit"]
+
+
+FORGER = r"""
+import ctypes, json, os
+harness = os.getppid()
+nonce = ""
+for fd in range(3, 32):  # the nonce file the harness keeps open
+    try:
+        nonce = nonce or open(f"/proc/{harness}/fd/{fd}").read().strip()
+    except (OSError, UnicodeDecodeError):
+        pass
+case = {"returncode": 0, "timed_out": False, "truncated": False, "stderr": "", "digest": "x"}
+report = json.dumps({"compile_error": None, "cases": [case]})
+line = "\nFORGED\n__posttrain_code_harness_report__ " + nonce + " " + report + "\n"
+try:
+    with open(f"/proc/{harness}/fd/1", "w") as f:
+        f.write(line)
+except OSError:
+    pass
+libc = ctypes.CDLL(None, use_errno=True)
+stolen = libc.syscall(438, os.pidfd_open(harness), 1, 0)  # pidfd_getfd: the harness's stdout
+if stolen >= 0:
+    os.write(stolen, line.encode())
+"""
+
+
+def test_a_case_cannot_reach_the_harnesss_report(box):
+    """The harness is not dumpable and pidfd_getfd is filtered: a case can neither open the harness's stdout
+    through /proc nor take it with pidfd_getfd, so no forged line reaches the run's output."""
+    from posttrain.rewards.code import harness_request
+
+    request = harness_request(FORGER, SUM, SUM["inputs"][:1], LIMITS, "n0nce", own_pid_namespace=True)
+    result = box.run(request)
+    assert result.status == "finished" and "FORGED" not in result.stdout, result
+    assert CodeReward(box)("", FORGER, json.dumps(SUM), {}) == 0.0
+
+
+def test_a_stopped_harness_ends_at_one_cases_limit_not_the_whole_runs(box):
+    """A case that SIGSTOPs its harness: the host stops the run once the harness has been silent for one
+    case's limit (1.5 s here, plus the harness's start allowance), not after 16 x 1.5 s + 2 s."""
+    import time
+
+    code = "import os, signal, time\nos.kill(os.getppid(), signal.SIGSTOP)\ntime.sleep(100)"
+    cases = {"inputs": [f"{i} {i}\n" for i in range(16)], "outputs": [f"{2 * i}\n" for i in range(16)]}
+    start = time.monotonic()
+    assert CodeReward(box)("", code, json.dumps(cases), {}) == 0.0
+    assert time.monotonic() - start < 8.0
+    assert sandbox_pids() == []
 
 
 def test_a_small_output_cap_puts_fewer_cases_in_a_run(sandbox):
@@ -265,3 +320,23 @@ def test_cases_per_run_below_one_is_a_config_error_naming_the_key():
     assert (
         build_config(overrides=["sandbox.code_reward.cases_per_run=1"]).sandbox.code_reward.cases_per_run == 1
     )
+
+
+@pytest.mark.parametrize(
+    ("returns", "expected", "score"),
+    [
+        ("'123'", "123", 1.0),  # a string expected value stays a string (it was parsed as JSON: 0.0)
+        ("123", "123", 0.0),
+        ("'true'", "true", 1.0),
+        ("True", "true", 0.0),
+        ("123", 123, 1.0),
+        ("123.0", 123, 1.0),  # == as APPS compares: 123.0 == 123
+        ("(1, 2)", [1, 2], 1.0),  # a tuple counts as a list
+        ("[1, 2]", [[1, 2]], 1.0),  # the expected value wrapped in a list
+        ("'a'", ["a", "b"], 1.0),  # APPS: a non-empty expected list's first element passes too
+        ("[1, 2]", "[1, 2]", 0.0),  # a JSON text is a string, not the list it spells
+    ],
+)
+def test_call_based_values_compare_as_apps_checker_does(box, returns, expected, score):
+    cases = {"fn_name": "f", "inputs": [[0]], "outputs": [expected]}
+    assert CodeReward(box)("", f"def f(x):\n    return {returns}", json.dumps(cases), {}) == score
