@@ -7,9 +7,11 @@ import os
 import subprocess
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from posttrain.config.errors import ConfigError
+from posttrain.sandbox import cgroup
 from posttrain.sandbox.bwrap import (
     _fds,
     bwrap_argv,
@@ -20,10 +22,13 @@ from posttrain.sandbox.bwrap import (
     seccomp_fd,
     wait_for_namespace,
 )
+from posttrain.sandbox.cgroup import RunGroup
 from posttrain.sandbox.process import PRLIMIT, rlimit_argv, run_command
 from posttrain.sandbox.types import (
+    ERROR,
     HARNESS_START_S,
     LANGUAGES,
+    MEMORY_LIMIT,
     SANDBOX_ERROR,
     Limits,
     RunRequest,
@@ -85,7 +90,13 @@ class LocalSandbox:
 
     name = "local"
 
-    def __init__(self, limits: Limits | None = None, bwrap_path: str = "", unsafe_no_isolation: bool = False):
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        bwrap_path: str = "",
+        unsafe_no_isolation: bool = False,
+        use_cgroups: bool = True,
+    ):
         self.limits = limits or Limits()
         self.unsafe = unsafe_no_isolation
         self.own_pid_namespace = (
@@ -93,15 +104,20 @@ class LocalSandbox:
         )  # bwrap --unshare-pid: the program and bwrap's init, nothing else
         self.as_root = os.geteuid() == 0
         self.bwrap = ""
+        self.cgroups = False  # a control group per run: the whole run's memory and CPU capped
         if not self.unsafe:
             self.bwrap = find_bwrap(bwrap_path)
             check_bwrap(self.bwrap, self.as_root)
+            self.cgroups = self.as_root and use_cgroups
+            if self.cgroups:
+                cgroup.sweep()  # groups left by a caller that was killed mid-run
 
     def describe(self) -> str:
         if self.unsafe:
             return "local, UNSAFE: no isolation (sandbox.unsafe_no_isolation=true)"
         user = "own user id per sandbox" if self.as_root else "user namespace"
-        return f"local bubblewrap ({self.bwrap}; {user})"
+        group = "; a cgroup per run where one can be made" if self.cgroups else ""
+        return f"local bubblewrap ({self.bwrap}; {user}{group})"
 
     def run(self, request: RunRequest) -> RunResult:
         if request.language not in LANGUAGES:
@@ -128,8 +144,9 @@ class LocalSandbox:
         filter_fd = seccomp_fd()
         info_read, info_write = os.pipe()
         fds = (info_write, *_fds(filter_fd), *(fd for fd, _ in staged))
+        group = RunGroup.create(run_memory_bytes(limits)) if self.cgroups else None
         try:
-            argv = bwrap_argv(
+            argv = (group.join_argv() if group else []) + bwrap_argv(
                 self.bwrap,
                 rlimit_argv(limits),
                 program_argv(request.language),
@@ -151,6 +168,10 @@ class LocalSandbox:
             for fd in fds:
                 os.close(fd)
         wait_for_namespace(info_read)  # nothing of the run is left, not even a process the kernel is removing
+        if group is not None:
+            if group.oom_kills() and result.status == ERROR:  # the program died of it, not only a child
+                result = replace(result, status=MEMORY_LIMIT)
+            group.remove()
         return result
 
     def _progress_limit(self, request: RunRequest) -> float | None:
@@ -175,6 +196,12 @@ class LocalSandbox:
         finally:
             # rm, not shutil.rmtree: Python 3.11's rmtree recurses, and a deep tree the code made would raise
             subprocess.run(["rm", "-rf", "--", workdir], check=False, capture_output=True)
+
+
+def run_memory_bytes(limits: Limits) -> int:
+    """The whole run's memory cap (its cgroup's): twice one process's address-space limit (a harness beside a
+    case at its limit; a parent beside a child) plus the tmpfs, whose pages count against it too."""
+    return (2 * limits.memory_limit_mb + limits.max_disk_mb) * _MIB
 
 
 def program_argv(language: str) -> list[str]:
