@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.parallel.ray_local import loopback_rank_env
+from posttrain.parallel.rendezvous import loopback_gloo_env
 from tests.local_ray import local_ray, processes_of
 from tests.sockets import is_loopback, listening_addresses
 
@@ -49,8 +49,8 @@ def test_a_local_ray_listens_on_loopback_only(tmp_path):
 
 
 def test_ranks_on_a_loopback_node_bind_gloo_to_loopback():
-    assert loopback_rank_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo"}
-    assert loopback_rank_env("10.0.0.1") == {}
+    assert loopback_gloo_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert loopback_gloo_env("10.0.0.1") == {}
 
 
 KILLED = """
