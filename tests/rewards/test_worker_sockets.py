@@ -2,6 +2,7 @@
 holds none of those sockets: their descriptors point at /dev/null in the worker, and the worker still talks
 to the trainer over its pipe. Linux only (reads /proc)."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -22,10 +23,8 @@ def _descriptors() -> dict[str, str]:
     """This process's descriptors and what each points at."""
     out = {}
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # the listing's own, closed by now
             out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own, closed by now
-            pass
     return out
 
 
