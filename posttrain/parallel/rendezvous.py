@@ -23,6 +23,7 @@ import ipaddress
 import os
 import socket
 import sys
+from typing import Any
 
 from torch.distributed import TCPStore
 
@@ -58,8 +59,8 @@ def loopback_store(
 ) -> TCPStore | None:
     """The rendezvous store of a group whose rank 0 listens on a loopback ``master_addr``, with its server
     (on rank 0) listening on that address only; None where torch's own rendezvous must build it (a network
-    address, or a launcher that hosts the store). Every rank of such a group must come here: a client built
-    by torch's env:// rendezvous would connect as well, but its rank 0 would listen everywhere.
+    address, or a launcher that hosts the store). Every rank calls it with the same arguments: rank 0
+    serves, the others connect.
 
     Raises ConfigError when rank 0 cannot listen on ``MASTER_ADDR:MASTER_PORT`` (the port is taken)."""
     if os.environ.get(AGENT_STORE_VARIABLE) == "True" or not is_loopback(master_addr):
@@ -89,3 +90,16 @@ def _listening_fd(host: str, port: int) -> int:
             f"({exc.strerror}); choose a free MASTER_PORT (another run may be using this one)"
         ) from None
     return sock.detach()
+
+
+def local_rendezvous(rank: int, world: int, timeout: datetime.timedelta) -> dict[str, Any]:
+    """``init_process_group``'s rendezvous arguments for a rank launched with MASTER_ADDR/MASTER_PORT: when
+    every rank runs on this machine (a loopback MASTER_ADDR), the store of :func:`loopback_store` and gloo
+    bound to the loopback interface (a GLOO_SOCKET_IFNAME the user set stays); empty otherwise (torch's
+    env:// rendezvous, as torchrun or the user set it up)."""
+    master_addr = os.environ.get("MASTER_ADDR", "")
+    for name, value in loopback_gloo_env(master_addr).items():
+        os.environ.setdefault(name, value)
+    port = os.environ.get("MASTER_PORT")
+    store = loopback_store(master_addr, int(port), rank, world, timeout) if port else None
+    return {} if store is None else {"store": store, "rank": rank, "world_size": world}

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.parallel.rendezvous import loopback_gloo_env, loopback_store
+from posttrain.parallel.rendezvous import local_rendezvous
 from posttrain.utils.run_lock import lock_run_dir
 
 log = logging.getLogger("posttrain")
@@ -145,7 +145,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
             backend=backend,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
-            **_local_rendezvous(rank, world, timeout),
+            **local_rendezvous(rank, world, timeout),
         )
     if dist.get_world_size() != world:
         raise RuntimeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")
@@ -153,18 +153,6 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
         # One voice per job: other ranks only report warnings and errors.
         logging.getLogger("posttrain").setLevel(logging.WARNING)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
-
-
-def _local_rendezvous(rank: int, world: int, timeout: datetime.timedelta) -> dict[str, Any]:
-    """init_process_group's rendezvous arguments when every rank runs on this machine (a loopback MASTER_ADDR):
-    a store listening on loopback only and gloo bound to the loopback interface (a GLOO_SOCKET_IFNAME the
-    user set stays). Empty otherwise: torch's env:// rendezvous, as torchrun or the user set it up."""
-    master_addr = os.environ.get("MASTER_ADDR", "")
-    for name, value in loopback_gloo_env(master_addr).items():
-        os.environ.setdefault(name, value)
-    port = os.environ.get("MASTER_PORT")
-    store = loopback_store(master_addr, int(port), rank, world, timeout) if port else None
-    return {} if store is None else {"store": store, "rank": rank, "world_size": world}
 
 
 # What gloo raises (torch 2.13) when a peer is gone or silent: a plain RuntimeError, not a DistError, whose

@@ -9,14 +9,21 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
 
 from posttrain.config.errors import ConfigError
 from posttrain.parallel.rendezvous import AGENT_STORE_VARIABLE, is_loopback, loopback_store
-from tests.parallel.conftest import REPO, end_group, free_port, start_group, torchrun_command
+from tests.parallel.conftest import (
+    REPO,
+    end_group,
+    free_port,
+    loopback_env,
+    loopback_rendezvous,
+    start_group,
+    torchrun_command,
+)
 from tests.sockets import is_loopback as listens_on_loopback
 from tests.sockets import listening_addresses, listening_sockets
 
@@ -123,16 +130,14 @@ def test_two_ranks_started_as_posttrain_starts_them_listen_on_loopback_only():
     assert all(listens_on_loopback(a) for a in addresses), listening
 
 
-@pytest.mark.dist
-def test_under_torchrun_the_ranks_listen_on_loopback_and_the_agent_everywhere(tmp_path):
-    """torchrun's agent hosts the store in its own process, with torch's store: on every interface."""
-    script = Path(tmp_path / "rank.py")
-    script.write_text(RANK)
-    cmd = torchrun_command(2, str(script))
-    port = next(a.split("=")[1] for a in cmd if a.startswith("--master_port="))
-    proc = start_group(
-        cmd, env=_rank_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
-    )
+def _torchrun(nproc: int, *target: str, rendezvous: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rendezvous, *target]
+    env = _rank_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    return start_group(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def _listening_under_torchrun(proc: subprocess.Popen) -> dict[int, list[str]]:
+    """What the agent (first) and its two ranks listen on once the ranks are in their group."""
     try:
         said = [proc.stdout.readline().split() for _ in range(2)]
         assert [s[1] for s in said] == ["lo", "lo"], said
@@ -141,7 +146,36 @@ def test_under_torchrun_the_ranks_listen_on_loopback_and_the_agent_everywhere(tm
         assert proc.wait(timeout=60) == 0
     finally:
         end_group(proc)
+    return listening
+
+
+@pytest.mark.dist
+def test_under_a_plain_torchrun_the_ranks_listen_on_loopback_and_the_agent_everywhere(tmp_path):
+    """torchrun's default (static) rendezvous: its agent serves the ranks' store with torch's own store, on
+    every interface, and the ranks are its clients."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    port = free_port()
+    proc = _torchrun(2, str(script), rendezvous=["--master_addr=127.0.0.1", f"--master_port={port}"])
+    listening = _listening_under_torchrun(proc)
     agent = listening.pop(proc.pid)
     assert agent in ([f"::{':'}{port}"], [f"0.0.0.0:{port}"]), agent  # the exposure docs/distributed.md names
     addresses = [a for found in listening.values() for a in found]
     assert len(addresses) >= 2 and all(listens_on_loopback(a) for a in addresses), listening
+
+
+@pytest.mark.dist
+def test_the_tests_torchrun_listens_on_loopback_only(tmp_path):
+    """The tests' torchrun (tests/parallel/conftest.py): the agent joins a store this process serves on
+    loopback, and rank 0 serves the ranks' store, on loopback too."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    with loopback_rendezvous() as port:
+        cmd = torchrun_command(2, port, str(script))
+        proc = start_group(
+            cmd, env=loopback_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+        )
+        listening = _listening_under_torchrun(proc)
+    assert listening.pop(proc.pid) == []  # the agent serves nothing
+    addresses = [a for found in listening.values() for a in found]
+    assert len(addresses) >= 3 and all(listens_on_loopback(a) for a in addresses), listening
