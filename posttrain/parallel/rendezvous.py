@@ -94,10 +94,13 @@ def _listening_fd(host: str, port: int) -> int:
 
 def local_rendezvous(rank: int, world: int, timeout: datetime.timedelta) -> dict[str, Any]:
     """``init_process_group``'s rendezvous arguments for a rank launched with MASTER_ADDR/MASTER_PORT: when
-    every rank runs on this machine (a loopback MASTER_ADDR), the store of :func:`loopback_store` and gloo
-    bound to the loopback interface (a GLOO_SOCKET_IFNAME the user set stays); empty otherwise (torch's
-    env:// rendezvous, as torchrun or the user set it up)."""
+    every rank runs on this machine (a loopback MASTER_ADDR, and LOCAL_WORLD_SIZE, where set, the whole
+    world), the store of :func:`loopback_store` and gloo bound to the loopback interface (a GLOO_SOCKET_IFNAME
+    the user set stays); empty otherwise (torch's env:// rendezvous, as torchrun or the user set it up)."""
     master_addr = os.environ.get("MASTER_ADDR", "")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        # Ranks on other nodes, told another address for rank 0 (torchrun's --master_addr is per node).
+        return {}
     for name, value in loopback_gloo_env(master_addr).items():
         os.environ.setdefault(name, value)
     port = os.environ.get("MASTER_PORT")

@@ -14,7 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from posttrain.config.errors import ConfigError
-from posttrain.parallel.rendezvous import AGENT_STORE_VARIABLE, is_loopback, loopback_store
+from posttrain.parallel.rendezvous import AGENT_STORE_VARIABLE, is_loopback, local_rendezvous, loopback_store
 from tests.parallel.conftest import (
     REPO,
     end_group,
@@ -83,6 +83,18 @@ def test_torch_builds_the_store_for_network_addresses_and_launcher_hosted_stores
     assert loopback_store("10.0.0.1", free_port(), 0, 2, TIMEOUT) is None  # other nodes must reach it
     monkeypatch.setenv(AGENT_STORE_VARIABLE, "True")  # torchrun's agent hosts it; the ranks are clients
     assert loopback_store("127.0.0.1", free_port(), 0, 2, TIMEOUT) is None
+
+
+def test_ranks_on_other_nodes_keep_torchs_rendezvous(monkeypatch):
+    """A loopback MASTER_ADDR on a node whose ranks are not the whole world (torchrun's --master_addr is per
+    node): the other nodes' ranks must reach rank 0, so neither the store nor gloo is bound to loopback."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv(AGENT_STORE_VARIABLE, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_rendezvous(0, 4, TIMEOUT) == {}
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
 def test_a_taken_port_is_a_config_error():
