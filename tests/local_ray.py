@@ -12,7 +12,6 @@ posttrain.parallel.ray_local), that leaves nothing behind:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -133,36 +132,3 @@ def processes_of(root_pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
-
-
-def listening_addresses(pids: list[int]) -> dict[int, list[str]]:
-    """The TCP addresses (``ip:port``) each process listens on: its socket inodes (/proc/PID/fd) looked up in
-    /proc/net/tcp and tcp6 (state 0A, LISTEN)."""
-    listening = {}
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":
-                ip_hex, port_hex = fields[1].split(":")
-                listening[fields[9]] = f"{_ip(ip_hex, width)}:{int(port_hex, 16)}"
-    out: dict[int, list[str]] = {}
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # gone
-            continue
-        links = []
-        for fd in fds:
-            with contextlib.suppress(OSError):  # closed meanwhile
-                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        inodes = [link[8:-1] for link in links if link.startswith("socket:[")]
-        out[pid] = [listening[i] for i in inodes if i in listening]
-    return out
-
-
-def _ip(hex_ip: str, width: int) -> str:
-    """/proc/net/tcp's address: 32-bit words in host (little-endian) order."""
-    import ipaddress
-
-    words = [bytes.fromhex(hex_ip[i : i + 8])[::-1] for i in range(0, width, 8)]
-    return str(ipaddress.ip_address(b"".join(words)))

@@ -6,7 +6,7 @@ code on it. Ray binds to its node address, and turns a loopback node address int
 one unless Ray clusters are switched off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when ray is imported
 and inherited by the processes Ray starts): a local start sets both, for the time of ``ray.init``, starts
 no dashboard, and the ranks Ray places there get a loopback ``MASTER_ADDR`` (their node's address) and
-``GLOO_SOCKET_IFNAME=lo`` (``loopback_rank_env``). Joining a cluster leaves its network setup to whoever
+``GLOO_SOCKET_IFNAME=lo`` (posttrain.parallel.rendezvous). Joining a cluster leaves its network setup to whoever
 started it (docs/distributed.md says how to secure one).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from contextlib import contextmanager
 
 LOOPBACK = "127.0.0.1"
@@ -55,15 +54,3 @@ def _clusters_off(ray):
             del constants.ENABLE_RAY_CLUSTER
         else:
             constants.ENABLE_RAY_CLUSTER = before
-
-
-def is_loopback(address: str) -> bool:
-    return address == "localhost" or address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1")
-
-
-def loopback_rank_env(master_addr: str) -> dict[str, str]:
-    """torch.distributed's interface for ranks whose rank 0 listens on ``master_addr``: loopback when that is a
-    loopback address (all ranks on this machine), else whatever gloo picks."""
-    if not is_loopback(master_addr):
-        return {}
-    return {"GLOO_SOCKET_IFNAME": "lo" if sys.platform.startswith("linux") else "lo0"}

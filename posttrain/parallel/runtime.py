@@ -2,7 +2,8 @@
 
 A run launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) joins the default process group: NCCL
 on CUDA, gloo on CPU. A plain ``posttrain train`` is a world of one and never touches torch.distributed.
-Every collective here is a no-op for a world of one, so the trainer is written once.
+Every collective here is a no-op for a world of one, so the trainer is written once. Ranks that all run on
+this machine (a loopback ``MASTER_ADDR``) listen on loopback only (posttrain.parallel.rendezvous).
 
 Data parallel (DP) and sequence parallel (SP) ranks: ranks ``[d * sp, (d + 1) * sp)`` form DP rank ``d``'s
 SP group; they see the same samples and each holds a slice of every sequence (posttrain.parallel.ulysses).
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.parallel.rendezvous import local_rendezvous
 from posttrain.utils.run_lock import lock_run_dir
 
 log = logging.getLogger("posttrain")
@@ -138,10 +140,12 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **local_rendezvous(rank, world, timeout),
         )
     if dist.get_world_size() != world:
         raise RuntimeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")

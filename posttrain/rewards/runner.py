@@ -5,7 +5,8 @@ in one message and sends back one small result per sample. A sample that raises,
 or non-numeric value, kills its worker, or takes longer than ``timeout_s`` gets ``failure_reward``; a hung
 or dead worker is killed and replaced, and the rest of its share goes to the replacement. Workers are
 started with ``fork`` where available so a function loaded from a user file needs no pickling (on
-platforms without fork it must be picklable). Because the workers are daemonic, a reward function
+platforms without fork it must be picklable); a forked worker first lets go of the listening sockets it
+inherited (torch's rendezvous store, gloo: posttrain.utils.inherited). Because the workers are daemonic, a reward function
 cannot itself start ``multiprocessing`` children (``subprocess`` works).
 
 With ``timeout_s`` None or 0 the function runs in this process: fastest, but a hung function hangs the
@@ -34,6 +35,7 @@ from posttrain.rewards import counts
 from posttrain.rewards.call import OutputLog, failure_kind
 from posttrain.rewards.many import call_many, samples_at_once
 from posttrain.utils.console import warn_once
+from posttrain.utils.inherited import drop_listening_sockets
 
 logger = logging.getLogger("posttrain.rewards")
 
@@ -58,6 +60,7 @@ class RewardInput:
 
 def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connection, parent_pid: int) -> None:
     """Worker loop: receive a list of ``(index, args)``, send ``(index, ok, value, output, counts)`` per sample."""
+    drop_listening_sockets()  # before the user's code runs: the trainer's ports are not ours to hold
     parent_conn.close()  # keep only our end, so a closed trainer end reads as EOF here
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, not ours
     # A forked worker inherits the trainer's SIGTERM handler (which raises in the trainer's loop); here the

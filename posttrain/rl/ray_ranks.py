@@ -29,7 +29,8 @@ import torch
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
-from posttrain.parallel.ray_local import loopback_rank_env, start_or_join
+from posttrain.parallel.ray_local import start_or_join
+from posttrain.parallel.rendezvous import loopback_gloo_env
 from posttrain.parallel.runtime import launched_world_size
 from posttrain.rl.checks import check_async_training, require_ray
 from posttrain.rl.train_command import run_training
@@ -281,7 +282,7 @@ def rank_envs(places: list[tuple[str, str, list[str]]], port: int, cpus: int, at
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": str(cpus),
             MARKER: str(attempt),
-        } | loopback_rank_env(places[0][1])  # Ray started here: every rank on loopback
+        } | loopback_gloo_env(places[0][1])  # Ray started here: every rank on loopback
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(places[m][2][0] for m in mates)
         # The driver's own POSTTRAIN_* settings (the model cache, ...) hold on every node.

@@ -8,12 +8,14 @@ batch, the frozen base must be unchanged, and the adapters-disabled reference an
 must work on sharded parameters. What this found is in docs/lora.md ("FSDP2").
 """
 
+import datetime
 import os
 import warnings
 
 import pytest
 import torch
 
+from posttrain.parallel.rendezvous import local_rendezvous
 from tests.parallel.conftest import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -83,7 +85,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
     from posttrain.models.lora import adapter_state, merged_state, reference_policy
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group("gloo", timeout=timeout, **local_rendezvous(rank, world, timeout))  # on loopback
     try:
         policy = build_policy()
         base_before = {n: p.detach().clone() for n, p in policy.named_parameters() if not p.requires_grad}

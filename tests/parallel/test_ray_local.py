@@ -5,7 +5,6 @@ tests' Ray instances leave no process or file behind, even when the test process
 Ray is an optional extra (``posttrain[ray]``, part of ``[dev]``): CI installs it, so there these tests must
 run; elsewhere they skip when it is missing. Linux only (they read /proc)."""
 
-import ipaddress
 import json
 import os
 import signal
@@ -16,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.parallel.ray_local import loopback_rank_env
-from tests.local_ray import listening_addresses, local_ray, processes_of
+from posttrain.parallel.rendezvous import loopback_gloo_env
+from tests.local_ray import local_ray, processes_of
+from tests.sockets import is_loopback, listening_addresses
 
 if os.environ.get("CI") != "true":
     pytest.importorskip("ray")
@@ -26,13 +26,6 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address.rsplit(":", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 def test_a_local_ray_listens_on_loopback_only(tmp_path):
@@ -52,12 +45,12 @@ def test_a_local_ray_listens_on_loopback_only(tmp_path):
         addresses = [a for found in listening.values() for a in found]
         assert node_ip == "127.0.0.1"
         assert len(addresses) >= 3, listening  # the GCS, the raylet, the workers: they were read
-        assert all(_is_loopback(a) for a in addresses), listening
+        assert all(is_loopback(a) for a in addresses), listening
 
 
 def test_ranks_on_a_loopback_node_bind_gloo_to_loopback():
-    assert loopback_rank_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo"}
-    assert loopback_rank_env("10.0.0.1") == {}
+    assert loopback_gloo_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert loopback_gloo_env("10.0.0.1") == {}
 
 
 KILLED = """

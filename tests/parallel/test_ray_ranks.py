@@ -6,23 +6,28 @@ checkpoint; the user errors are config errors before Ray starts; explain plans f
 Ray is an optional extra (``posttrain[ray]``, part of ``[dev]``): CI installs it, so there these tests must
 run; elsewhere they skip when it is missing. The ranks run gloo on this machine's CPUs, one thread each."""
 
+import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from posttrain.cli import main
 from posttrain.config.errors import ConfigError
+from posttrain.config.load import build_config
 from posttrain.rl.ray_ranks import rank_envs, run_on_ray
 from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
 from posttrain.utils.crash_hook import VARIABLE as CRASH
 from tests.helpers import read_metrics, small_config, small_overrides
 from tests.local_ray import local_ray
+from tests.sockets import is_loopback
 
 if os.environ.get("CI") != "true":
     pytest.importorskip("ray")
+REPO = Path(__file__).resolve().parents[2]
 # Bounded: a job that hangs (or a machine too busy to start the ranks) fails, and the fixture stops Ray.
 pytestmark = pytest.mark.timeout(900)
 
@@ -155,6 +160,47 @@ def test_ray_ranks_fed_by_a_ray_rollout_worker_train_like_one_process(ray_instan
     assert _no_groups_left(ray_instance)
 
 
+# A reward function that writes, once per reward worker, what the worker and its trainer rank (the process it
+# was forked from) listen on.
+PROBE = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+from tests.sockets import listening_sockets
+
+def probe(prompt, response, ground_truth, extra):
+    out = os.path.join({out!r}, f"{{os.getpid()}}.json")
+    if not os.path.exists(out):
+        report = dict(rank=os.environ["RANK"], trainer=listening_sockets(os.getppid()), worker=listening_sockets(os.getpid()))
+        with open(out, "w") as f:
+            json.dump(report, f)
+    return float(len(response) % 3)
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ray_ranks_listen_on_loopback_and_their_reward_workers_not_at_all(
+    ray_instance, tiny_model_dir, tmp_path
+):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE.format(repo=str(REPO), out=str(reports)))
+    one_step = ("trainer.total_steps=1", "trainer.test_freq=0", "trainer.export_hf=false")
+    workers = (f"reward.function={probe}:probe", "reward.timeout_s=60")
+    overrides = small_overrides(tiny_model_dir, tmp_path / "run", *one_step, *RAY2)
+    mine = [o for o in overrides if not o.startswith(("reward.function=", "reward.timeout_s="))]
+    run_on_ray(build_config(overrides=[*mine, *workers]))
+    found = [json.loads(path.read_text()) for path in reports.iterdir()]
+    assert sorted({r["rank"] for r in found}) == ["0", "1"], found
+    for report in found:
+        trainer = list(report["trainer"].values())
+        # rank 0: the store, gloo and Ray's own worker port; rank 1: gloo and Ray's
+        assert len(trainer) >= (3 if report["rank"] == "0" else 2), report
+        assert all(is_loopback(a) for a in trainer), report
+        assert report["worker"] == {}, report
+
+
 def test_ranks_ray_cannot_place_are_a_config_error(ray_instance, tiny_model_dir, tmp_path, monkeypatch):
     from posttrain.rl import ray_ranks
 
@@ -230,8 +276,6 @@ def test_rank_environments_follow_torchrun():
 
 
 def test_the_ray_knobs_are_config_errors_without_ray_ranks():
-    from posttrain.config.load import build_config
-
     with pytest.raises(ConfigError, match="trainer.ray_max_restarts=2 .* trainer.ray_ranks=0"):
         build_config(overrides=["trainer.ray_max_restarts=2"])
     with pytest.raises(ConfigError, match="trainer.ray_gpus_per_rank=0"):

@@ -26,6 +26,7 @@ from posttrain.forward.passes import ForwardOptions, critic_values, policy_logpr
 from posttrain.models.critic import CriticModel
 from posttrain.models.prepare import enable_gradient_checkpointing
 from posttrain.parallel import ulysses
+from posttrain.parallel.rendezvous import local_rendezvous
 from tests.parallel.conftest import free_port
 
 TOL = 1e-5
@@ -183,7 +184,8 @@ def _collectives(group) -> dict[str, float]:
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", timeout=timeout, **local_rendezvous(rank, world, timeout))  # on loopback
     try:
         group = ulysses.new_sequence_parallel_group(world)
         results = {"collectives": _collectives(group)}

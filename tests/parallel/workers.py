@@ -7,6 +7,7 @@ Each scenario writes what the test compares into ``out_dir`` (rank 0 only unless
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -75,11 +76,16 @@ def _queue_on_ranks(answer, max_staleness: int, shares: bool):
 
     import torch.distributed as dist
 
+    from posttrain.parallel.rendezvous import local_rendezvous
     from posttrain.parallel.runtime import DistContext
     from posttrain.parallel.shares import SINGLE_SHARE, data_share
     from posttrain.rl.overlap.queue import RolloutQueue
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=60)
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo", timeout=timeout, **local_rendezvous(int(os.environ["RANK"]), world, timeout)
+    )
     rank = dist.get_rank()
     ctx = DistContext(rank=rank, world_size=dist.get_world_size())
     host = _StandIn(answer) if rank == 0 else None

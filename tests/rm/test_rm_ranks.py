@@ -13,7 +13,14 @@ from posttrain.cli import main
 from posttrain.rm.demo import write_arithmetic_pairs
 from posttrain.rm.loop import RMSchedule
 from posttrain.utils.metrics import read_metrics
-from tests.parallel.conftest import REPO, end_group, loopback_env, start_group, torchrun_command
+from tests.parallel.conftest import (
+    REPO,
+    end_group,
+    loopback_env,
+    loopback_rendezvous,
+    start_group,
+    torchrun_command,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # a hung job fails the test, its processes killed
 
@@ -44,14 +51,15 @@ def _args(model_dir, data_dir, run_dir, *extra) -> list[str]:
 
 def _launch(nproc: int, args: list[str]) -> None:
     """`torchrun --nproc_per_node N -m posttrain rm ...`, as a user runs it on CPU."""
-    cmd = torchrun_command(nproc, "-m", "posttrain", "rm", *args)
-    proc = start_group(
-        cmd, env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
-    )
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        end_group(proc)
+    with loopback_rendezvous() as port:
+        cmd = torchrun_command(nproc, port, "-m", "posttrain", "rm", *args)
+        proc = start_group(
+            cmd, env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+        )
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            end_group(proc)
     assert proc.returncode == 0, f"{out[-3000:]}\n{err[-6000:]}"
 
 
