@@ -92,7 +92,7 @@ class LocalSandbox:
         user = "own user id per sandbox" if self.as_root else "user namespace"
         return f"local bubblewrap ({self.bwrap}; {user})"
 
-    def run(self, request: RunRequest) -> RunResult:
+    def run(self, request: RunRequest, cancel: threading.Event | None = None) -> RunResult:
         if request.language not in LANGUAGES:
             return RunResult(
                 SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0
@@ -102,7 +102,7 @@ class LocalSandbox:
         workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
         try:
             self._stage(workdir, request, uid)
-            return self._execute(workdir, request, limits, uid)
+            return self._execute(workdir, request, limits, uid, cancel)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             if uid is not None:
@@ -123,19 +123,32 @@ class LocalSandbox:
             for path in [root, *root.rglob("*")]:
                 os.chown(path, uid, uid)
 
-    def _execute(self, workdir: str, request: RunRequest, limits: Limits, uid: int | None) -> RunResult:
+    def _execute(
+        self,
+        workdir: str,
+        request: RunRequest,
+        limits: Limits,
+        uid: int | None,
+        cancel: threading.Event | None,
+    ) -> RunResult:
         source = SOURCE_NAMES[request.language]
         program = [python_binary(), source] if request.language == "python" else ["/bin/bash", source]
         stdin = request.stdin.encode()
         if self.unsafe:
             env = {**inside_env(), "HOME": workdir, "TMPDIR": workdir}
             if os.path.exists(PRLIMIT):
-                return run_command(rlimit_argv(limits) + program, limits, stdin=stdin, env=env, cwd=workdir)
-            return run_command(program, limits, stdin=stdin, env=env, cwd=workdir, preexec_limits=True)
+                return run_command(
+                    rlimit_argv(limits) + program, limits, stdin=stdin, env=env, cwd=workdir, cancel=cancel
+                )
+            return run_command(
+                program, limits, stdin=stdin, env=env, cwd=workdir, preexec_limits=True, cancel=cancel
+            )
         info_read, info_write = os.pipe()
         try:
             argv = bwrap_argv(self.bwrap, workdir, rlimit_argv(limits), program, uid, info_fd=info_write)
-            result = run_command(argv, limits, stdin=stdin, signal_offset=128, pass_fds=(info_write,))
+            result = run_command(
+                argv, limits, stdin=stdin, signal_offset=128, pass_fds=(info_write,), cancel=cancel
+            )
         finally:
             os.close(info_write)
         wait_for_namespace(info_read)  # nothing of the run is left, not even a process the kernel is removing

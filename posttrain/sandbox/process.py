@@ -22,6 +22,7 @@ from posttrain.sandbox.types import (
     FINISHED,
     MEMORY_LIMIT,
     OUTPUT_TRUNCATED,
+    SANDBOX_ERROR,
     TIME_LIMIT,
     Limits,
     RunResult,
@@ -31,6 +32,8 @@ _MIB = 1024 * 1024
 _READ_CHUNK = 65536
 _MEMORY_SIGNS = ("MemoryError", "Cannot allocate memory", "bad_alloc", "out of memory", "xmalloc: cannot")
 _CPU_KILLED = {signal.SIGXCPU}
+_CANCEL_POLL_S = 0.05  # how soon a cancelled run is killed
+CANCELLED_MESSAGE = "cancelled: the client went away"
 
 
 PRLIMIT = "/usr/bin/prlimit"
@@ -101,13 +104,15 @@ def run_command(
     signal_offset: int = 0,
     preexec_limits: bool = False,
     pass_fds: tuple[int, ...] = (),
+    cancel: threading.Event | None = None,
 ) -> RunResult:
     """Run ``argv`` under ``limits``; never raises for what the program does.
 
     ``signal_offset``: a launcher that reports a child killed by signal N as exit code offset + N (bubblewrap:
     128) lets the status tell a CPU-limit kill from an ordinary exit. The rlimits are in ``argv``
     (:func:`rlimit_argv`), or set before exec with ``preexec_limits``. ``pass_fds``: file descriptors the
-    command inherits (bwrap's ``--info-fd``)."""
+    command inherits (bwrap's ``--info-fd``). ``cancel``: when set (e.g. the HTTP client went away), the run
+    ends as at its time limit, with status sandbox_error."""
     start = time.monotonic()
     proc = subprocess.Popen(
         argv,
@@ -131,7 +136,8 @@ def run_command(
     ]
     for t in threads:
         t.start()
-    timed_out = not stop.wait(limits.time_limit_s)
+    ended = _wait(stop, limits.time_limit_s, cancel)
+    timed_out = ended == "timeout"
     _kill_group(proc)  # whatever the outcome: nothing the program started outlives the call
     proc.wait()
     for t in threads[:2]:
@@ -143,7 +149,23 @@ def run_command(
         proc.returncode, timed_out, out.over or err.over, bytes(err.data), signal_offset
     )
     text = lambda b: bytes(b).decode("utf-8", errors="replace")  # noqa: E731
+    if ended == "cancelled":
+        return RunResult(SANDBOX_ERROR, None, text(out.data), CANCELLED_MESSAGE, duration)
     return RunResult(status, code, text(out.data), text(err.data), duration)
+
+
+def _wait(stop: threading.Event, limit_s: float, cancel: threading.Event | None) -> str:
+    """How the run ended: "done" (exited, or over the output cap), "timeout" or "cancelled"."""
+    if cancel is None:
+        return "done" if stop.wait(limit_s) else "timeout"
+    deadline = time.monotonic() + limit_s
+    while not cancel.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timeout"
+        if stop.wait(min(left, _CANCEL_POLL_S)):  # returns at once when the program ends
+            return "done"
+    return "cancelled"
 
 
 def _feed(pipe, data: bytes) -> None:  # noqa: ANN001
