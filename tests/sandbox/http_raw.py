@@ -56,14 +56,16 @@ def request_bytes(body: Any, headers: dict[str, str] | None = None, path: str = 
 def read_answer(sock: socket.socket) -> Answer:
     """One HTTP answer; ConnectionError when the server closed the connection without one."""
     f = sock.makefile("rb")
-    line = f.readline()
-    if not line:
-        raise ConnectionError("the connection was closed without an answer")
-    status = int(line.split()[1])
-    headers = {}
-    while (field := f.readline()) not in (b"\r\n", b"\n", b""):
-        name, _, value = field.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
+    status = 100
+    while 100 <= status < 200:  # an interim answer (100 Continue) comes before the answer
+        line = f.readline()
+        if not line:
+            raise ConnectionError("the connection was closed without an answer")
+        status = int(line.split()[1])
+        headers = {}
+        while (field := f.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = field.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
     data = f.read(int(headers["content-length"]))
     return Answer(status, headers, json.loads(data))
 

@@ -15,7 +15,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.sandbox import Limits, LocalSandbox, RunRequest
 from posttrain.sandbox.build import build_sandbox
-from posttrain.sandbox.server import MAX_BODY_BYTES
+from posttrain.sandbox.server import MAX_BODY_BYTES, is_loopback
 from posttrain.sandbox.wire import MAX_FILES, MAX_FILES_BYTES
 from tests.sandbox.conftest import TIGHT, child_pids, sandbox_pids
 from tests.sandbox.http_raw import connect, exchange, post, read_answer, request_bytes, running
@@ -320,9 +320,9 @@ def test_the_token_is_required_and_checked(sandbox, monkeypatch):
 @pytest.mark.parametrize(
     ("flags", "fragment"),
     [
-        (["--host", "0.0.0.0"], "--host '0.0.0.0' is not a loopback address"),
-        (["--host", ""], "--host '' is not a loopback address"),
-        (["--host", "example.org"], "pass --token-file PATH"),
+        # addresses no interface here has, so that even a regression could not listen beyond loopback
+        (["--host", "192.0.2.1"], "--host '192.0.2.1' is not a loopback address"),
+        (["--host", "sandbox.example.invalid"], "pass --token-file PATH"),
         (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token: cannot read it"),
         (["--max-connections", "0"], "--max-connections 0: at least 1"),
         (["--request-timeout-s", "0"], "--request-timeout-s 0.0: must be positive"),
@@ -331,6 +331,11 @@ def test_the_token_is_required_and_checked(sandbox, monkeypatch):
 def test_the_cli_refuses_unsafe_or_broken_settings_before_serving(flags, fragment, capsys):
     assert main(["sandbox", "serve", "--port", "1", *flags]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_which_hosts_are_loopback():
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "", "::", "10.0.0.5", "cpu1", "localhost.example.org"]))
 
 
 def test_a_short_token_file_is_refused(tmp_path, capsys):
