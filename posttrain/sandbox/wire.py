@@ -20,8 +20,10 @@ from posttrain.sandbox.types import (
     RunResult,
 )
 
-# A request's `files`: paths (files and the directories they need, together), decoded bytes, name sizes.
-MAX_FILES = 256
+# A request's `files`: entries, the directories they need (each costs far more to create and remove than a
+# small file), decoded bytes, name sizes.
+MAX_FILES = 1024
+MAX_DIRECTORIES = 64
 MAX_FILES_BYTES = 32 * 1024 * 1024
 MAX_NAME_BYTES = 1024
 MAX_NAME_DEPTH = 16
@@ -118,7 +120,7 @@ def _files(files: Any, source: str) -> dict[str, bytes]:
     if not isinstance(files, dict):
         raise RequestError(("files",), "must map file names to base64 contents")
     if len(files) > MAX_FILES:
-        raise RequestError(("files",), f"{len(files)} entries; at most {MAX_FILES} paths in all")
+        raise RequestError(("files",), f"{len(files)} entries; at most {MAX_FILES}")
     out, total = {}, 0
     for name, content in files.items():
         if content is None:
@@ -162,8 +164,8 @@ def check_file_name(name: str, source: str) -> None:
 
 
 def _check_tree(files: dict[str, bytes]) -> None:
-    """No entry is a directory of another (`a` beside `a/b`: one of them could not be created), and the files
-    with the directories they need are at most MAX_FILES paths (directories cost the most to create and remove)."""
+    """No entry is a directory of another (`a` beside `a/b`: one of them could not be created), and the entries
+    need at most MAX_DIRECTORIES directories."""
     directories: set[str] = set()
     for name in files:
         parent = name
@@ -172,11 +174,8 @@ def _check_tree(files: dict[str, bytes]) -> None:
             if parent in files:
                 raise RequestError(("files", parent), f"is a file, and {name!r} needs it to be a directory")
             directories.add(parent)
-    if len(files) + len(directories) > MAX_FILES:
-        raise RequestError(
-            ("files",),
-            f"{len(files)} files in {len(directories)} directories; at most {MAX_FILES} paths in all",
-        )
+    if len(directories) > MAX_DIRECTORIES:
+        raise RequestError(("files",), f"{len(directories)} directories; at most {MAX_DIRECTORIES}")
 
 
 def response_to_json(result: RunResult) -> dict[str, Any]:

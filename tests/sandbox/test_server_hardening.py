@@ -16,7 +16,7 @@ from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.sandbox import Limits, LocalSandbox, RunRequest
 from posttrain.sandbox.build import build_sandbox
 from posttrain.sandbox.server import MAX_BODY_BYTES, is_loopback
-from posttrain.sandbox.wire import MAX_FILES, MAX_FILES_BYTES
+from posttrain.sandbox.wire import MAX_DIRECTORIES, MAX_FILES, MAX_FILES_BYTES
 from tests.sandbox.conftest import TIGHT, child_pids, sandbox_pids
 from tests.sandbox.http_raw import connect, exchange, post, read_answer, request_bytes, running
 
@@ -168,13 +168,9 @@ def test_a_bad_file_is_refused_with_422(served, files, fragment):
 
 def test_the_files_caps(served):
     many = {f"f{i}": "" for i in range(MAX_FILES + 1)}
-    assert_refused(
-        post(served, {**OK, "files": many}), 422, f"{MAX_FILES + 1} entries; at most {MAX_FILES} paths"
-    )
-    deep = {f"d{i}/" * 15 + "f": "" for i in range(MAX_FILES // 16 + 1)}  # 17 files in 255 directories
-    assert_refused(
-        post(served, {**OK, "files": deep}), 422, f"17 files in 255 directories; at most {MAX_FILES}"
-    )
+    assert_refused(post(served, {**OK, "files": many}), 422, f"{MAX_FILES + 1} entries; at most {MAX_FILES}")
+    deep = {f"d{i}/" * 15 + "f": "" for i in range(MAX_DIRECTORIES // 15 + 1)}  # 75 directories
+    assert_refused(post(served, {**OK, "files": deep}), 422, f"75 directories; at most {MAX_DIRECTORIES}")
     half = base64.b64encode(b"x" * (MAX_FILES_BYTES // 2 + 1)).decode()
     assert_refused(post(served, {**OK, "files": {"a": half, "b": half}}), 422, "decoded in all")
     skipped = {"f": None, "d/g": base64.b64encode(b"kept").decode()}  # SandboxFusion skips a null content
@@ -183,15 +179,15 @@ def test_the_files_caps(served):
 
 
 def test_the_largest_accepted_files_stage_quickly(served):
-    """The worst `files` the caps allow: MAX_FILES paths (15 files 15 directories deep, 15 small files and one
-    of nearly MAX_FILES_BYTES), staged, run and removed within a few seconds."""
-    files = {"/".join([f"d{i}"] * 15) + "/f": "eA==" for i in range(15)}
-    files.update({f"f{i}": "eA==" for i in range(15)})
-    files["big"] = base64.b64encode(b"x" * (MAX_FILES_BYTES - 100)).decode()
-    assert len(files) + 15 * 15 == MAX_FILES
+    """The worst `files` the caps allow: MAX_FILES entries needing MAX_DIRECTORIES directories (4 chains 15
+    deep, 4 more), one of nearly MAX_FILES_BYTES; staged, run and removed within a few seconds."""
+    files = {"/".join([f"d{i}"] * 15) + "/f": "eA==" for i in range(4)}
+    files.update({f"e{i}/f": "eA==" for i in range(MAX_DIRECTORIES - 60)})
+    files.update({f"f{i}": "eA==" for i in range(MAX_FILES - len(files) - 1)})
+    files["big"] = base64.b64encode(b"x" * (MAX_FILES_BYTES - MAX_FILES)).decode()
     start = time.monotonic()
-    answer = post(served, {**OK, "code": "import os; print(sorted(os.listdir('.')))", "files": files})
-    assert answer.body["run_result"]["stdout"].count("'") == 2 * (15 + 15 + 2), answer.body
+    answer = post(served, {**OK, "code": "import os; print(len(os.listdir('.')))", "files": files})
+    assert answer.body["run_result"]["stdout"] == f"{MAX_FILES + 1}\n", answer.body  # 8 directories, main.py
     assert time.monotonic() - start < 15
 
 
