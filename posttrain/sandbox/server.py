@@ -81,7 +81,9 @@ class SandboxServer(ThreadingHTTPServer):
         )
         thread.start()
 
-    def _thread(self, work: Callable, slots: threading.BoundedSemaphore, request: socket.socket, addr: tuple):
+    def _thread(
+        self, work: Callable, slots: threading.BoundedSemaphore, request: socket.socket, addr: tuple
+    ) -> None:
         try:
             work(request, addr)
         except Exception:
@@ -97,8 +99,9 @@ class SandboxServer(ThreadingHTTPServer):
             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
             f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
         )
-        sock.settimeout(_LINGER_S)
-        sock.sendall(head.encode() + body)
+        with contextlib.suppress(OSError):  # a refused client that is already gone
+            sock.settimeout(_LINGER_S)
+            sock.sendall(head.encode() + body)
 
     def handle_error(self, request: socket.socket, client_address: tuple) -> None:
         logger.exception("posttrain sandbox server: error on a connection from %s", client_address)
