@@ -42,7 +42,7 @@ from posttrain.rl.train_command import run_training
 from posttrain.rm.command import model_config as rm_model_config
 from posttrain.rm.command import run_rm_command
 from posttrain.sandbox.build import build_sandbox, probe_line
-from posttrain.sandbox.server import serve
+from posttrain.sandbox.server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, ServerSettings, read_token, serve
 from posttrain.sft.command import run_sft_command
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
 from posttrain.utils.storage import storage_problem
@@ -260,7 +260,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox_serve(args: argparse.Namespace) -> int:
-    serve(build_sandbox(_load(args).sandbox), args.host, args.port)
+    token = read_token(args.token_file) if args.token_file else None
+    settings = ServerSettings(args.host, args.port, token, args.max_connections, args.request_timeout_s)
+    settings.check()  # before the sandbox is built: refuse at once
+    serve(build_sandbox(_load(args).sandbox), settings)
     return 0
 
 
@@ -305,10 +308,25 @@ def build_parser() -> argparse.ArgumentParser:
         sandbox.add_subparsers(dest="sandbox_command", required=True),
         "serve",
         cmd_sandbox_serve,
-        "Serve the sandbox of the `sandbox` config section over SandboxFusion's POST /run_code API.",
+        "Serve the sandbox of the `sandbox` config section over SandboxFusion's POST /run_code API "
+        "(limits, token: docs/sandbox.md).",
     )
     serve_cmd.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=8080, help="Port to listen on (default: 8080)")
+    serve_cmd.add_argument(
+        "--token-file",
+        default="",
+        help="File holding the bearer token requests must send; required off loopback",
+    )
+    serve_cmd.add_argument(
+        "--max-connections", type=int, default=MAX_CONNECTIONS, help="Served at once; beyond: 503"
+    )
+    serve_cmd.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        help="For a request to arrive in full; idle limit",
+    )
     return parser
 
 

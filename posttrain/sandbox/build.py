@@ -21,7 +21,7 @@ class Backend(Protocol):
     limits: Limits
     own_pid_namespace: bool  # each run alone in a PID namespace of its own (beside the namespace's init)
 
-    def run(self, request: RunRequest) -> RunResult: ...
+    def run(self, request: RunRequest, cancel: threading.Event | None = None) -> RunResult: ...
 
     def describe(self) -> str: ...
 
@@ -44,9 +44,12 @@ class Sandbox:
     def describe(self) -> str:
         return f"{self.backend.describe()}; {self.limits.describe()}; {self.max_concurrent} at once"
 
-    def run(self, request: RunRequest) -> RunResult:
+    def run(self, request: RunRequest, cancel: threading.Event | None = None) -> RunResult:
+        """``cancel``: when set, the run ends early with status sandbox_error (the server's client went away)."""
         with self._slots:
-            return self.backend.run(request)
+            if cancel is None:  # a backend written before cancellation keeps working
+                return self.backend.run(request)
+            return self.backend.run(request, cancel=cancel)
 
     def run_many(self, requests: Sequence[RunRequest]) -> list[RunResult]:
         """Results in the order of ``requests``, run up to ``max_concurrent`` at a time."""
@@ -74,7 +77,9 @@ def build_sandbox(cfg: SandboxConfig) -> Sandbox:
     limits = Limits.from_config(cfg)
     if cfg.backend == "sandbox_fusion":
         fusion = cfg.sandbox_fusion
-        backend: Backend = FusionSandbox(fusion.url, limits, fusion.request_timeout_s, fusion.max_retries)
+        backend: Backend = FusionSandbox(
+            fusion.url, limits, fusion.request_timeout_s, fusion.max_retries, fusion.token_env
+        )
     else:
         backend = LocalSandbox(limits, cfg.bwrap_path, cfg.unsafe_no_isolation)
     return Sandbox(backend, cfg.max_concurrent)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -38,6 +39,7 @@ class FusionSandbox:
         limits: Limits | None = None,
         request_timeout_s: float = 30.0,
         max_retries: int = 3,
+        token_env: str = "",
     ) -> None:
         if not urls:
             raise ConfigError(
@@ -48,6 +50,9 @@ class FusionSandbox:
         self.limits = limits or Limits()
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
+        self._headers = {"Content-Type": "application/json"}
+        if token_env:
+            self._headers["Authorization"] = f"Bearer {_token(token_env)}"
         self._next = itertools.cycle(range(len(self.urls)))
         self._lock = threading.Lock()
 
@@ -58,7 +63,8 @@ class FusionSandbox:
         with self._lock:
             return self.urls[next(self._next)]
 
-    def run(self, request: RunRequest) -> RunResult:
+    def run(self, request: RunRequest, cancel: threading.Event | None = None) -> RunResult:
+        """``cancel`` (set: no further retries) is accepted so that a server may forward to this backend."""
         if request.language not in LANGUAGES:
             return RunResult(
                 SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0
@@ -71,6 +77,8 @@ class FusionSandbox:
         start = time.monotonic()
         errors = []
         for attempt in range(self.max_retries + 1):
+            if cancel is not None and cancel.is_set():
+                break
             if attempt:
                 time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
             url = self._url()
@@ -85,9 +93,8 @@ class FusionSandbox:
         message = f"no answer after {self.max_retries + 1} tries: " + "; ".join(errors[-3:])
         return RunResult(SANDBOX_ERROR, None, "", message, time.monotonic() - start)
 
-    @staticmethod
-    def _post(url: str, data: bytes, timeout: float) -> object:
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    def _post(self, url: str, data: bytes, timeout: float) -> object:
+        req = urllib.request.Request(url, data=data, headers=self._headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as answer:
                 return json.loads(answer.read())
@@ -100,6 +107,23 @@ class FusionSandbox:
             raise _Retry(repr(getattr(exc, "reason", exc))) from None
         except ValueError as exc:  # not JSON
             raise _Retry(f"malformed answer ({exc})") from None
+
+
+def _token(name: str) -> str:
+    """The bearer token in the environment variable ``name`` (the config names the variable, never the token)."""
+    token = os.environ.get(name, "").strip()
+    if not token:
+        raise ConfigError(
+            f"sandbox.sandbox_fusion.token_env={name!r}: the environment variable {name} is not set or empty; "
+            f"export {name}=<the token in the server's --token-file>, or set sandbox.sandbox_fusion.token_env='' "
+            "for a server without a token"
+        )
+    if not token.isascii() or not token.isprintable():
+        raise ConfigError(
+            f"sandbox.sandbox_fusion.token_env={name!r}: the token in {name} must be printable ASCII "
+            "(as `posttrain sandbox serve --token-file` requires)"
+        )
+    return token
 
 
 class _Retry(Exception):

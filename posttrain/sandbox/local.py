@@ -3,6 +3,7 @@ name says so asks for it, as a bare subprocess with rlimits and nothing else).""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import tempfile
@@ -30,13 +31,14 @@ from posttrain.sandbox.types import (
     LANGUAGES,
     MEMORY_LIMIT,
     SANDBOX_ERROR,
+    SOURCE_NAMES,
     Limits,
     RunRequest,
     RunResult,
+    file_name_problem,
+    file_tree_problem,
 )
 
-SOURCE_NAMES = {"python": "main.py", "bash": "main.sh"}
-MAX_FILES = 256  # files a run may bring: each is a descriptor handed to bwrap
 _MIB = 1024 * 1024
 _UID_BASE = 1_000_000_000  # far above any real account's user id
 _UIDS_PER_PROCESS = 256
@@ -119,24 +121,36 @@ class LocalSandbox:
         group = "; a cgroup per run where one can be made" if self.cgroups else ""
         return f"local bubblewrap ({self.bwrap}; {user}{group})"
 
-    def run(self, request: RunRequest) -> RunResult:
+    def run(self, request: RunRequest, cancel: threading.Event | None = None) -> RunResult:
+        """One run; ``cancel``, when set, ends it early with status sandbox_error (a client that went away)."""
         if request.language not in LANGUAGES:
             return RunResult(
                 SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0
             )
         files = staged_files(request)
         limits = request.limits(self.limits)
+        size = sum(map(len, files.values()))
+        if not self.unsafe and size > limits.max_disk_mb * _MIB:
+            raise ConfigError(
+                f"the run's files hold {size} bytes, more than its /tmp of sandbox.max_disk_mb="
+                f"{limits.max_disk_mb} MiB; send less, or raise sandbox.max_disk_mb"
+            )
         if self.unsafe:
-            return self._run_unisolated(request, files, limits)
+            return self._run_unisolated(request, files, limits, cancel)
         uid = _UIDS.take() if self.as_root else None
         try:
-            return self._execute(request, files, limits, uid)
+            return self._execute(request, files, limits, uid, cancel)
         finally:
             if uid is not None:
                 _UIDS.give(uid)
 
     def _execute(
-        self, request: RunRequest, files: dict[str, bytes], limits: Limits, uid: int | None
+        self,
+        request: RunRequest,
+        files: dict[str, bytes],
+        limits: Limits,
+        uid: int | None,
+        cancel: threading.Event | None,
     ) -> RunResult:
         """One run in bwrap. Its files are handed in as descriptors and copied into its tmpfs: nothing of the
         run is on the host's disk, so nothing is left when the run (or this process) dies."""
@@ -163,6 +177,7 @@ class LocalSandbox:
                 signal_offset=128,
                 pass_fds=fds,
                 progress_limit_s=self._progress_limit(request),
+                cancel=cancel,
             )
         finally:
             for fd in fds:
@@ -180,7 +195,9 @@ class LocalSandbox:
         (a program that stops its harness gains nothing)."""
         return self.limits.time_limit_s + HARNESS_START_S if request.executions > 1 else None
 
-    def _run_unisolated(self, request: RunRequest, files: dict[str, bytes], limits: Limits) -> RunResult:
+    def _run_unisolated(
+        self, request: RunRequest, files: dict[str, bytes], limits: Limits, cancel: threading.Event | None
+    ) -> RunResult:
         """sandbox.unsafe_no_isolation: a plain subprocess in a directory of its own, removed afterwards."""
         workdir = tempfile.mkdtemp(prefix="posttrain-unisolated-")
         try:
@@ -190,9 +207,10 @@ class LocalSandbox:
                 target.write_bytes(data)
             env = {**inside_env(), "HOME": workdir, "TMPDIR": workdir}
             program, stdin = program_argv(request.language), request.stdin.encode()
+            run = functools.partial(run_command, stdin=stdin, env=env, cwd=workdir, cancel=cancel)
             if os.path.exists(PRLIMIT):
-                return run_command(rlimit_argv(limits) + program, limits, stdin=stdin, env=env, cwd=workdir)
-            return run_command(program, limits, stdin=stdin, env=env, cwd=workdir, preexec_limits=True)
+                return run(rlimit_argv(limits) + program, limits)
+            return run(program, limits, preexec_limits=True)
         finally:
             # rm, not shutil.rmtree: Python 3.11's rmtree recurses, and a deep tree the code made would raise
             subprocess.run(["rm", "-rf", "--", workdir], check=False, capture_output=True)
@@ -212,32 +230,15 @@ def program_argv(language: str) -> list[str]:
 def staged_files(request: RunRequest) -> dict[str, bytes]:
     """The files a run starts with (its program first), names checked; a ConfigError for a name that cannot be
     a file of the sandbox's directory."""
-    if len(request.files) > MAX_FILES:
-        raise ConfigError(f"a run may bring at most {MAX_FILES} files; this one has {len(request.files)}")
-    for name in request.files:
-        check_file_name(name)
     source = SOURCE_NAMES[request.language]
-    names = set(request.files)
-    for name in names:
-        if name == source:
-            raise ConfigError(f"sandbox file name {name!r} is the program's own file; choose another name")
-        if any(other.startswith(name + "/") for other in names):
-            raise ConfigError(f"sandbox file name {name!r} is also a directory of another file")
+    for name in request.files:
+        problem = file_name_problem(name, source)
+        if problem:
+            raise ConfigError(f"sandbox file name {name!r}: {problem}")
+    tree = file_tree_problem(list(request.files))
+    if tree:
+        raise ConfigError(f"sandbox files: {tree[0]!r} {tree[1]}" if tree[0] else f"sandbox files: {tree[1]}")
     return {source: request.code.encode(), **request.files}
-
-
-def check_file_name(name: str) -> None:
-    """A relative path of plain components (no '.', '..' or empty ones, no NUL, each at most 255 bytes)."""
-    parts = name.split("/")
-    if (
-        "\0" in name
-        or name.startswith("/")
-        or any(p in ("", ".", "..") or len(p.encode()) > 255 for p in parts)
-    ):
-        raise ConfigError(
-            f"sandbox file name {name!r} is not a relative path of plain names (no '/' at the start, no '.', "
-            "'..' or empty parts, no NUL, each part at most 255 bytes)"
-        )
 
 
 def _memfd(data: bytes) -> int:

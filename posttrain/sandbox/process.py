@@ -22,6 +22,7 @@ from posttrain.sandbox.types import (
     FINISHED,
     MEMORY_LIMIT,
     OUTPUT_TRUNCATED,
+    SANDBOX_ERROR,
     TIME_LIMIT,
     Limits,
     RunResult,
@@ -34,6 +35,8 @@ _CPU_KILLED = {signal.SIGXCPU}
 
 
 PRLIMIT = "/usr/bin/prlimit"
+_CANCEL_POLL_S = 0.05  # how soon a cancelled run is killed
+CANCELLED_MESSAGE = "cancelled: the client went away"
 
 
 def rlimit_argv(limits: Limits) -> list[str]:
@@ -104,6 +107,7 @@ def run_command(
     preexec_limits: bool = False,
     pass_fds: tuple[int, ...] = (),
     progress_limit_s: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> RunResult:
     """Run ``argv`` under ``limits``; never raises for what the program does.
 
@@ -111,7 +115,8 @@ def run_command(
     128) lets the status tell a CPU-limit kill from an ordinary exit. The rlimits are in ``argv``
     (:func:`rlimit_argv`), or set before exec with ``preexec_limits``. ``pass_fds``: file descriptors the
     command inherits (bwrap's ``--info-fd``). ``progress_limit_s``: the run also ends (a time limit) once its
-    stdout has been silent that long."""
+    stdout has been silent that long. ``cancel``: when set (e.g. the HTTP client went away), the run ends as
+    at its time limit, with status sandbox_error."""
     start = time.monotonic()
     proc = subprocess.Popen(
         argv,
@@ -135,7 +140,8 @@ def run_command(
     ]
     for t in threads:
         t.start()
-    timed_out = not _wait(stop, start + limits.time_limit_s, out, progress_limit_s)
+    ended = _wait(stop, start + limits.time_limit_s, out, progress_limit_s, cancel)
+    timed_out = ended == "timeout"
     _kill_group(proc)  # whatever the outcome: nothing the program started outlives the call
     proc.wait()
     for t in threads[:2]:
@@ -147,19 +153,28 @@ def run_command(
         proc.returncode, timed_out, out.over or err.over, bytes(err.data), signal_offset
     )
     text = lambda b: bytes(b).decode("utf-8", errors="replace")  # noqa: E731
+    if ended == "cancelled":
+        return RunResult(SANDBOX_ERROR, None, text(out.data), CANCELLED_MESSAGE, duration)
     return RunResult(status, code, text(out.data), text(err.data), duration)
 
 
-def _wait(stop: threading.Event, deadline: float, out: _Capture, progress_limit_s: float | None) -> bool:
-    """Wait for ``stop`` until ``deadline`` (and, with ``progress_limit_s``, until stdout has been silent that
-    long); whether it was set in time."""
-    while True:
+def _wait(
+    stop: threading.Event,
+    deadline: float,
+    out: _Capture,
+    progress_limit_s: float | None,
+    cancel: threading.Event | None,
+) -> str:
+    """How the run ended: "done" (exited, or over the output cap), "timeout" (``deadline`` passed, or stdout
+    silent for ``progress_limit_s``) or "cancelled"."""
+    while cancel is None or not cancel.is_set():
         until = deadline if progress_limit_s is None else min(deadline, out.last + progress_limit_s)
         left = until - time.monotonic()
         if left <= 0:
-            return stop.is_set()
-        if stop.wait(left):
-            return True
+            return "done" if stop.is_set() else "timeout"
+        if stop.wait(left if cancel is None else min(left, _CANCEL_POLL_S)):  # at once when the program ends
+            return "done"
+    return "cancelled"
 
 
 def _feed(pipe, data: bytes) -> None:  # noqa: ANN001

@@ -16,6 +16,14 @@ SANDBOX_ERROR = (
 )
 STATUSES = (FINISHED, ERROR, TIME_LIMIT, MEMORY_LIMIT, OUTPUT_TRUNCATED, SANDBOX_ERROR)
 LANGUAGES = ("python", "bash")
+SOURCE_NAMES = {"python": "main.py", "bash": "main.sh"}  # the program's own file in the run's directory
+# The files a run may bring (each is a descriptor handed to bwrap), the directories they may need, a name's
+# length and depth; a component's length is the file system's limit.
+MAX_FILES = 256
+MAX_DIRECTORIES = 64
+MAX_NAME_BYTES = 1024
+MAX_NAME_DEPTH = 16
+NAME_MAX = 255
 HARNESS_START_S = 2.0  # a run of several executions: the harness's own start and bookkeeping
 
 
@@ -99,3 +107,48 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.status == FINISHED
+
+
+def file_name_problem(name: str, source: str) -> str | None:
+    """What makes ``name`` unfit to be a file of a run whose program is ``source`` (None: fit): it must be a
+    relative path of plain components (none empty, '.' or '..'), without NUL, within the length limits, and not
+    the program's own file."""
+    if "\x00" in name:
+        return "a file name holds a NUL byte"
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:  # JSON may hold a lone surrogate, which is no text
+        return "a file name that is not valid UTF-8 text (a lone surrogate)"
+    if len(raw) > MAX_NAME_BYTES:
+        return f"a file name of {len(raw)} bytes; at most {MAX_NAME_BYTES}"
+    if name.startswith("/"):
+        return "an absolute file name; use a name relative to the program's directory"
+    parts = name.split("/")
+    if len(parts) > MAX_NAME_DEPTH:
+        return f"{len(parts)} path components; at most {MAX_NAME_DEPTH}"
+    for part in parts:
+        if part in ("", ".", ".."):
+            return "empty, '.' and '..' path components are refused; write e.g. 'dir/f.txt'"
+        if len(part.encode()) > NAME_MAX:
+            return f"a path component of {len(part.encode())} bytes; at most {NAME_MAX}"
+    if parts[0] == source:
+        return f"{source!r} is the program's own file; choose another name"
+    return None
+
+
+def file_tree_problem(names: list[str]) -> tuple[str, str] | None:
+    """(name, problem) when the files cannot all be created: one is also a directory of another (`a` beside
+    `a/b`), or they need more than MAX_DIRECTORIES directories; None when they can."""
+    if len(names) > MAX_FILES:
+        return "", f"{len(names)} files; at most {MAX_FILES}"
+    present, directories = set(names), set()
+    for name in names:
+        parent = name
+        while "/" in parent:
+            parent = parent.rsplit("/", 1)[0]
+            if parent in present:
+                return parent, f"is a file, and {name!r} needs it to be a directory"
+            directories.add(parent)
+    if len(directories) > MAX_DIRECTORIES:
+        return "", f"{len(directories)} directories; at most {MAX_DIRECTORIES}"
+    return None

@@ -61,6 +61,7 @@ async_training.rollout_num_cpus async_training.rollout_num_gpus
 sandbox.backend sandbox.max_concurrent sandbox.time_limit_s sandbox.cpu_time_limit_s sandbox.memory_limit_mb
 sandbox.max_processes sandbox.max_file_size_mb sandbox.max_disk_mb sandbox.max_output_bytes sandbox.bwrap_path sandbox.unsafe_no_isolation
 sandbox.sandbox_fusion.url sandbox.sandbox_fusion.request_timeout_s sandbox.sandbox_fusion.max_retries
+sandbox.sandbox_fusion.token_env
 sandbox.code_reward.mode sandbox.code_reward.max_cases sandbox.code_reward.cases_per_run
 async_training.rollout_worker
 algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches

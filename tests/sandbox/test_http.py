@@ -77,10 +77,10 @@ def test_a_time_limit_over_http(served):
     assert r.status == "time_limit", r
 
 
-def test_a_malformed_request_is_a_400_not_retried(served):
+def test_a_malformed_request_is_a_422_not_retried(served):
     client = FusionSandbox([served.url], max_retries=3)
     r = client.run(RunRequest("print(1)", files={"../x": b""}))
-    assert r.status == "sandbox_error" and "HTTP 400" in r.stderr
+    assert r.status == "sandbox_error" and "HTTP 422" in r.stderr and "files['../x']: " in r.stderr
 
 
 def test_round_robin_skips_a_dead_url_and_retries(served):

@@ -27,6 +27,11 @@ class SandboxFusionConfig:
     max_retries: int = knob(
         3, "Retries of a request that failed with a 5xx answer, a timeout or a refused connection.", min=0
     )
+    token_env: str = knob(
+        "",
+        "The NAME of an environment variable holding the bearer token of a server started with "
+        "`posttrain sandbox serve --token-file` (sent as `Authorization: Bearer ...`); empty: no token.",
+    )
 
 
 @dataclass
