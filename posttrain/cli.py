@@ -193,8 +193,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if turns is not None:
         console.print(turns)
     if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
-        console.print(probe_line(cfg.sandbox))
-        console.print(scoring_line(cfg, select_device(cfg).type, code_reward))
+        # As plain lines: rich would wrap them where the bwrap path's length puts them, and eat a path's [x]
+        for line in (probe_line(cfg.sandbox), scoring_line(cfg, select_device(cfg).type, code_reward)):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
     if estimate is None:
         console.print(
             f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"

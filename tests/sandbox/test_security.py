@@ -9,10 +9,11 @@ import tempfile
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from posttrain.sandbox import Limits, LocalSandbox, RunRequest
-from tests.sandbox.conftest import child_pids, sandbox_pids
+from tests.sandbox.conftest import child_pids, ordinary_user_only, root_only, sandbox_pids
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -239,7 +240,8 @@ def test_a_fork_bomb_is_contained_and_the_machine_stays_usable(sandbox):
         stop.set()
         watcher.join()
     assert r.status == "time_limit", r
-    assert max(seen) <= 16  # sandbox.max_processes of the fixture: the bomb never had more processes
+    # sandbox.max_processes of the fixture: the bomb never had more processes (and the count saw it)
+    assert 0 < max(seen) <= 16
     assert subprocess.run(["true"], timeout=10).returncode == 0  # the host still forks
     assert sandbox_pids() == [] and set(child_pids()) <= set(before)
 
@@ -273,6 +275,30 @@ def test_the_call_returns_after_the_namespace_is_gone(sandbox):
     for _ in range(30):
         assert run(sandbox, code).stdout.strip() == "left one"
         assert sandbox_pids() == []
+
+
+@root_only
+def test_as_root_each_concurrent_run_has_a_user_id_of_its_own(sandbox):
+    """RLIMIT_NPROC binds root neither outside nor as the root of a user namespace: the program runs under an
+    unprivileged id, one per concurrent run, so the process limit holds and counts only that run's processes."""
+    code = "import os, time; time.sleep(0.5); print(os.getuid(), os.getgid(), os.getgroups())"
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: run(sandbox, code), range(2)))
+    ids = [r.stdout.split(" ", 2) for r in results]
+    assert all(
+        uid == gid and int(uid) >= 1_000_000_000 and groups.strip() == "[]" for uid, gid, groups in ids
+    )
+    assert ids[0][0] != ids[1][0], results
+    assert "own user id per sandbox" in sandbox.describe()
+
+
+@ordinary_user_only
+def test_as_an_ordinary_user_the_program_keeps_the_users_id(sandbox):
+    """Without root, bwrap's user namespace maps only the caller's id: the program runs as this user (its
+    processes count against this user's RLIMIT_NPROC, docs/sandbox.md)."""
+    r = run(sandbox, "import os; print(os.getuid(), os.getgid())")
+    assert r.stdout.split() == [str(os.getuid()), str(os.getgid())], r
+    assert "user namespace" in sandbox.describe()
 
 
 # --- resources -------------------------------------------------------------------------------------------
