@@ -31,7 +31,7 @@ from posttrain.parallel.runtime import (
     select_device,
 )
 from posttrain.rm.data import load_pairs, tokenize_pairs
-from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, validate_pairs
+from posttrain.rm.loop import LoopSettings, resume, rm_schedule, run_steps, validate_pairs
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.trainable import Trainable
@@ -180,7 +180,7 @@ def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
     model = _build_model(cfg, path, tokenizer, ctx)
     dp = data_parallel(ctx)
     r, t = cfg.rm, cfg.trainer
-    schedule = RMSchedule(len(train_pairs), r.batch_size, r.epochs, r.max_steps, t.seed)
+    schedule = rm_schedule(cfg, len(train_pairs))
     trainable = Trainable.create(model, r.optim, schedule.total_steps)
     start = resume(run_dir, t.resume, trainable, quiet)
     if start >= schedule.total_steps:

@@ -1,8 +1,7 @@
 """The reward-model training loop: steps over shuffled pairs, validation, checkpoints, resume.
 
-Step s (1-based) of epoch e takes pairs ``order_e[k * B : (k + 1) * B]`` where ``order_e`` is a permutation
-drawn from ``trainer.seed + e`` alone, so a resumed run takes exactly the pairs the uninterrupted run would
-have taken; weights, optimizer, schedule and RNG states come from the checkpoint (posttrain.train.checkpoint).
+Each step takes the pairs `rm_schedule` (posttrain.batching.epochs) names, a function of the step and
+trainer.seed alone, so a resumed run takes exactly the pairs the uninterrupted run would have taken; weights, optimizer, schedule and RNG states come from the checkpoint (posttrain.train.checkpoint).
 
 Several data-parallel ranks (launched by torchrun, the model sharded with FSDP2): every rank draws the same
 step's pairs and trains its contiguous share of them (rm.batch_size divides over the ranks); the loss is
@@ -19,7 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from posttrain.batching.epochs import EpochSchedule
 from posttrain.config.errors import ConfigError
+from posttrain.config.schema import PostTrainConfig
 from posttrain.parallel.data_parallel import SINGLE_RANK, DataParallel
 from posttrain.parallel.runtime import shard_bounds
 from posttrain.rm.data import TokenizedPair
@@ -32,29 +33,17 @@ from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.signals import RunSignals
 
 
-@dataclass(frozen=True)
-class RMSchedule:
-    """Which pairs each optimizer step takes."""
-
-    num_pairs: int
-    batch_size: int
-    epochs: int
-    max_steps: int
-    seed: int
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_pairs // self.batch_size
-
-    @property
-    def total_steps(self) -> int:
-        total = self.steps_per_epoch * self.epochs
-        return min(total, self.max_steps) if self.max_steps else total
-
-    def indices(self, step: int) -> list[int]:
-        epoch, k = divmod(step - 1, self.steps_per_epoch)
-        order = torch.randperm(self.num_pairs, generator=torch.Generator().manual_seed(self.seed + epoch))
-        return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+def rm_schedule(cfg: PostTrainConfig, num_pairs: int) -> EpochSchedule:
+    """Which pairs each optimizer step of `posttrain rm` takes (``num_pairs`` usable training pairs); the
+    epoch's order is drawn from ``trainer.seed + epoch`` alone."""
+    r = cfg.rm
+    return EpochSchedule(
+        num_items=num_pairs,
+        batch_size=r.batch_size,
+        epochs=r.epochs,
+        seed=cfg.trainer.seed,
+        max_steps=r.max_steps,
+    )
 
 
 def rank_share(items: list, dp: DataParallel) -> list:
@@ -215,7 +204,7 @@ def run_steps(
     s: LoopSettings,
     trainable: Trainable,
     pairs: list[TokenizedPair],
-    schedule: RMSchedule,
+    schedule: EpochSchedule,
     start: int,
     on_step: Callable[[int, dict[str, float]], None],
 ) -> None:

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
+from posttrain.batching.epochs import EpochSchedule
 from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
@@ -108,31 +108,32 @@ def train_sft(
     ``on_step(step, total, metrics)``: called after each optimizer step; the metrics it returns (validation)
     join the step's, on the console and in the history.
     """
-    gen = torch.Generator().manual_seed(seed)
+    schedule = sft_schedule(seed, len(examples), plan, max_steps)
     history: list[dict[str, float]] = []
-    steps_per_epoch = len(examples) // plan.mini_batch_samples
-    total = (
-        steps_per_epoch * plan.ppo_epochs
-        if not max_steps
-        else min(max_steps, steps_per_epoch * plan.ppo_epochs)
-    )
     loss_fn = _sft_loss(model, options)
     model.train()
-    for _epoch in range(plan.ppo_epochs):
-        order = torch.randperm(len(examples), generator=gen).tolist()
-        for s in range(steps_per_epoch):
-            if len(history) >= total:
-                return history
-            chunk = [
-                examples[i] for i in order[s * plan.mini_batch_samples : (s + 1) * plan.mini_batch_samples]
-            ]
-            metrics = _sft_step(chunk, plan, trainable, loss_fn, pad_token_id)
-            if on_step is not None:
-                metrics.update(on_step(len(history) + 1, total, metrics))
-            history.append(metrics)
-            if display is not None:
-                display.update(len(history), metrics)
+    for step in range(1, schedule.total_steps + 1):
+        chunk = [examples[i] for i in schedule.indices(step)]
+        metrics = _sft_step(chunk, plan, trainable, loss_fn, pad_token_id)
+        if on_step is not None:
+            metrics.update(on_step(step, schedule.total_steps, metrics))
+        history.append(metrics)
+        if display is not None:
+            display.update(step, metrics)
     return history
+
+
+def sft_schedule(seed: int, num_examples: int, plan: UpdatePlan, max_steps: int) -> EpochSchedule:
+    """Which examples each optimizer step takes: plan.mini_batch_samples (sft.batch_size) per step,
+    plan.ppo_epochs (sft.epochs) passes, at most ``max_steps`` (sft.max_steps; 0: all)."""
+    return EpochSchedule(
+        num_items=num_examples,
+        batch_size=plan.mini_batch_samples,
+        epochs=plan.ppo_epochs,
+        seed=seed,
+        max_steps=max_steps,
+        shuffle="one_generator",
+    )
 
 
 def _sft_step(
@@ -193,9 +194,7 @@ def run_sft(
         raise ConfigError(
             f"sft.batch_size ({cfg.sft.batch_size}) exceeds the {len(examples)} usable SFT examples; lower it"
         )
-    steps = (len(examples) // plan.mini_batch_samples) * plan.ppo_epochs
-    if cfg.sft.max_steps:
-        steps = min(steps, cfg.sft.max_steps)
+    steps = sft_schedule(cfg.trainer.seed, len(examples), plan, cfg.sft.max_steps).total_steps
     trainable = Trainable.create(model, cfg.sft.optim, steps)
     display = TrainingDisplay(total_steps=max(steps, 1), description="sft", disable=quiet, every=10)
     display.start()
