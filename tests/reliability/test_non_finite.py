@@ -11,8 +11,8 @@ from torch import nn
 from posttrain.cli import main
 from posttrain.parallel.runtime import DistContext
 from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rl.guards import NonFiniteError, SkippedStepGuard, check_finite_weights
 from posttrain.rl.train_command import run_training
+from posttrain.train.guards import NonFiniteError, SkippedStepGuard, check_finite_weights
 from tests.helpers import read_metrics, small_config
 
 
@@ -38,7 +38,7 @@ def test_non_finite_or_malformed_optimizer_values_are_config_errors(override, ke
 
 
 def test_skipped_step_guard_warns_and_stops_after_a_streak(caplog):
-    guard = SkippedStepGuard(limit=2)
+    guard = SkippedStepGuard(limit=2, roles=("actor", "critic"))
     ok = {"actor/optimizer_steps": 2.0, "actor/skipped_steps": 0.0}
     partial = {"actor/optimizer_steps": 2.0, "actor/skipped_steps": 1.0}
     total = {"actor/optimizer_steps": 2.0, "actor/skipped_steps": 2.0}
