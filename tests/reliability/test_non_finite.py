@@ -15,8 +15,9 @@ from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rl.train_command import run_training
 from posttrain.rm.command import run_rm_command
 from posttrain.rm.demo import write_arithmetic_pairs
+from posttrain.sft.command import run_sft_command
 from posttrain.train.guards import NonFiniteError, SkippedStepGuard, check_finite_weights
-from tests.helpers import read_metrics, small_config
+from tests.helpers import read_metrics, sft_cli_args, small_config
 
 
 @pytest.mark.parametrize(
@@ -73,13 +74,17 @@ def _rm(model_dir, run, *extra):
     run_rm_command(build_config(overrides=[*overrides, *extra]), quiet=True)
 
 
+def _sft(model_dir, run, *extra):
+    run_sft_command(build_config(overrides=[*sft_cli_args(run, model_dir, rows=20), *extra]), quiet=True)
+
+
 @pytest.mark.parametrize("limit", [1, 2])
-@pytest.mark.parametrize("command", [_train, _rm], ids=["train", "rm"])
+@pytest.mark.parametrize("command", [_train, _rm, _sft], ids=["train", "rm", "sft"])
 def test_every_command_stops_after_max_skipped_steps_and_keeps_no_bad_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, command, limit
 ):
     """trainer.max_skipped_steps=N: the N-th consecutive step whose optimizer steps were all skipped stops the
-    run, in every command (drill: `posttrain rm` stopped at the N+1-th)."""
+    run, in every command (drill: `posttrain rm` stopped at the N+1-th, `posttrain sft` never stopped)."""
 
     def nan_norm(params, max_norm, *args, **kwargs):
         return torch.tensor(math.nan)
