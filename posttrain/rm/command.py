@@ -197,8 +197,8 @@ def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
         return rm_step(
             trainable,
             pairs,
-            pad,
-            mb,
+            pad_token_id=pad,
+            pairs_per_micro=mb,
             center_coef=r.center_rewards_coefficient,
             max_tokens=budget,
             packed_row_tokens=packed,
