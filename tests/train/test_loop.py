@@ -25,7 +25,7 @@ def _toy(run_dir, total=5, test_freq=2, save_freq=2, skipped=()):
         optim.step()
         optim.zero_grad()
         sched.step()
-        return {"toy/loss": float(loss), **({"toy/skipped_steps": 1.0} if s in skipped else {})}
+        return {"toy/loss": float(loss.detach()), **({"toy/skipped_steps": 1.0} if s in skipped else {})}
 
     def validate(s):
         calls["validate"].append(s)
