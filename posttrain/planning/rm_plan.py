@@ -26,6 +26,7 @@ from posttrain.planning.memory_bytes import (
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.rm.command import check_ranks, token_budget
 from posttrain.rm.data import TokenizedPair, load_pairs, tokenize_pairs
+from posttrain.rm.loop import rm_schedule
 from posttrain.sft.builtin import BUILTIN_NAMES, builtin_base_dir, resolve_model_path
 
 
@@ -40,7 +41,7 @@ class PairCounts:
 
 @dataclass(frozen=True)
 class RMBatchPlan:
-    """How `posttrain rm` walks through the pairs (posttrain.rm.loop.RMSchedule, posttrain.rm.loss)."""
+    """How `posttrain rm` walks through the pairs (posttrain.rm.loop.rm_schedule, posttrain.rm.loss)."""
 
     pairs_per_step: int
     ranks: int  # data-parallel ranks (torchrun's processes); each trains pairs_per_rank of every step
@@ -114,8 +115,7 @@ def batch_plan(cfg: PostTrainConfig, train_pairs: int, world_size: int = 1) -> R
     check_ranks(cfg, world_size)
     per_rank = r.batch_size // world_size
     micro = 0 if r.use_dynamic_bsz else min(r.micro_batch_size_per_gpu, per_rank)
-    per_epoch = train_pairs // r.batch_size
-    total = per_epoch * r.epochs
+    schedule = rm_schedule(cfg, train_pairs)
     return RMBatchPlan(
         pairs_per_step=r.batch_size,
         ranks=world_size,
@@ -123,9 +123,9 @@ def batch_plan(cfg: PostTrainConfig, train_pairs: int, world_size: int = 1) -> R
         pairs_per_micro=micro,
         token_budget=r.max_token_len_per_gpu if r.use_dynamic_bsz else 0,
         accumulation_steps=-(-per_rank // micro) if micro else 0,  # 0: varies with the lengths
-        steps_per_epoch=per_epoch,
-        pairs_left_out_per_epoch=train_pairs - per_epoch * r.batch_size,
-        total_steps=min(total, r.max_steps) if r.max_steps else total,
+        steps_per_epoch=schedule.steps_per_epoch,
+        pairs_left_out_per_epoch=schedule.left_out_per_epoch,
+        total_steps=schedule.total_steps,
     )
 
 

@@ -1,12 +1,12 @@
-"""`posttrain train`: the RL loop, top to bottom.
+"""`posttrain train`: the RL run, top to bottom.
 
-setup → (resume) → validate → [step → log → validate every test_freq → checkpoint every save_freq]
-→ final checkpoint, HF export and curves. Each phase lives in its own module; this file only orders them.
+setup → (resume) → the training loop (posttrain.train.loop: validate, [step → validate every test_freq → log
+→ checkpoint every save_freq]) with `rl.step.train_step` as its step → HF export and curves. Each phase lives in
+its own module; this file only orders them.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
@@ -29,22 +29,19 @@ from posttrain.parallel.runtime import (
 from posttrain.rl.build import Components, build_components, write_run_metadata
 from posttrain.rl.collect.samples import log_validation_samples
 from posttrain.rl.collect.source import RolloutSource
-from posttrain.rl.guards import SkippedStepGuard, check_finite_weights
 from posttrain.rl.overlap.hosts import ThreadHost, start_ray_host
 from posttrain.rl.overlap.queue import RolloutQueue
 from posttrain.rl.overlap.worker import RolloutWorker
 from posttrain.rl.step import inline_rollouts, train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
-from posttrain.train.checkpoint import checkpoint_root, find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.train.loop import Checkpoints, LoopResult, LoopSettings, TrainLoop
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
-from posttrain.utils.crash_hook import crash_if_asked
 from posttrain.utils.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, reward_failure_summary
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.seed import seed_everything
-from posttrain.utils.signals import RunSignals
-from posttrain.utils.storage import atomic_dir, model_dir_complete, storage_errors
+from posttrain.utils.storage import atomic_dir, model_dir_complete
 
 log = logging.getLogger("posttrain")
 
@@ -60,59 +57,41 @@ HEADLINE = (
 )
 
 
-def _modules(run: Components) -> tuple[dict, dict, dict]:
-    # A LoRA actor's checkpoint holds its adapters only: frozen weights are not stored (engine/sharded_state.py).
-    modules, optims, scheds = (
-        {"actor": run.actor.module},
-        {"actor": run.actor.optimizer},
-        {"actor": run.actor.scheduler},
+def checkpoints(run: Components, run_dir: Path, source: RolloutSource | None = None) -> Checkpoints:
+    """What a checkpoint of the run holds: the actor (a LoRA actor's adapters only: frozen weights are not
+    stored, train/sharded_state.py), the critic, their optimizers and schedules, the prompt sampler's state and
+    the KL coefficient."""
+    roles = {"actor": run.actor} | ({"critic": run.critic} if run.critic is not None else {})
+
+    def loop_state(step: int) -> dict:
+        # Rollouts generated ahead have drawn prompts past `step`: save where the synchronous loop would be.
+        state = {"sampler": (source or inline_rollouts(run)).sampler_state_after(step)}
+        if run.kl_ctrl is not None:
+            state["kl_coef"] = float(run.kl_ctrl.value)
+        return state
+
+    return Checkpoints(
+        run_dir=run_dir,
+        modules={k: r.module for k, r in roles.items()},
+        optimizers={k: r.optimizer for k, r in roles.items()},
+        schedulers={k: r.scheduler for k, r in roles.items()},
+        keep_last=run.cfg.trainer.max_ckpt_to_keep,
+        dist=run.dist,
+        loop_state=loop_state,
     )
-    if run.critic is not None:
-        modules["critic"], optims["critic"], scheds["critic"] = (
-            run.critic.module,
-            run.critic.optimizer,
-            run.critic.scheduler,
-        )
-    return modules, optims, scheds
-
-
-def save(run: Components, run_dir: Path, step: int, source: RolloutSource | None = None) -> Path:
-    modules, optims, scheds = _modules(run)
-    check_finite_weights(modules, run.dist)  # the last checkpoint stays a good one
-    # Rollouts generated ahead have drawn prompts past `step`: save where the synchronous loop would be.
-    sampler = (source or inline_rollouts(run)).sampler_state_after(step)
-    state = {"step": step, "sampler": sampler}
-    if run.kl_ctrl is not None:
-        state["kl_coef"] = float(run.kl_ctrl.value)
-    where = checkpoint_root(run_dir)
-    with storage_errors(where, f"the checkpoint of step {step}", "; the last complete checkpoint is intact"):
-        return save_checkpoint(
-            run_dir,
-            step,
-            modules=modules,
-            optimizers=optims,
-            schedulers=scheds,
-            trainer_state=state,
-            keep_last=run.cfg.trainer.max_ckpt_to_keep,
-        )
 
 
 def maybe_resume(run: Components, run_dir: Path) -> int:
     """Restore the latest (or the named) checkpoint; returns the last completed step (0: fresh)."""
-    ckpt = find_checkpoint(run_dir, run.cfg.trainer.resume)
-    if ckpt is None:
+    start, state = checkpoints(run, run_dir).resume(run.cfg.trainer.resume, announce=run.dist.is_main)
+    if start == 0:
         return 0
-    modules, optims, scheds = _modules(run)
-    # find_checkpoint verified every file (rank 0 read them), so the load does not hash them again.
-    state = load_checkpoint(ckpt, modules=modules, optimizers=optims, schedulers=scheds, verify=False)
     run.sampler.load_state_dict(state["sampler"])
     if run.kl_ctrl is not None and "kl_coef" in state:
         run.kl_ctrl.value = state["kl_coef"]
     if run.rollout_weights is not None:  # a rollout worker of its own gets them when it starts
         run.rollout_weights.push(run.actor.module)  # the engine's own copy must see the restored weights
-    if run.dist.is_main:
-        print(f"Resumed from {ckpt} (step {state['step']})")
-    return int(state["step"])
+    return start
 
 
 def run_validation(
@@ -170,25 +149,11 @@ def _train(
             print(
                 f"Model: {run.model_path} (model.path={cfg.model.path}; recorded in {run_dir / 'run_info.yaml'})"
             )
-    backends = [b for b in t.loggers if b != "console"]
-    logger = MetricsLogger(run_dir, backends=backends, config=None) if ctx.is_main else None
-    display = TrainingDisplay(
-        total_steps=t.total_steps,
-        keys=HEADLINE,
-        start_step=start,
-        description="train",
-        disable=quiet or "console" not in t.loggers,
-    )
-    display.start()
-    signals = RunSignals(save_at_step_end=t.save_on_terminate).install()
     try:
-        first_val, last = _run_steps(run, run_dir, start, logger, display, signals, quiet)
+        result = _run_steps(run, run_dir, start, quiet)
     finally:
-        signals.restore()
-        display.stop()
-        if logger is not None:
-            logger.close()
         run.close()
+    first_val, last = result.first_validation, result.last
     _finish(run, run_dir, quiet)
     if not quiet and ctx.is_main and (failed := reward_failure_summary(run_dir / METRICS_FILENAME)):
         print(failed)
@@ -219,42 +184,34 @@ def _finished_run(run: Components, run_dir: Path, step: int, quiet: bool) -> dic
     )
 
 
-def _run_steps(
-    run: Components, run_dir: Path, start: int, logger, display, signals: RunSignals, quiet: bool
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Validate first (a fresh run), then steps start+1..total_steps: train, validate every test_freq, log,
-    checkpoint every save_freq; returns (the first validation, the last step's metrics)."""
+def _run_steps(run: Components, run_dir: Path, start: int, quiet: bool) -> LoopResult:
+    """Steps start+1..total_steps on the one training loop (posttrain.train.loop), the samples from the
+    rollout source (inline or ahead); rank 0 logs."""
     t, timer = run.cfg.trainer, PhaseTimer()
-    last: dict[str, float] = {}
-    first_val: dict[str, float] = {}
-    skipped = SkippedStepGuard(t.max_skipped_steps)
     source = rollout_source(run, start)
+    display = TrainingDisplay(
+        total_steps=t.total_steps,
+        keys=HEADLINE,
+        start_step=start,
+        description="train",
+        disable=quiet or "console" not in t.loggers,
+    )
+    backends = [b for b in t.loggers if b != "console"]
+    loop = TrainLoop(
+        settings=LoopSettings.of(t, t.total_steps),
+        step=lambda step: train_step(run, step, timer, source),
+        roles=("actor", "critic"),
+        display=display,
+        logger=MetricsLogger(run_dir, backends=backends, config=None) if run.dist.is_main else None,
+        # With rollouts ahead: after this step's weights reach the worker, before later rollouts.
+        validate=lambda step: run_validation(run, step, quiet, source),
+        checkpoints=checkpoints(run, run_dir, source),
+        dist=run.dist,
+    )
     try:
-        if start == 0 and t.test_freq > 0:
-            last = first_val = run_validation(run, 0, quiet, source)
-            if logger is not None:
-                logger.log(last, step=0)
-            display.message(f"initial validation: {_fmt(last)}")
-        for step in range(start + 1, t.total_steps + 1):
-            crash_if_asked(step, run.dist.rank)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
-            metrics = train_step(run, step, timer, source)
-            if t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps):
-                # With rollouts ahead: after this step's weights reach the worker, before later rollouts.
-                metrics.update(run_validation(run, step, quiet, source))
-            if logger is not None:
-                logger.log(metrics, step=step)
-            skipped.observe(step, metrics)  # after logging: the last step's skips are in metrics.jsonl
-            display.update(step, metrics)
-            last = metrics
-            saved = (t.save_freq and step % t.save_freq == 0) or step == t.total_steps
-            save_now = functools.partial(save, run, run_dir, step, source)
-            if saved:
-                with signals.critical():  # Ctrl-C or SIGTERM wait for the save to finish
-                    save_now()
-            signals.stop_after_step(step, saved, save_now, run.dist.any_rank)
+        return loop.run(start)
     finally:
         source.close()
-    return first_val, last
 
 
 def rollout_source(run: Components, start: int) -> RolloutSource:
@@ -281,10 +238,6 @@ def rollout_source(run: Components, start: int) -> RolloutSource:
     if remote:  # it loaded the weights from disk: the actor's (resumed, LoRA merged) come first
         queue.push(start, run.actor.module)
     return queue
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
 
 
 def _export_gathered(run: Components, path: Path) -> tuple[Path, str]:

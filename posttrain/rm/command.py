@@ -31,9 +31,10 @@ from posttrain.parallel.runtime import (
     select_device,
 )
 from posttrain.rm.data import load_pairs, tokenize_pairs
-from posttrain.rm.loop import LoopSettings, RMSchedule, resume, run_steps, validate_pairs
+from posttrain.rm.loop import rm_checkpoints, rm_schedule, rm_step, validate_pairs
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
 from posttrain.sft.builtin import resolve_model_path, write_run_info
+from posttrain.train.loop import LoopSettings, TrainLoop
 from posttrain.train.trainable import Trainable
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
@@ -180,53 +181,65 @@ def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
     model = _build_model(cfg, path, tokenizer, ctx)
     dp = data_parallel(ctx)
     r, t = cfg.rm, cfg.trainer
-    schedule = RMSchedule(len(train_pairs), r.batch_size, r.epochs, r.max_steps, t.seed)
+    schedule = rm_schedule(cfg, len(train_pairs))
     trainable = Trainable.create(model, r.optim, schedule.total_steps)
-    start = resume(run_dir, t.resume, trainable, quiet)
+    checkpoints = rm_checkpoints(run_dir, trainable, t.max_ckpt_to_keep, ctx)
+    start, _ = checkpoints.resume(t.resume, announce=not quiet)
     if start >= schedule.total_steps:
         raise ConfigError(
             f"{run_dir} already holds a finished reward-model run (checkpoint at step {start} of "
             f"{schedule.total_steps}); use a new trainer.run_dir or trainer.resume=disable"
         )
-    pad, mb = tokenizer.pad_token_id, r.micro_batch_size_per_gpu
-    loggers = [b for b in t.loggers if b != "console"]
-    logger = MetricsLogger(run_dir, backends=loggers) if ctx.is_main else None
-    display = TrainingDisplay(
-        total_steps=schedule.total_steps, keys=HEADLINE, start_step=start, description="rm", disable=quiet
+    pad, mb, packed = tokenizer.pad_token_id, r.micro_batch_size_per_gpu, packed_row_tokens(cfg, model)
+
+    def step(s: int) -> dict[str, float]:
+        pairs = [train_pairs[i] for i in schedule.indices(s)]
+        return rm_step(
+            trainable,
+            pairs,
+            pad_token_id=pad,
+            pairs_per_micro=mb,
+            center_coef=r.center_rewards_coefficient,
+            max_tokens=budget,
+            packed_row_tokens=packed,
+            dp=dp,
+        )
+
+    loop = TrainLoop(
+        settings=LoopSettings.of(t, schedule.total_steps),
+        step=step,
+        roles=("rm",),
+        display=TrainingDisplay(
+            total_steps=schedule.total_steps,
+            keys=HEADLINE,
+            start_step=start,
+            description="rm",
+            disable=quiet or "console" not in t.loggers,
+        ),
+        logger=MetricsLogger(run_dir, backends=[b for b in t.loggers if b != "console"])
+        if ctx.is_main
+        else None,
+        validate=(lambda s: validate_pairs(model, val_pairs, pad, mb, dp)) if val_pairs else None,
+        checkpoints=checkpoints,
+        dist=ctx,
     )
-    last: dict[str, float] = {}
-
-    def on_step(step: int, metrics: dict[str, float]) -> None:
-        if val_pairs and t.test_freq and (step % t.test_freq == 0 or step == schedule.total_steps):
-            metrics.update(validate_pairs(model, val_pairs, pad, mb, dp))
-        if logger is not None:
-            logger.log(metrics, step=step)
-        display.update(step, metrics)
-        last.update(metrics)
-
-    settings = LoopSettings(
-        run_dir, pad, mb, r.center_rewards_coefficient, t.save_freq, t.max_ckpt_to_keep,
-        t.max_skipped_steps, t.save_on_terminate, budget, packed_row_tokens(cfg, model), dp,
-    )  # fmt: skip
-    display.start()
-    try:
-        if start == 0 and val_pairs and t.test_freq:
-            first = validate_pairs(model, val_pairs, pad, mb, dp)
-            if logger is not None:
-                logger.log(first, step=0)
-            display.message("initial validation: " + ", ".join(f"{k}={v:.4f}" for k, v in first.items()))
-        run_steps(settings, trainable, train_pairs, schedule, start, on_step)
-    finally:
-        display.stop()
-        if logger is not None:
-            logger.close()
+    loop.run(start)
     stats = validate_pairs(model, val_pairs or train_pairs, pad, mb, dp)
+    return _finish(cfg, model, path, tokenizer, ctx, stats, schedule.total_steps, quiet)
+
+
+def _finish(cfg, model, path: Path, tokenizer, ctx: DistContext, stats, steps: int, quiet: bool) -> Path:
+    """Export the model with its score statistics (``stats``: the held-out pairs', else the training
+    pairs'), plot the curves, say what was done."""
+    run_dir = Path(cfg.trainer.run_dir)
     stored = {"reward_mean": stats["val/reward_mean"], "reward_std": stats["val/reward_std"]}
-    out = _export(cfg, model, path, tokenizer, ctx, Path(r.output_dir or run_dir / "reward_model"), stored)
+    out = _export(
+        cfg, model, path, tokenizer, ctx, Path(cfg.rm.output_dir or run_dir / "reward_model"), stored
+    )
     if ctx.is_main:
         plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if not quiet:
         shown = ", ".join(f"{k} {v:.4f}" for k, v in stats.items())
         ranks = f" on {ctx.world_size} ranks" if ctx.distributed else ""
-        print(f"Reward model done: {schedule.total_steps} steps{ranks}; {shown}; saved {out}")
+        print(f"Reward model done: {steps} steps{ranks}; {shown}; saved {out}")
     return out

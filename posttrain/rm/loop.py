@@ -1,8 +1,9 @@
-"""The reward-model training loop: steps over shuffled pairs, validation, checkpoints, resume.
+"""The reward model's step, validation and checkpoint contents; `posttrain rm` runs them on the one training
+loop (posttrain.train.loop: checkpoints, resume, the skipped-step guard, signals).
 
-Step s (1-based) of epoch e takes pairs ``order_e[k * B : (k + 1) * B]`` where ``order_e`` is a permutation
-drawn from ``trainer.seed + e`` alone, so a resumed run takes exactly the pairs the uninterrupted run would
-have taken; weights, optimizer, schedule and RNG states come from the checkpoint (posttrain.train.checkpoint).
+Each step takes the pairs `rm_schedule` (posttrain.batching.epochs) names, a function of the step and
+trainer.seed alone, so a resumed run takes exactly the pairs the uninterrupted run would have taken; weights,
+optimizer, schedule and RNG states come from the checkpoint (posttrain.train.checkpoint).
 
 Several data-parallel ranks (launched by torchrun, the model sharded with FSDP2): every rank draws the same
 step's pairs and trains its contiguous share of them (rm.batch_size divides over the ranks); the loss is
@@ -12,49 +13,34 @@ scores each rank's share of the held-out pairs and sums the statistics over the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from posttrain.config.errors import ConfigError
+from posttrain.batching.epochs import EpochSchedule
+from posttrain.config.schema import PostTrainConfig
 from posttrain.parallel.data_parallel import SINGLE_RANK, DataParallel
-from posttrain.parallel.runtime import shard_bounds
+from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.rm.data import TokenizedPair
 from posttrain.rm.loss import pair_batch, pair_micro_rows, pair_rows, pair_token_micro_rows, rm_loss_fn
 from posttrain.rm.model import score_sequences
-from posttrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.train.loop import Checkpoints
 from posttrain.train.trainable import Trainable
 from posttrain.train.update import EvenOutCalls, accumulate_and_step, mini_batch_normalizer
-from posttrain.utils.crash_hook import crash_if_asked
-from posttrain.utils.signals import RunSignals
 
 
-@dataclass(frozen=True)
-class RMSchedule:
-    """Which pairs each optimizer step takes."""
-
-    num_pairs: int
-    batch_size: int
-    epochs: int
-    max_steps: int
-    seed: int
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_pairs // self.batch_size
-
-    @property
-    def total_steps(self) -> int:
-        total = self.steps_per_epoch * self.epochs
-        return min(total, self.max_steps) if self.max_steps else total
-
-    def indices(self, step: int) -> list[int]:
-        epoch, k = divmod(step - 1, self.steps_per_epoch)
-        order = torch.randperm(self.num_pairs, generator=torch.Generator().manual_seed(self.seed + epoch))
-        return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+def rm_schedule(cfg: PostTrainConfig, num_pairs: int) -> EpochSchedule:
+    """Which pairs each optimizer step of `posttrain rm` takes (``num_pairs`` usable training pairs); the
+    epoch's order is drawn from ``trainer.seed + epoch`` alone."""
+    r = cfg.rm
+    return EpochSchedule(
+        num_items=num_pairs,
+        batch_size=r.batch_size,
+        epochs=r.epochs,
+        seed=cfg.trainer.seed,
+        max_steps=r.max_steps,
+    )
 
 
 def rank_share(items: list, dp: DataParallel) -> list:
@@ -151,101 +137,14 @@ def validate_pairs(
     }
 
 
-def check_finite(model: nn.Module, dp: DataParallel = SINGLE_RANK) -> None:
-    """Refuse to checkpoint non-finite weights: every rank checks its own shards, all learn the verdict."""
-    bad = [
-        n
-        for n, p in model.named_parameters()
-        if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
-    ]
-    if dp.all_reduce_sum([float(len(bad))])[0]:
-        raise RuntimeError(
-            f"non-finite weights in {bad[:3] or 'another rank'}; the last checkpoint is left as it was"
-        )
-
-
-def resume(run_dir: Path, how: str, trainable: Trainable, quiet: bool) -> int:
-    """Restore the latest (or the named) checkpoint; returns its step (0: a fresh run)."""
-    ckpt = find_checkpoint(run_dir, how)
-    if ckpt is None:
-        return 0
-    state = load_checkpoint(
-        ckpt,
+def rm_checkpoints(run_dir: Path, trainable: Trainable, keep_last: int, dist: DistContext) -> Checkpoints:
+    """What a checkpoint of `posttrain rm` holds: the model (a LoRA model's adapters and score head), its
+    optimizer and schedule; the step alone says which pairs come next (rm_schedule)."""
+    return Checkpoints(
+        run_dir=run_dir,
         modules={"rm": trainable.module},
         optimizers={"rm": trainable.optimizer},
         schedulers={"rm": trainable.scheduler},
-        verify=False,
-    )
-    if not quiet:
-        print(f"Resumed from {ckpt} (step {state['step']})")
-    return int(state["step"])
-
-
-def save(
-    run_dir: Path, step: int, trainable: Trainable, keep_last: int, dp: DataParallel = SINGLE_RANK
-) -> Path:
-    check_finite(trainable.module, dp)
-    return save_checkpoint(
-        run_dir,
-        step,
-        modules={"rm": trainable.module},
-        optimizers={"rm": trainable.optimizer},
-        schedulers={"rm": trainable.scheduler},
-        trainer_state={"step": step},
         keep_last=keep_last,
+        dist=dist,
     )
-
-
-@dataclass
-class LoopSettings:
-    run_dir: Path
-    pad_token_id: int
-    pairs_per_micro: int
-    center_coef: float
-    save_freq: int
-    keep_last: int
-    max_skipped_steps: int
-    save_on_terminate: bool
-    max_tokens: int = 0  # > 0: micro-batches by token budget (rm.use_dynamic_bsz)
-    packed_row_tokens: int = 0  # > 0: packed forward, rows of this many tokens (model.use_remove_padding)
-    dp: DataParallel = SINGLE_RANK  # the data-parallel ranks (several under torchrun)
-
-
-def run_steps(
-    s: LoopSettings,
-    trainable: Trainable,
-    pairs: list[TokenizedPair],
-    schedule: RMSchedule,
-    start: int,
-    on_step: Callable[[int, dict[str, float]], None],
-) -> None:
-    """Steps start+1..total: train, report (``on_step`` validates, logs, displays), checkpoint."""
-    signals = RunSignals(save_at_step_end=s.save_on_terminate).install()
-    skipped = 0
-    try:
-        for step in range(start + 1, schedule.total_steps + 1):
-            crash_if_asked(step, s.dp.dp_rank)  # a test's fault (POSTTRAIN_TEST_CRASH); nothing otherwise
-            chunk = [pairs[i] for i in schedule.indices(step)]
-            metrics = rm_step(
-                trainable, chunk, s.pad_token_id, s.pairs_per_micro, s.center_coef, s.max_tokens,
-                s.packed_row_tokens, s.dp,
-            )  # fmt: skip
-            on_step(step, metrics)
-            skipped = skipped + 1 if metrics.get("rm/skipped_steps") else 0
-            if skipped > s.max_skipped_steps:
-                raise ConfigError(
-                    f"{skipped} optimizer steps in a row had a non-finite gradient (trainer.max_skipped_steps="
-                    f"{s.max_skipped_steps}); lower rm.optim.lr or check the data"
-                )
-            saved = (s.save_freq and step % s.save_freq == 0) or step == schedule.total_steps
-            if saved:
-                with signals.critical():
-                    save(s.run_dir, step, trainable, s.keep_last, s.dp)
-            signals.stop_after_step(
-                step,
-                bool(saved),
-                lambda st=step: save(s.run_dir, st, trainable, s.keep_last, s.dp),
-                lambda asked: s.dp.all_reduce_sum([float(asked)])[0] > 0,  # SIGTERM on any rank
-            )
-    finally:
-        signals.restore()

@@ -3,7 +3,8 @@
 An SFT example is a prompt (chat template applied) and a target response followed by EOS, or a whole
 conversation (multi-turn, with tool calls and tool results) trained on its assistant messages only
 (posttrain.sft.conversation). It is laid out like a rollout sample, so each optimizer step is the RL update's own
-(``posttrain.train.update.update_mini_batch``: global loss normalisation, micro-batches, clipping).
+(``posttrain.train.update.update_mini_batch``: global loss normalisation, micro-batches, clipping), and the
+steps run on the training loop of every command (posttrain.train.loop).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
 from torch import nn
 
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
+from posttrain.batching.epochs import EpochSchedule
 from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
@@ -26,14 +28,12 @@ from posttrain.forward.options import pass_options
 from posttrain.forward.passes import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
 from posttrain.models.prepare import check_policy_switches, prepare_policy
 from posttrain.sft.conversation import conversation_example, is_conversation
+from posttrain.train.loop import Checkpoints, LoopSettings, TrainLoop
 from posttrain.train.trainable import Trainable
 from posttrain.train.update import update_mini_batch
 from posttrain.utils.console import TrainingDisplay
 
 log = logging.getLogger("posttrain.sft")
-
-# on_step(step, total_steps, step_metrics) -> extra metrics (e.g. validation) for that step
-StepHook = Callable[[int, int, dict[str, float]], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -89,50 +89,48 @@ def _sft_loss(model: nn.Module, options: ForwardOptions = DEFAULT_OPTIONS):
     return loss_fn
 
 
-def train_sft(
-    model: nn.Module,
-    examples: list[SFTExample],
-    plan: UpdatePlan,
-    trainable: Trainable,
-    *,
-    seed: int,
-    pad_token_id: int,
-    max_steps: int = 0,
-    display: TrainingDisplay | None = None,
-    options: ForwardOptions = DEFAULT_OPTIONS,
-    on_step: StepHook | None = None,
-) -> list[dict[str, float]]:
-    """Epochs over shuffled examples; one optimizer step per `plan.mini_batch_samples` examples.
-
-    ``options``: how the forward runs (packing, activation offload), from the model section of the config.
-    ``on_step(step, total, metrics)``: called after each optimizer step; the metrics it returns (validation)
-    join the step's, on the console and in the history.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    history: list[dict[str, float]] = []
-    steps_per_epoch = len(examples) // plan.mini_batch_samples
-    total = (
-        steps_per_epoch * plan.ppo_epochs
-        if not max_steps
-        else min(max_steps, steps_per_epoch * plan.ppo_epochs)
+def sft_schedule(seed: int, num_examples: int, plan: UpdatePlan, max_steps: int) -> EpochSchedule:
+    """Which examples each optimizer step takes: plan.mini_batch_samples (sft.batch_size) per step,
+    plan.ppo_epochs (sft.epochs) passes, at most ``max_steps`` (sft.max_steps; 0: all)."""
+    return EpochSchedule(
+        num_items=num_examples,
+        batch_size=plan.mini_batch_samples,
+        epochs=plan.ppo_epochs,
+        seed=seed,
+        max_steps=max_steps,
+        shuffle="one_generator",
     )
-    loss_fn = _sft_loss(model, options)
-    model.train()
-    for _epoch in range(plan.ppo_epochs):
-        order = torch.randperm(len(examples), generator=gen).tolist()
-        for s in range(steps_per_epoch):
-            if len(history) >= total:
-                return history
-            chunk = [
-                examples[i] for i in order[s * plan.mini_batch_samples : (s + 1) * plan.mini_batch_samples]
-            ]
-            metrics = _sft_step(chunk, plan, trainable, loss_fn, pad_token_id)
-            if on_step is not None:
-                metrics.update(on_step(len(history) + 1, total, metrics))
-            history.append(metrics)
-            if display is not None:
-                display.update(len(history), metrics)
-    return history
+
+
+@dataclass(frozen=True)
+class SFTTraining:
+    """SFT of one model, ready to run: its examples, their schedule, the optimizer and the loss.
+    ``step(s)`` trains optimizer step s (1-based), the step function of the training loop."""
+
+    model: nn.Module
+    examples: list[SFTExample]
+    plan: UpdatePlan
+    schedule: EpochSchedule
+    trainable: Trainable
+    loss_fn: Callable
+    pad_token_id: int
+
+    def step(self, step: int) -> dict[str, float]:
+        self.model.train()  # validation puts it back as it found it; this is for the first step
+        chunk = [self.examples[i] for i in self.schedule.indices(step)]
+        return _sft_step(chunk, self.plan, self.trainable, self.loss_fn, self.pad_token_id)
+
+    def checkpoints(self, run_dir: Path, keep_last: int) -> Checkpoints:
+        """What a checkpoint of SFT holds: the model (a LoRA model's adapters only), its optimizer and
+        schedule; the step alone says which examples come next (the schedule)."""
+        t = self.trainable
+        return Checkpoints(
+            run_dir=run_dir,
+            modules={"sft": t.module},
+            optimizers={"sft": t.optimizer},
+            schedulers={"sft": t.scheduler},
+            keep_last=keep_last,
+        )
 
 
 def _sft_step(
@@ -154,11 +152,10 @@ def _sft_step(
         max_tokens=None,
         norm_constant=mini.response_width,
     )
-    return {
-        "sft/loss": metrics["loss"],
-        "sft/grad_norm": metrics["grad_norm"],
-        "sft/lr": trainable.lr,
-    }
+    out = {"sft/loss": metrics["loss"], "sft/grad_norm": metrics["grad_norm"], "sft/lr": trainable.lr}
+    if "skipped_steps" in metrics:  # a non-finite gradient: the step was skipped (the loop's guard reads it)
+        out["sft/skipped_steps"] = metrics["skipped_steps"]
+    return out
 
 
 def sft_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[PromptRecord]:
@@ -170,15 +167,10 @@ def sft_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[Prom
     ]
 
 
-def run_sft(
-    cfg: PostTrainConfig,
-    model: nn.Module,
-    tokenizer,
-    records: list[PromptRecord],
-    quiet: bool = False,
-    on_step: StepHook | None = None,
-):
-    """SFT `model` in place on `records` with the `sft` section's settings; returns the metric history.
+def prepare_sft(
+    cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[PromptRecord]
+) -> SFTTraining:
+    """SFT of `model` in place on `records` with the `sft` section's settings.
 
     The model section's switches apply as for the actor (model.use_remove_padding, enable_gradient_checkpointing,
     enable_activation_offload, use_liger), checked before any step runs.
@@ -193,24 +185,41 @@ def run_sft(
         raise ConfigError(
             f"sft.batch_size ({cfg.sft.batch_size}) exceeds the {len(examples)} usable SFT examples; lower it"
         )
-    steps = (len(examples) // plan.mini_batch_samples) * plan.ppo_epochs
-    if cfg.sft.max_steps:
-        steps = min(steps, cfg.sft.max_steps)
-    trainable = Trainable.create(model, cfg.sft.optim, steps)
-    display = TrainingDisplay(total_steps=max(steps, 1), description="sft", disable=quiet, every=10)
-    display.start()
-    try:
-        return train_sft(
-            model,
-            examples,
-            plan,
-            trainable,
-            seed=cfg.trainer.seed,
-            pad_token_id=tokenizer.pad_token_id,
-            max_steps=cfg.sft.max_steps,
-            display=display,
-            options=options,
-            on_step=on_step,
-        )
-    finally:
-        display.stop()
+    schedule = sft_schedule(cfg.trainer.seed, len(examples), plan, cfg.sft.max_steps)
+    return SFTTraining(
+        model=model,
+        examples=examples,
+        plan=plan,
+        schedule=schedule,
+        trainable=Trainable.create(model, cfg.sft.optim, schedule.total_steps),
+        loss_fn=_sft_loss(model, options),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def sft_display(total_steps: int, start: int, quiet: bool) -> TrainingDisplay:
+    return TrainingDisplay(
+        total_steps=total_steps, start_step=start, description="sft", disable=quiet, every=10
+    )
+
+
+def run_sft(
+    cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[PromptRecord], quiet: bool = False
+) -> list[dict[str, float]]:
+    """SFT `model` in place on `records` on the training loop, without a run directory (no checkpoints, no
+    metrics file, no validation: the built-in model's warm start); returns each step's metrics."""
+    training = prepare_sft(cfg, model, tokenizer, records)
+    history: list[dict[str, float]] = []
+
+    def step(s: int) -> dict[str, float]:
+        history.append(training.step(s))
+        return history[-1]
+
+    total = training.schedule.total_steps
+    TrainLoop(
+        settings=LoopSettings.of(cfg.trainer, total),
+        step=step,
+        roles=("sft",),
+        display=sft_display(total, 0, quiet),
+    ).run(0)
+    return history

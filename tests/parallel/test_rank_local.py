@@ -14,7 +14,7 @@ from tests.parallel.test_distributed_training import _metrics, _options, _run, _
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]  # a hung job fails the test, its processes killed
 
 # Checkpointing moves the model's state (its size, not the batch's): left out of the step's bytes.
-CHECKPOINT_CALLERS = ("posttrain.train.", "posttrain.rl.guards:")
+CHECKPOINT_CALLERS = ("posttrain.train.",)
 
 
 def _step_options(model_dir, run_dir: Path, prompts: int) -> dict:

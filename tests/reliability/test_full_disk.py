@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -76,12 +77,17 @@ def test_a_full_disk_during_a_checkpoint_exits_2_and_keeps_the_last_one(
 
 
 def test_a_full_disk_during_the_sft_export_leaves_no_sft_model(mounts, tmp_path, tiny_model_dir, capsys):
-    """Drill: `SafetensorError ... No space left on device` was a traceback and left a half-written sft_model/."""
+    """Drill: `SafetensorError ... No space left on device` was a traceback and left a half-written sft_model/.
+    The export follows the final checkpoint, which is larger: the disk fills between the two here by deleting
+    a finished run's export and filling the disk before the rerun that writes it again from the checkpoint."""
     disk = mounts(tmp_path / "disk")
     run = disk / "run"
     args = sft_cli_args(tmp_path / "run", tiny_model_dir)
     args[1] = f"trainer.run_dir={run}"
+    assert main(["sft", *args]) == 0
+    shutil.rmtree(run / "sft_model")
     _fill_leaving(disk, _size(tiny_model_dir) // 2)
+    capsys.readouterr()
     assert main(["sft", *args]) == 2
     err = capsys.readouterr().err
     assert "no space left" in err and str(run / "sft_model") in err and "Traceback" not in err

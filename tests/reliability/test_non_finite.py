@@ -9,11 +9,15 @@ import torch
 from torch import nn
 
 from posttrain.cli import main
+from posttrain.config.load import build_config
 from posttrain.parallel.runtime import DistContext
 from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rl.guards import NonFiniteError, SkippedStepGuard, check_finite_weights
 from posttrain.rl.train_command import run_training
-from tests.helpers import read_metrics, small_config
+from posttrain.rm.command import run_rm_command
+from posttrain.rm.demo import write_arithmetic_pairs
+from posttrain.sft.command import run_sft_command
+from posttrain.train.guards import NonFiniteError, SkippedStepGuard, check_finite_weights
+from tests.helpers import read_metrics, sft_cli_args, small_config
 
 
 @pytest.mark.parametrize(
@@ -38,7 +42,7 @@ def test_non_finite_or_malformed_optimizer_values_are_config_errors(override, ke
 
 
 def test_skipped_step_guard_warns_and_stops_after_a_streak(caplog):
-    guard = SkippedStepGuard(limit=2)
+    guard = SkippedStepGuard(limit=2, roles=("actor", "critic"))
     ok = {"actor/optimizer_steps": 2.0, "actor/skipped_steps": 0.0}
     partial = {"actor/optimizer_steps": 2.0, "actor/skipped_steps": 1.0}
     total = {"actor/optimizer_steps": 2.0, "actor/skipped_steps": 2.0}
@@ -51,19 +55,47 @@ def test_skipped_step_guard_warns_and_stops_after_a_streak(caplog):
         guard.observe(5, total)
 
 
-def test_a_run_whose_gradients_are_all_nan_stops_and_keeps_no_bad_checkpoint(
-    tiny_model_dir, tmp_path, monkeypatch
+def _train(model_dir, run, *extra):
+    run_training(small_config(model_dir, run, "trainer.total_steps=5", *extra), quiet=True)
+
+
+def _rm(model_dir, run, *extra):
+    write_arithmetic_pairs(run.parent, n_train=16, n_val=6, seed=3)
+    overrides = [
+        f"model.path={model_dir}",
+        f"data.train_files=[{run.parent / 'train.jsonl'}]",
+        f"data.val_files=[{run.parent / 'val.jsonl'}]",
+        f"trainer.run_dir={run}",
+        "rm.batch_size=4",
+        "rm.micro_batch_size_per_gpu=2",
+        "rm.max_steps=4",
+        "trainer.test_freq=2",
+    ]
+    run_rm_command(build_config(overrides=[*overrides, *extra]), quiet=True)
+
+
+def _sft(model_dir, run, *extra):
+    run_sft_command(build_config(overrides=[*sft_cli_args(run, model_dir, rows=20), *extra]), quiet=True)
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+@pytest.mark.parametrize("command", [_train, _rm, _sft], ids=["train", "rm", "sft"])
+def test_every_command_stops_after_max_skipped_steps_and_keeps_no_bad_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch, command, limit
 ):
+    """trainer.max_skipped_steps=N: the N-th consecutive step whose optimizer steps were all skipped stops the
+    run, in every command (drill: `posttrain rm` stopped at the N+1-th, `posttrain sft` never stopped)."""
+
     def nan_norm(params, max_norm, *args, **kwargs):
         return torch.tensor(math.nan)
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_norm)
     run = tmp_path / "run"
-    cfg = small_config(tiny_model_dir, run, "trainer.total_steps=4", "trainer.max_skipped_steps=2")
-    with pytest.raises(NonFiniteError, match="steps 1-2"):
-        run_training(cfg, quiet=True)
-    metrics = read_metrics(run)
-    assert [m["actor/skipped_steps"] for m in metrics] == [2.0, 2.0]  # counted in metrics, per step
+    with pytest.raises(NonFiniteError, match=f"steps 1-{limit}: .*trainer.max_skipped_steps={limit}"):
+        command(tiny_model_dir, run, f"trainer.max_skipped_steps={limit}")
+    steps = [m for m in read_metrics(run) if m["step"] >= 1]
+    assert [m["step"] for m in steps] == list(range(1, limit + 1))  # counted in metrics, per step
+    assert all(v for m in steps for k, v in m.items() if k.endswith("/skipped_steps"))
     assert not (run / "checkpoints").exists()
 
 

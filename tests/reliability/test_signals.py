@@ -97,7 +97,7 @@ def test_ctrl_c_during_a_save_gives_the_one_line_message_and_a_complete_checkpoi
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
     from posttrain.cli import main
-    from posttrain.rl import train_command as loop
+    from posttrain.train import loop
     from posttrain.train.checkpoint import find_checkpoint
 
     original = loop.save_checkpoint

@@ -135,13 +135,13 @@ def test_sft_with_lora_trains_adapters_and_exports(tiny_model_dir, tmp_path, mon
     from posttrain.sft import command as sft
 
     trained = {}
-    original = sft.run_sft
+    original = sft.prepare_sft
 
     def capture(cfg, model, *args, **kwargs):
         trained["model"] = model
         return original(cfg, model, *args, **kwargs)
 
-    monkeypatch.setattr(sft, "run_sft", capture)
+    monkeypatch.setattr(sft, "prepare_sft", capture)
     extra = [
         "model.lora_rank=8",
         "model.lora_alpha=16",

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.batching.epochs import EpochSchedule
 from posttrain.cli import main
 from posttrain.rm.demo import write_arithmetic_pairs
-from posttrain.rm.loop import RMSchedule
 from posttrain.utils.metrics import read_metrics
 from tests.parallel.conftest import (
     REPO,
@@ -103,7 +103,11 @@ def test_two_ranks_train_like_one_and_resume_on_one(tmp_path, tiny_model_dir, da
 def _uneven_pairs(data_dir, out_dir):
     """8 training pairs whose 2 steps of 4 give rank 0 two long pairs (one micro-batch each under a budget of
     140 tokens) and rank 1 two short ones (one micro-batch together): the ranks make 2 and 1 micro-batches."""
-    order = [i for step in (1, 2) for i in RMSchedule(8, 4, 1, 2, seed=1).indices(step)]  # trainer.seed=1
+    order = [
+        i
+        for step in (1, 2)
+        for i in EpochSchedule(num_items=8, batch_size=4, epochs=1, seed=1, max_steps=2).indices(step)
+    ]  # trainer.seed=1
     long_rows = {i for k, i in enumerate(order) if k % 4 < 2}  # the first half of each step: rank 0's share
     rows = []
     for i in range(8):
