@@ -42,7 +42,7 @@ from posttrain.rl.train_command import run_training
 from posttrain.rm.command import model_config as rm_model_config
 from posttrain.rm.command import run_rm_command
 from posttrain.sandbox.build import build_sandbox, probe_line
-from posttrain.sandbox.server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, ServerSettings, read_token, serve
+from posttrain.sandbox.server import add_serve_arguments, serve, settings_from_arguments
 from posttrain.sft.command import run_sft_command
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
 from posttrain.utils.storage import storage_problem
@@ -189,8 +189,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=120)
     console.print(plan_tree(cfg, plan))
-    turns = multi_turn_tree(cfg)
-    if turns is not None:
+    if (turns := multi_turn_tree(cfg)) is not None:
         console.print(turns)
     if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
         # As plain lines: rich would wrap them where the bwrap path's length puts them, and eat a path's [x]
@@ -261,11 +260,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox_serve(args: argparse.Namespace) -> int:
-    token = read_token(args.token_file) if args.token_file else None
-    settings = ServerSettings(args.host, args.port, token, args.max_connections, args.request_timeout_s)
-    settings.check()  # before the sandbox is built: refuse at once
-    serve(build_sandbox(_load(args).sandbox), settings)
-    return 0
+    settings = settings_from_arguments(args)  # checked before the sandbox is built: refuse at once
+    return serve(build_sandbox(_load(args).sandbox), settings) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,28 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     sandbox = sub.add_parser("sandbox", help="Sandboxed code execution (docs/sandbox.md).")
-    serve_cmd = _add_command(
-        sandbox.add_subparsers(dest="sandbox_command", required=True),
-        "serve",
-        cmd_sandbox_serve,
-        "Serve the sandbox of the `sandbox` config section over SandboxFusion's POST /run_code API "
-        "(limits, token: docs/sandbox.md).",
-    )
-    serve_cmd.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1)")
-    serve_cmd.add_argument("--port", type=int, default=8080, help="Port to listen on (default: 8080)")
-    serve_cmd.add_argument(
-        "--token-file",
-        default="",
-        help="File holding the bearer token requests must send; required off loopback",
-    )
-    serve_cmd.add_argument(
-        "--max-connections", type=int, default=MAX_CONNECTIONS, help="Served at once; beyond: 503"
-    )
-    serve_cmd.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=REQUEST_TIMEOUT_S,
-        help="For a request to arrive in full; idle limit",
+    add_serve_arguments(
+        _add_command(
+            sandbox.add_subparsers(dest="sandbox_command", required=True),
+            "serve",
+            cmd_sandbox_serve,
+            "Serve the sandbox of the `sandbox` config section over SandboxFusion's POST /run_code API "
+            "(limits, token: docs/sandbox.md).",
+        )
     )
     return parser
 

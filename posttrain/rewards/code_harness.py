@@ -215,14 +215,34 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _kill_leftovers() -> None:
+def _kill_leftovers(wait_s: float = 1.0) -> None:
     """Every process of the sandbox but its init and this one: what a case left outside its process group
     (``setsid``), so that the next case starts as in a sandbox of its own. Only where the host says the run has
     a PID namespace of its own (the local bwrap sandbox: then this harness is its second process), because
-    kill(-1) reaches every process the caller may signal."""
-    if os.getpid() == 2:
-        with contextlib.suppress(OSError):
-            os.kill(-1, signal.SIGKILL)
+    kill(-1) reaches every process the caller may signal. Returns once they are dead (at most ``wait_s``): a
+    SIGKILLed process is still listed, running, for a moment, and the next case could see it."""
+    if os.getpid() != 2:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(-1, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while _others_alive() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _others_alive() -> bool:
+    """Whether a process other than the namespace's init and this one is still alive (not yet a zombie)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in (1, os.getpid()):
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone while we looked
+        if state not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def _collect(pid: int, fds: tuple, cap: int, deadline: float, kill_all: bool) -> dict:

@@ -9,6 +9,7 @@ server is meant for loopback only (see :func:`check_exposure`)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hmac
 import io
@@ -380,3 +381,32 @@ def serve(sandbox: Sandbox, settings: ServerSettings) -> None:
     finally:
         server.server_close()
         sandbox.close()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`posttrain sandbox serve`'s flags."""
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="Port to listen on (default: 8080)")
+    parser.add_argument(
+        "--token-file",
+        default="",
+        help="File holding the bearer token requests must send; required off loopback",
+    )
+    parser.add_argument(
+        "--max-connections", type=int, default=MAX_CONNECTIONS, help="Served at once; beyond: 503"
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        help="For a request to arrive in full; idle limit",
+    )
+
+
+def settings_from_arguments(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from its flags, checked (a ConfigError for a setting that cannot serve, or that would
+    open the sandbox to the network)."""
+    token = read_token(args.token_file) if args.token_file else None
+    settings = ServerSettings(args.host, args.port, token, args.max_connections, args.request_timeout_s)
+    settings.check()
+    return settings
