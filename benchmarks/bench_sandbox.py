@@ -151,15 +151,15 @@ def scoring_a_step(max_concurrent: int, rounds: int) -> list[float]:
     """Seconds to score 16 correct programs (every test case runs) with the code reward, in the runner."""
     from posttrain.config.schema.sandbox import SandboxConfig
     from posttrain.rewards import RewardInput, RewardRunner, resolve_reward_function
-    from posttrain.rewards.code import configure_code_reward
+    from posttrain.sandbox.build import RunSandbox
 
     rows = [json.loads(line) for line in CODE_DATA.open()]
     samples = [
         RewardInput("", f"```python\n{SOLUTIONS[i % 6]}\n```", rows[i % 6]["answer"]) for i in range(16)
     ]
-    configure_code_reward(SandboxConfig(max_concurrent=max_concurrent))
+    run_sandbox = RunSandbox(SandboxConfig(max_concurrent=max_concurrent))
     out = []
-    with RewardRunner(resolve_reward_function("code"), timeout_s=10.0) as runner:
+    with RewardRunner(resolve_reward_function("code", sandbox=run_sandbox), timeout_s=10.0) as runner:
         for _ in range(rounds):
             rewards, metrics = runner.score(samples)
             assert rewards == [1.0] * 16, rewards

@@ -34,7 +34,7 @@ from posttrain.planning.preflight import check_loggers, check_model_path, prefli
 from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.planning.tune import run_tune
-from posttrain.rewards.code import code_reward
+from posttrain.rewards.code import CodeReward
 from posttrain.rl.collect.rollout import scoring_line
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
@@ -193,7 +193,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(turns)
     if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
         # As plain lines: rich would wrap them where the bwrap path's length puts them, and eat a path's [x]
-        for line in (probe_line(cfg.sandbox), scoring_line(cfg, select_device(cfg).type, code_reward)):
+        for line in (probe_line(cfg.sandbox), scoring_line(cfg, select_device(cfg).type, CodeReward)):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
     if estimate is None:
         console.print(

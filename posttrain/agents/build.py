@@ -31,11 +31,12 @@ from typing import Any
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
 from posttrain.agents.builtin import CalculatorEnv, GuessNumberEnv
 from posttrain.agents.env import Environment, ToolEnvironment
-from posttrain.agents.python_tool import PythonEnv, configure_python_tool, uses_python
+from posttrain.agents.python_tool import PythonEnv, bind_python, uses_python
 from posttrain.agents.tool_config import load_tool_config
 from posttrain.agents.tools import ToolSet
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.sandbox.build import RunSandbox
 from posttrain.utils.user_code import function_of, import_file
 
 EnvFactory = Callable[[dict[str, Any]], Environment]
@@ -111,6 +112,8 @@ def check_env_kwargs(spec: EnvSpec, kwargs: dict[str, Any]) -> None:
         return
     if spec.kind == SKYRL:
         return
+    if spec.cls is PythonEnv:  # its sandbox is the run's, not a key of env.kwargs
+        kwargs = {**kwargs, "sandbox": None}
     try:
         signature = inspect.signature(spec.cls)
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
@@ -162,18 +165,20 @@ def _plain_or_skyrl_row(row: dict[str, Any], tools: ToolSet, calls: int, timeout
     return ToolEnvironment(tools, calls, timeout)
 
 
-def environment_factory(cfg: PostTrainConfig) -> EnvFactory:
-    """``make_env(row)`` for this run's multi-turn rollouts (see the module docstring)."""
+def environment_factory(cfg: PostTrainConfig, sandbox: RunSandbox | None = None) -> EnvFactory:
+    """``make_env(row)`` for this run's multi-turn rollouts (see the module docstring). ``sandbox``: the run's,
+    where the python tool runs code (one of the `sandbox` section's own when none is given)."""
     mt, env = cfg.rollout.multi_turn, cfg.env
     tools = load_tools(cfg)
     spec = resolve_env(env.path)
     check_env_kwargs(spec, env.kwargs)
     calls, timeout = mt.max_parallel_calls, mt.tool_timeout_s
     kwargs = dict(env.kwargs)
-    if spec.cls is PythonEnv or uses_python(tools):  # the python tool's sandbox: built once, for the run
-        configure_python_tool(cfg.sandbox)
-    if spec.cls is PythonEnv:  # the run's tool-call limits, unless env.kwargs sets its own
-        kwargs = {"max_parallel_calls": calls, "timeout_s": timeout, **kwargs}
+    if spec.cls is PythonEnv or uses_python(tools):  # the run's sandbox, shared with the code reward
+        box = (sandbox or RunSandbox(cfg.sandbox)).get()
+        tools = bind_python(tools, box)
+        if spec.cls is PythonEnv:  # the run's tool-call limits, unless env.kwargs sets its own
+            kwargs = {"max_parallel_calls": calls, "timeout_s": timeout, **kwargs, "sandbox": box}
     if spec.kind == "none":
         return lambda row: _plain_or_skyrl_row(row, tools, calls, timeout)
     if spec.kind == SKYRL:

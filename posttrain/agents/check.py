@@ -13,6 +13,7 @@ from posttrain.agents.build import SKYRL, check_env_kwargs, environment_factory,
 from posttrain.agents.env import Environment
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.sandbox.build import RunSandbox
 
 
 def check_multi_turn(cfg: PostTrainConfig) -> None:
@@ -41,10 +42,10 @@ def check_multi_turn(cfg: PostTrainConfig) -> None:
     sample_environment(cfg).close()
 
 
-def sample_environment(cfg: PostTrainConfig) -> Environment:
+def sample_environment(cfg: PostTrainConfig, sandbox: RunSandbox | None = None) -> Environment:
     """One environment made as the run will make them (an empty row; SkyRL's are made at reset): its constructor
-    runs with `env.kwargs`, and a failure there is a ConfigError naming the keys."""
-    make_env = environment_factory(cfg)
+    runs with `env.kwargs`, and a failure there is a ConfigError naming the keys. ``sandbox``: the run's."""
+    make_env = environment_factory(cfg, sandbox)
     try:
         return make_env({})
     except ConfigError:

@@ -7,45 +7,21 @@ Two ways to use it:
   tool call ends the episode);
 - in a tool config, beside other tools: ``- path: posttrain.agents.python_tool:python``.
 
-The sandbox is built once per run, from the run's `sandbox` section, when the environment factory is made
-(:func:`configure_python_tool`; a ConfigError then, before any model loads, when it cannot work here). The multi-turn
-loop truncates the tool message in tokens (`rollout.multi_turn.max_tool_response_length`); the sandbox caps it in
-bytes first (`sandbox.max_output_bytes`).
+The tool runs code in the run's one sandbox (:class:`posttrain.sandbox.build.RunSandbox`, shared with the code
+reward), bound to it where the run's environments are made (:func:`bind_python`): the module-level
+:func:`python` is its name, signature and description. The multi-turn loop truncates the tool message in tokens
+(`rollout.multi_turn.max_tool_response_length`); the sandbox caps it in bytes first (`sandbox.max_output_bytes`).
 """
 
 from __future__ import annotations
 
-import threading
+from dataclasses import replace
 from typing import Any
 
 from posttrain.agents.env import ToolEnvironment
-from posttrain.agents.tools import ToolSet, make_tool
-from posttrain.config.schema.sandbox import SandboxConfig
-from posttrain.sandbox.build import Sandbox, build_sandbox
+from posttrain.agents.tools import Tool, ToolSet, make_tool
+from posttrain.sandbox.build import Sandbox
 from posttrain.sandbox.python_tool import run_python
-
-_LOCK = threading.Lock()
-_CURRENT: list[tuple[SandboxConfig, Sandbox]] = []  # the run's (config, sandbox), at most one
-
-
-def configure_python_tool(cfg: SandboxConfig) -> Sandbox:
-    """The sandbox the python tool runs code in, built from ``cfg`` (reused while the config is the same)."""
-    with _LOCK:
-        if _CURRENT and _CURRENT[0][0] == cfg:
-            return _CURRENT[0][1]
-        box = build_sandbox(cfg)
-        if _CURRENT:
-            _CURRENT.pop()[1].close()
-        _CURRENT.append((cfg, box))
-        return box
-
-
-def current_sandbox() -> Sandbox:
-    """The configured sandbox (the `sandbox` defaults when no run configured one)."""
-    with _LOCK:
-        if _CURRENT:
-            return _CURRENT[0][1]
-    return configure_python_tool(SandboxConfig())
 
 
 def python(code: str) -> str:
@@ -55,12 +31,32 @@ def python(code: str) -> str:
         code: a complete Python program; print what you want to see, e.g. "print(123 * 456)". There is no
             network, and nothing is kept between calls.
     """
-    return run_python(code, current_sandbox())
+    raise RuntimeError(
+        "the python tool runs in the run's sandbox: bind it with posttrain.agents.python_tool.bind_python"
+    )
 
 
-def python_tools() -> ToolSet:
-    """A tool set holding the python tool alone."""
-    return ToolSet([make_tool(python)])
+class _BoundPython:
+    """The python tool over one sandbox (a class, not a closure: it names itself in errors and pickles)."""
+
+    __name__ = "python"
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+
+    def __call__(self, code: str) -> str:
+        return run_python(code, self.sandbox)
+
+
+def python_tool(sandbox: Sandbox) -> Tool:
+    """The python tool, running code in ``sandbox``."""
+    plain = make_tool(python)
+    return replace(plain, fn=_BoundPython(sandbox))
+
+
+def bind_python(tools: ToolSet, sandbox: Sandbox) -> ToolSet:
+    """``tools`` with the python tool (if it is one of them) running in ``sandbox``."""
+    return ToolSet([python_tool(sandbox) if t.fn is python else t for t in tools.tools.values()])
 
 
 def uses_python(tools: ToolSet) -> bool:
@@ -77,9 +73,13 @@ class PythonEnv(ToolEnvironment):
     """
 
     def __init__(
-        self, max_parallel_calls: int = 4, timeout_s: float = 30.0, show_schemas: bool = True
+        self,
+        sandbox: Sandbox,
+        max_parallel_calls: int = 4,
+        timeout_s: float = 30.0,
+        show_schemas: bool = True,
     ) -> None:
-        super().__init__(python_tools(), max_parallel_calls, timeout_s)
+        super().__init__(ToolSet([python_tool(sandbox)]), max_parallel_calls, timeout_s)
         self.show_schemas = show_schemas
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import ConfigError
-from posttrain.config.schema.sandbox import SandboxConfig
+from posttrain.config.schema.sandbox import CodeRewardConfig
 from posttrain.rewards import code_harness, counts
 from posttrain.rewards.code_harness import text_digest, value_digest
-from posttrain.sandbox.build import Sandbox, build_sandbox
+from posttrain.sandbox.build import Sandbox
 from posttrain.sandbox.process import run_status
 from posttrain.sandbox.types import (
     FINISHED,
@@ -276,38 +276,10 @@ def _count(**kw: int) -> None:
     counts.add("code", {name: kw.get(name, 0) for name in counts.CODE_COUNTS})
 
 
-_DEFAULT: CodeReward | None = None
-
-
-def configure_code_reward(cfg: SandboxConfig) -> CodeReward:
-    """Build the sandbox of the `sandbox` section for the built-in `code` reward (a ConfigError now, at start-up,
-    when it cannot work here)."""
-    global _DEFAULT
-    reward = cfg.code_reward
-    _DEFAULT = CodeReward(build_sandbox(cfg), reward.mode, reward.max_cases, reward.cases_per_run)
-    return _DEFAULT
-
-
 #: The reward names that run code in the sandbox (``data_source_code``: data with code sources).
 SANDBOX_REWARDS = ("code", "data_source_code")
 
 
-def configure_reward_sandbox(reward_spec: str, cfg: SandboxConfig) -> None:
-    """Build the `sandbox` section's sandbox when ``reward_spec`` runs code (a ConfigError now, at start-up, when
-    it cannot work here); every command that scores with a reward (train, eval, SFT validation) calls it."""
-    if reward_spec in SANDBOX_REWARDS:
-        configure_code_reward(cfg)
-
-
-def _configured() -> CodeReward:
-    return _DEFAULT or configure_code_reward(SandboxConfig())
-
-
-def code_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
-    """The `code` reward with the sandbox set by :func:`configure_code_reward` (the defaults if none was)."""
-    return _configured()(prompt, response, ground_truth, extra)
-
-
-# The runner scores several samples at once (posttrain.rewards.many); asked before the first call, so the
-# sandbox is built once, not by each thread.
-code_reward.samples_at_once = lambda: _configured().samples_at_once()  # type: ignore[attr-defined]
+def code_reward_of(cfg: CodeRewardConfig, sandbox: Sandbox) -> CodeReward:
+    """The `code` reward of the `sandbox.code_reward` section, over the run's sandbox."""
+    return CodeReward(sandbox, cfg.mode, cfg.max_cases, cfg.cases_per_run)

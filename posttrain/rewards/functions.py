@@ -31,7 +31,8 @@ from posttrain.data.tasks import calculator_reward, environment_reward
 from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.gsm8k import gsm8k_reward
 from posttrain.data.tasks.reasoning_gym import reasoning_gym_reward
-from posttrain.rewards.code import code_reward
+from posttrain.rewards.code import CodeReward, code_reward_of
+from posttrain.sandbox.build import RunSandbox
 from posttrain.utils.user_code import function_of, import_file
 
 RewardFn = Callable[[str, str, "str | None", dict[str, Any]], float]
@@ -44,12 +45,26 @@ def exact_match_reward(prompt: str, response: str, ground_truth: str | None, ext
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
-def data_source_reward(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
+class DataSourceReward:
     """verl's default scorer: the built-in scorer for the row's ``data_source``; code sources
-    (:data:`~posttrain.data.scorers.CODE_SOURCES`) run their test cases in the sandbox (the ``code`` reward)."""
-    if extra.get("data_source") in CODE_SOURCES:
-        return code_reward(prompt, response, ground_truth, extra)
-    return score_by_data_source(prompt, response, ground_truth, extra)
+    (:data:`~posttrain.data.scorers.CODE_SOURCES`) run their test cases in the run's sandbox through ``code``
+    (the `code` reward; `data_source_code` gives one, plain `data_source` none). A class, so it pickles."""
+
+    def __init__(self, code: CodeReward | None = None) -> None:
+        self.code = code
+
+    def __call__(self, prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
+        if extra.get("data_source") not in CODE_SOURCES:
+            return score_by_data_source(prompt, response, ground_truth, extra)
+        if self.code is None:
+            raise ConfigError(
+                f"a row's data_source {extra.get('data_source')!r} is a code source, whose test cases run in the "
+                "sandbox: set reward.function=data_source_code (what posttrain picks for such data by itself)"
+            )
+        return self.code(prompt, response, ground_truth, extra)
+
+    def samples_at_once(self) -> int:  # the code reward's: thread-safe, and slow enough to score in parallel
+        return self.code.samples_at_once() if self.code is not None else 1
 
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
@@ -58,18 +73,22 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "calculator": calculator_reward,
     "environment": environment_reward,  # a multi-turn run's environment rewards alone (e.g. guess_number)
     "gsm8k": gsm8k_reward,
-    "code": code_reward,
     "gsm8k_strict": gsm8k_strict,
     "gsm8k_flexible": gsm8k_flexible,
     "math_verify": math_verify_score,
     "reasoning_gym": reasoning_gym_reward,
-    "data_source": data_source_reward,  # the scorer registered for each row's data_source (verl's default)
-    "data_source_code": data_source_reward,  # the same, for data with code sources: the sandbox is built first
+    "data_source": DataSourceReward(),  # the scorer registered for each row's data_source (verl's default)
 }
+# Built-ins that run code: they need the run's sandbox (resolve_reward_function's ``sandbox``).
+SANDBOX_REWARD_NAMES = ("code", "data_source_code")
+BUILT_IN_NAMES = sorted([*REWARD_FUNCTIONS, *SANDBOX_REWARD_NAMES])
 
 
-def resolve_reward_function(spec: str | RewardFn, data_source: str = "") -> RewardFn:
-    """The reward function named by ``spec``: a key of :data:`REWARD_FUNCTIONS` or ``file.py:fn_name``.
+def resolve_reward_function(
+    spec: str | RewardFn, data_source: str = "", sandbox: RunSandbox | None = None
+) -> RewardFn:
+    """The reward function named by ``spec``: a key of :data:`REWARD_FUNCTIONS`, one of
+    :data:`SANDBOX_REWARD_NAMES` (they run code in ``sandbox``, the run's), or ``file.py:fn_name``.
 
     A callable is returned unchanged, so code may pass a function directly. ``data_source`` is what a
     verl-style function receives as ``data_source`` when the record has no ``data_source`` field (the task
@@ -77,11 +96,16 @@ def resolve_reward_function(spec: str | RewardFn, data_source: str = "") -> Rewa
     """
     if callable(spec):
         return spec
+    if spec in SANDBOX_REWARD_NAMES:
+        if sandbox is None:
+            raise ValueError(f"reward function {spec!r} runs code: pass the run's sandbox")
+        code = code_reward_of(sandbox.cfg.code_reward, sandbox.get())
+        return code if spec == "code" else DataSourceReward(code)
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
     if ":" not in spec:
         raise ConfigError(
-            f"reward function {spec!r} is neither a built-in ({sorted(REWARD_FUNCTIONS)}) "
+            f"reward function {spec!r} is neither a built-in ({BUILT_IN_NAMES}) "
             "nor a user function written as 'path/to/file.py:function_name'"
         )
     # rsplit: the path part may itself contain ':' (a Windows drive letter).

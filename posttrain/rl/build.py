@@ -40,7 +40,6 @@ from posttrain.parallel.data_parallel import DataParallel, data_parallel
 from posttrain.parallel.fsdp import offload_optimizer_state, shard_model
 from posttrain.parallel.runtime import DistContext, select_device
 from posttrain.parallel.shares import data_share
-from posttrain.rewards.code import configure_reward_sandbox
 from posttrain.rewards.combine import RewardWeights
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import RewardModelScorer
@@ -53,6 +52,7 @@ from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
 from posttrain.rollout.weights import RolloutWeights
+from posttrain.sandbox.build import RunSandbox
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.checkpoint import load_module_weights
 from posttrain.train.checkpoint_index import check_resume_setting
@@ -263,13 +263,15 @@ def build_engine(
     )
 
 
-def build_reward_runner(cfg: PostTrainConfig, reward_spec: str, data_source: str = "") -> RewardRunner:
+def build_reward_runner(
+    cfg: PostTrainConfig, reward_spec: str, data_source: str = "", sandbox: RunSandbox | None = None
+) -> RewardRunner:
     """The reward function of ``reward_spec`` behind the `reward.*` guards (timeout, failure reward, fail fast);
-    ``data_source`` is what a verl-style ``compute_score`` receives."""
+    ``data_source`` is what a verl-style ``compute_score`` receives; ``sandbox``, the run's, where code rewards
+    run their programs (one of the `sandbox` section's own when none is given)."""
     rw = cfg.reward
-    configure_reward_sandbox(reward_spec, cfg.sandbox)  # code rewards run in the `sandbox` section's sandbox
     return RewardRunner(
-        resolve_reward_function(reward_spec, data_source),
+        resolve_reward_function(reward_spec, data_source, sandbox or RunSandbox(cfg.sandbox)),
         timeout_s=rw.timeout_s or None,
         failure_reward=rw.failure_reward,
         fail_fast=rw.fail_fast,
@@ -350,9 +352,9 @@ def build_components(
     """
     dist = dist or DistContext(device=select_device(cfg))
     plan, splits = check_run(cfg, dist.world_size, dist.device)
-    runner = build_reward_runner(
-        cfg, splits.reward_spec, splits.data_source
-    )  # imports the user's reward before any model loads
+    sandbox = RunSandbox(cfg.sandbox)  # the run's one sandbox: the code reward's and the python tool's
+    # the user's reward is imported (and the sandbox built, for a code reward) before any model loads
+    runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
     model_path = resolve_model_path(cfg, quiet=quiet)
     tokenizer = load_tokenizer(model_path)
     policy = build_policy(cfg, plan, dist, model_path, quiet)
@@ -381,7 +383,7 @@ def build_components(
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, dist.device),
         generation_device=dist.device.type,
-        agent=build_agent_loop(cfg, tokenizer),
+        agent=build_agent_loop(cfg, tokenizer, sandbox),
         kl_ctrl=build_kl_controller(cfg),
         forward=forward,
         dist=dist,
@@ -434,7 +436,8 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
     resolved (``model_path``): the same checks, data, sampler and reward as the trainer's, and an engine over
     a fresh copy of the weights (the trainer pushes its current ones before the first rollout)."""
     plan, splits = check_run(cfg, 1, device)
-    runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source)
+    sandbox = RunSandbox(cfg.sandbox)  # the rollout worker's: its reward and its python tool share it
+    runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
     tokenizer = load_tokenizer(model_path)
     train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
     # vLLM loads the weights itself; the native engine decodes with a plain module of its own.
@@ -452,6 +455,6 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
         sampler=sampler,
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, device),
-        agent=build_agent_loop(cfg, tokenizer),
+        agent=build_agent_loop(cfg, tokenizer, sandbox),
         generation_device=device.type,
     )

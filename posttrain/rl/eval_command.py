@@ -19,6 +19,7 @@ from posttrain.rl.collect.multi_turn import build_agent_loop
 from posttrain.rl.collect.validation import validate
 from posttrain.rl.eval_report import report_eval, trajectory_summary
 from posttrain.rollout.weights import RolloutWeights
+from posttrain.sandbox.build import RunSandbox
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
 from posttrain.utils.seed import seed_everything
@@ -58,7 +59,8 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     if not splits.val:
         raise ConfigError("no validation prompts: set data.val_files (or use a built-in task)")
     rows: list[dict] = []
-    with build_reward_runner(cfg, splits.reward_spec, splits.data_source) as runner:
+    sandbox = RunSandbox(cfg.sandbox)  # the run's one sandbox: the code reward's and the python tool's
+    with build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox) as runner:
         tokenizer, model, hf_dir, described = load_eval_model(cfg, path, device)
         prompts = tokenize_prompts(
             splits.val, tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
@@ -67,7 +69,7 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
         engine = build_engine(cfg, model, tokenizer, device, hf_dir)
         # vLLM reads hf_dir; a checkpoint's or an adapter's weights follow (a no-op for the native engine).
         RolloutWeights(cfg, engine).push(model)
-        agent = build_agent_loop(cfg, tokenizer)
+        agent = build_agent_loop(cfg, tokenizer, sandbox)
         metrics = validate(
             engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows, agent=agent
         )

@@ -53,6 +53,11 @@ class _UidPool:
         self.free: list[int] = []
         self.next = 0
         self.pid = -1
+        # a lock another thread held when this process forked would stay locked in the child for ever
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self.lock = threading.Lock()
 
     def take(self) -> int:
         with self.lock:

@@ -23,11 +23,11 @@ from posttrain.data.datasets import load_records, tokenize_prompts, warn_dropped
 from posttrain.data.fields import VERL_ANSWER_KEY, get_path, has_path, is_verl_row
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
-from posttrain.rewards.code import configure_reward_sandbox
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
+from posttrain.sandbox.build import RunSandbox
 from posttrain.utils.metrics import SAMPLES_FILENAME, write_samples
 
 CORRECT_THRESHOLD = 1.0  # as train's validation: the rule rewards give 1.0 for a right answer
@@ -70,8 +70,10 @@ class SFTValidator:
         warn_dropped(kept.n_filtered, len(records), "SFT validation", d.max_prompt_length)
         records = kept.records
         self.cfg, self.tokenizer, self.records, self.prompts = cfg, tokenizer, records, kept.prompt_ids
-        self.reward_fn = resolve_reward_function(reward_spec) if reward_spec else None
-        configure_reward_sandbox(reward_spec, cfg.sandbox)  # code is run in the run's sandbox, as in train
+        # code rewards run their programs in the run's sandbox, as in train
+        self.reward_fn = (
+            resolve_reward_function(reward_spec, sandbox=RunSandbox(cfg.sandbox)) if reward_spec else None
+        )
         self.answers = [answer_of(r, cfg.data.answer_key) for r in records]
         self.responses = [
             (

@@ -2,7 +2,12 @@
 
 import pytest
 
-from posttrain.rewards.functions import REWARD_FUNCTIONS, exact_match_reward, resolve_reward_function
+from posttrain.rewards.functions import (
+    REWARD_FUNCTIONS,
+    SANDBOX_REWARD_NAMES,
+    exact_match_reward,
+    resolve_reward_function,
+)
 
 USER_FILE = """
 import math
@@ -30,7 +35,7 @@ def user_file(tmp_path):
 
 
 def test_registry_names():
-    assert set(REWARD_FUNCTIONS) == {
+    assert set(REWARD_FUNCTIONS) | set(SANDBOX_REWARD_NAMES) == {
         "exact_match",
         "arithmetic",
         "gsm8k",

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.config.load import build_config
-from posttrain.rewards.code import code_reward
+from posttrain.rewards.code import CodeReward
 from posttrain.rewards.runner import RewardFunctionError
 from posttrain.rl.collect.rollout import context_scorer, scoring_line
 from posttrain.rl.train_command import run_training
@@ -115,9 +115,9 @@ def test_multi_turn_trajectories_are_scored_as_they_end(tiny_model_dir, tmp_path
 @pytest.mark.parametrize(
     ("device", "backend", "fn", "during"),
     [
-        ("cpu", "local", code_reward, False),  # the sandbox would slow the CPU rollout by more than it saves
-        ("cuda", "local", code_reward, True),  # a GPU rollout leaves the CPUs free
-        ("cpu", "sandbox_fusion", code_reward, True),  # the programs run on the sandbox hosts
+        ("cpu", "local", CodeReward, False),  # the sandbox would slow the CPU rollout by more than it saves
+        ("cuda", "local", CodeReward, True),  # a GPU rollout leaves the CPUs free
+        ("cpu", "sandbox_fusion", CodeReward, True),  # the programs run on the sandbox hosts
         ("cuda", "local", lambda p, r, g, e: 0.0, False),  # a function without samples_at_once()
     ],
 )

@@ -8,8 +8,8 @@ import pytest
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.rewards import RewardInput, RewardRunner, resolve_reward_function
-from posttrain.rewards.code import COUNTS, CodeReward, configure_code_reward, extract_code
-from posttrain.sandbox.build import Sandbox
+from posttrain.rewards.code import COUNTS, CodeReward, extract_code
+from posttrain.sandbox.build import RunSandbox, Sandbox
 
 ROWS = [json.loads(line) for line in (Path(__file__).parents[2] / "examples/code/tiny_code.jsonl").open()]
 SUM = ROWS[0]["answer"]  # stdin/stdout: a + b
@@ -66,9 +66,12 @@ def test_malformed_test_cases_are_a_config_error(reward):
         reward("", "print(1)", None, {})
 
 
-def test_code_is_a_built_in_reward_configured_from_the_sandbox_section():
-    fn = resolve_reward_function("code")
-    configure_code_reward(SandboxConfig(max_concurrent=2, time_limit_s=5))
+def test_code_is_a_built_in_reward_over_the_runs_sandbox(sandbox):
+    run_sandbox = RunSandbox(SandboxConfig(max_concurrent=2, time_limit_s=5))
+    fn = resolve_reward_function("code", sandbox=run_sandbox)
+    assert fn.sandbox is run_sandbox.get()
+    with pytest.raises(ValueError, match="pass the run's sandbox"):
+        resolve_reward_function("code")
     assert (
         fn(
             "",
@@ -81,13 +84,15 @@ def test_code_is_a_built_in_reward_configured_from_the_sandbox_section():
 
 
 def test_the_code_reward_behind_the_guarded_runner(sandbox):
-    configure_code_reward(SandboxConfig(max_concurrent=2, time_limit_s=5))
+    run_sandbox = RunSandbox(SandboxConfig(max_concurrent=2, time_limit_s=5))
     samples = [
         RewardInput("", block("def add(a, b):\n    return a + b"), ADD),
         RewardInput("", block("def add(a, b):\n    return a - b"), ADD),  # wrong on every case
         RewardInput("", "no code here, just words", SUM),
     ]
-    with RewardRunner(resolve_reward_function("code"), timeout_s=60) as runner:  # in a forked worker
+    with RewardRunner(
+        resolve_reward_function("code", sandbox=run_sandbox), timeout_s=60
+    ) as runner:  # a worker
         rewards, _ = runner.score(samples)
     assert rewards == [1.0, 0.0, 0.0]
 

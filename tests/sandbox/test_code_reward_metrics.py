@@ -8,9 +8,9 @@ import pytest
 
 from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.rewards import RewardInput, RewardRunner, resolve_reward_function
-from posttrain.rewards.code import configure_code_reward
 from posttrain.rewards.counts import SUMMED
 from posttrain.rl.train_command import run_training
+from posttrain.sandbox.build import RunSandbox
 from tests.helpers import read_metrics, small_config
 
 DATA = Path(__file__).parents[2] / "examples/code/tiny_code.jsonl"
@@ -24,14 +24,15 @@ def block(code: str) -> str:
 
 @pytest.mark.parametrize("timeout_s", [0, 60], ids=["in_process", "workers"])
 def test_counts_of_one_call_come_back_as_metrics(sandbox, timeout_s):
-    configure_code_reward(SandboxConfig(max_concurrent=2, time_limit_s=1))
+    run_sandbox = RunSandbox(SandboxConfig(max_concurrent=2, time_limit_s=1))
     samples = [
         RewardInput("", block("a, b = map(int, input().split())\nprint(a + b)"), SUM),  # 3 cases passed
         RewardInput("", block("a, b = map(int input().split())"), SUM),  # does not compile: one run
         RewardInput("", block("while True:\n    pass"), SUM),  # three time limits
         RewardInput("", "", SUM),  # no code at all (words alone are taken as the program)
     ]
-    with RewardRunner(resolve_reward_function("code"), timeout_s=timeout_s, num_workers=2) as runner:
+    fn = resolve_reward_function("code", sandbox=run_sandbox)
+    with RewardRunner(fn, timeout_s=timeout_s, num_workers=2) as runner:
         rewards, metrics = runner.score(samples)
         again, second = runner.score(samples[:1])  # counts restart at each call
     assert rewards == [1.0, 0.0, 0.0, 0.0] and again == [1.0]

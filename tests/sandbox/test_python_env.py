@@ -6,13 +6,13 @@ import threading
 
 import pytest
 
-from posttrain.agents import python_tool
 from posttrain.agents.build import environment_factory
 from posttrain.agents.driver import Generation, MultiTurnSettings, run_trajectories
 from posttrain.agents.hermes import tool_call_text
-from posttrain.agents.python_tool import PythonEnv, current_sandbox
+from posttrain.agents.python_tool import PythonEnv
 from posttrain.config.load import build_config
 from posttrain.models.tiny import build_tiny_tokenizer
+from posttrain.sandbox.build import RunSandbox
 
 BIG = 123456789123456789 * 987654321987654321
 
@@ -60,11 +60,13 @@ def play(tok, cfg, code, **settings):
 
 def test_env_path_python_runs_the_call_in_the_sandbox(tok, quick):
     cfg = config("env.path=python", *quick)
-    make_env = environment_factory(cfg)
-    box = current_sandbox()
-    assert isinstance(make_env({}), PythonEnv) and box.limits.time_limit_s == 2.0
-    environment_factory(cfg)({})
-    assert current_sandbox() is box  # built once per run, not per environment or call
+    run_sandbox = RunSandbox(cfg.sandbox)
+    make_env = environment_factory(cfg, run_sandbox)
+    box = run_sandbox.get()
+    first, second = make_env({}), make_env({})
+    assert isinstance(first, PythonEnv) and box.limits.time_limit_s == 2.0
+    # built once per run, not per environment or call
+    assert first.tools["python"].fn.sandbox is second.tools["python"].fn.sandbox is box
     own = environment_factory(config("env.path=python", "rollout.multi_turn.tool_timeout_s=7", *quick))({})
     assert own.timeout_s == 7.0 and own.max_parallel_calls == 4
     assert (
@@ -115,8 +117,3 @@ def test_hostile_code_through_the_tool_is_contained(tok, quick):
     server.close()
     stuck = play(tok, cfg, "while True:\n    pass").messages[2]["content"]
     assert stuck == "[stopped: time limit of 2 s]"
-
-
-def teardown_module():
-    if python_tool._CURRENT:
-        python_tool._CURRENT.pop()[1].close()

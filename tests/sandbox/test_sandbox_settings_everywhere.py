@@ -13,15 +13,17 @@ ROWS = [json.loads(line) for line in (Path(__file__).parents[2] / "examples/code
 SETTINGS = ["sandbox.time_limit_s=1.5", "sandbox.max_concurrent=3", "sandbox.memory_limit_mb=300"]
 
 
-def assert_run_settings() -> None:
-    sandbox = code._DEFAULT.sandbox
+def assert_run_settings(fn) -> None:
+    """``fn``: the code reward a command built (or verl's data_source scorer holding it)."""
+    reward = getattr(fn, "code", fn)
+    sandbox = reward.sandbox
     assert sandbox.max_concurrent == 3
     assert sandbox.limits.time_limit_s == 1.5
     assert sandbox.limits.memory_limit_mb == 300
     # ...and the code reward runs in it: an endless loop stops at the run's 1.5 s, on each of its 3 cases.
     before = code.COUNTS.copy()
     looping = "```python\nwhile True: pass\n```"
-    assert code.code_reward("", looping, ROWS[0]["answer"], {}) == 0.0
+    assert reward("", looping, ROWS[0]["answer"], {}) == 0.0
     assert code.COUNTS["time_limits"] - before["time_limits"] == 3
 
 
@@ -30,14 +32,12 @@ def test_sft_validation_uses_the_run_sandbox(sandbox, tiny_model_dir, tmp_path):
     from posttrain.sft.validation import SFTValidator
     from tests.helpers import sft_config
 
-    code._DEFAULT = None
     cfg = sft_config(tiny_model_dir, tmp_path, "reward.function=code", *SETTINGS)
     records = [PromptRecord("Add a and b.", ROWS[0]["answer"], {})]
-    SFTValidator(cfg, load_tokenizer(tiny_model_dir), records, "code")
-    assert_run_settings()
+    assert_run_settings(SFTValidator(cfg, load_tokenizer(tiny_model_dir), records, "code").reward_fn)
 
 
 def test_train_and_eval_reward_runner_use_the_run_sandbox(sandbox):
-    code._DEFAULT = None
-    with build_reward_runner(build_config(overrides=["reward.function=code", *SETTINGS]), "data_source_code"):
-        assert_run_settings()
+    cfg = build_config(overrides=["reward.function=code", *SETTINGS])
+    with build_reward_runner(cfg, "data_source_code") as runner:
+        assert_run_settings(runner.fn)

@@ -22,6 +22,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.records import PromptRecord
 from posttrain.parallel.shares import MAX, MIN, ShareMetrics
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SampleCallback, SamplingParams, TurnEngine
+from posttrain.sandbox.build import RunSandbox
 
 
 @dataclass
@@ -127,8 +128,11 @@ def trajectories_result(trajectories: list[Trajectory], n: int, eos_token_ids: s
     )
 
 
-def build_agent_loop(cfg: PostTrainConfig, tokenizer: Any) -> AgentLoop | None:
-    """The run's agent loop (``rollout.multi_turn.*``, ``env.*``), or None for single-turn runs."""
+def build_agent_loop(
+    cfg: PostTrainConfig, tokenizer: Any, sandbox: RunSandbox | None = None
+) -> AgentLoop | None:
+    """The run's agent loop (``rollout.multi_turn.*``, ``env.*``), or None for single-turn runs. ``sandbox``: the
+    run's, where the python tool runs code."""
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
@@ -142,11 +146,11 @@ def build_agent_loop(cfg: PostTrainConfig, tokenizer: Any) -> AgentLoop | None:
         max_env_failures=mt.max_env_failures,
     )
     # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
-    sample = sample_environment(cfg)
+    sample = sample_environment(cfg, sandbox)
     tools = tuple(t["function"]["name"] for t in sample.tool_schemas() or [])
     sample.close()
     eos = {tokenizer.eos_token_id}
-    return AgentLoop(environment_factory(cfg), tokenizer, settings, mt.turn_rewards, eos, tools)
+    return AgentLoop(environment_factory(cfg, sandbox), tokenizer, settings, mt.turn_rewards, eos, tools)
 
 
 def metric_names(tool_names: tuple[str, ...]) -> list[str]:
