@@ -86,10 +86,6 @@ class EnvironmentFailure(RuntimeError):
     """An environment raised in reset or step: names the environment, the row and the message."""
 
 
-class ContextLimitError(ValueError):
-    """A trajectory's prompt leaves no room for a response."""
-
-
 class _Batcher:
     """Gathers the generation requests of the ready trajectories into one ``generate`` call."""
 
@@ -97,7 +93,6 @@ class _Batcher:
         self.generate = generate
         self.pending: list[tuple[TurnRequest, asyncio.Future]] = []
         self.runner: asyncio.Task | None = None
-        self.calls = 0
 
     async def submit(self, request: TurnRequest) -> Generation:
         future = asyncio.get_running_loop().create_future()
@@ -121,7 +116,6 @@ class _Batcher:
                 future.set_result(generation)
 
     async def _call(self, requests: list[TurnRequest]) -> list[Generation]:
-        self.calls += 1
         if inspect.iscoroutinefunction(self.generate):
             return await self.generate(requests)
         return await asyncio.to_thread(self.generate, requests)

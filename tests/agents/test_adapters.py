@@ -139,7 +139,7 @@ class SlowWriter:
 
 def test_trl_style_calls_of_one_turn_run_in_order():
     """The methods share the object's state: a read written after a slow write sees the write."""
-    env = TRLStyleEnvironment(SlowWriter(), max_parallel_calls=4)
+    env = TRLStyleEnvironment(SlowWriter())
     text = tool_call_text("write", {"value": 5}) + tool_call_text("read", {})
     result = asyncio.run(env.step(text))
     assert [m["content"] for m in result.messages] == ["ok", "5"]
