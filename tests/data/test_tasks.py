@@ -1,7 +1,11 @@
 """Built-in arithmetic task: generation, splits, reward, registry."""
 
+import re
+
 import pytest
 
+from posttrain.config.load import build_config
+from posttrain.data.splits import load_splits
 from posttrain.data.tasks import TASKS, get_task, load_task
 from posttrain.data.tasks.arithmetic import (
     arithmetic_problem_count,
@@ -90,3 +94,19 @@ def test_registry():
         ValueError, match=r"unknown task 'math'.*\['arithmetic', 'calculator', 'gsm8k', 'guess_number'"
     ):
         get_task("math")
+
+
+def test_max_operand_reaches_the_arithmetic_task_only():
+    """data.max_operand bounds the arithmetic task's operands; the other tasks have no such option (a loader
+    asked for it refuses it), so the run does not pass it to them."""
+    overrides = ["data.max_operand=9", "data.num_train_examples=30", "data.num_val_examples=10"]
+    bounded = load_splits(build_config(overrides=overrides))
+    operands = [int(n) for r in bounded.train for n in re.findall(r"\d+", r.prompt)]
+    assert operands and max(operands) <= 9
+    for task in ("calculator", "guess_number", "python_arithmetic"):
+        cfg = build_config(
+            overrides=[f"data.task={task}", "data.num_train_examples=4", "data.num_val_examples=2"]
+        )
+        assert len(load_splits(cfg).train) == 4
+        with pytest.raises(ValueError, match=r"no option\(s\) \['max_operand'\]"):
+            load_task(task, seed=0, n_train=1, n_val=1, max_operand=9)
