@@ -13,7 +13,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.agents.builtin import GuessNumberEnv
-from posttrain.agents.driver import MultiTurnSettings
 from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.schema import ActorConfig
 from posttrain.data.records import PromptRecord
@@ -26,7 +25,7 @@ from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.train.losses import actor_loss_fn
-from tests.helpers import read_metrics, small_config
+from tests.helpers import multi_turn_settings, read_metrics, small_config
 
 MULTI_TURN = ["rollout.multi_turn.enable=true"]
 GUESS = [*MULTI_TURN, "env.path=guess_number", "env.kwargs.max_turns=3", "data.max_response_length=24"]
@@ -59,7 +58,7 @@ def test_one_turn_without_tools_is_the_single_turn_path_bit_for_bit(tiny_model_d
 
 def guess_trajectories(model, tokenizer, n=2, prompts=3, seed=5):
     engine = NativeEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    settings = MultiTurnSettings(max_assistant_turns=3, max_tokens_per_turn=4, max_response_length=30)
+    settings = multi_turn_settings(max_assistant_turns=3, max_tokens_per_turn=4, max_response_length=30)
     loop = AgentLoop(
         lambda row: GuessNumberEnv(max_turns=3), tokenizer, settings, "final", {tokenizer.eos_token_id}
     )
@@ -135,7 +134,7 @@ def test_template_drift_is_counted_not_hidden(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir).float()
     result = guess_trajectories(model, tokenizer)
-    loop = AgentLoop(lambda row: GuessNumberEnv(), tokenizer, MultiTurnSettings(), "final")
+    loop = AgentLoop(lambda row: GuessNumberEnv(), tokenizer, multi_turn_settings(), "final")
     for episode in result.episodes:
         canonical = loop.drifted(episode)
         assert episode.metrics["template_drift"] == float(canonical)

@@ -132,15 +132,7 @@ def build_agent_loop(cfg: PostTrainConfig, tokenizer: Any) -> AgentLoop | None:
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
-    settings = MultiTurnSettings(
-        max_assistant_turns=mt.max_assistant_turns,
-        max_user_turns=mt.max_user_turns,
-        max_response_length=cfg.data.max_response_length,
-        max_tokens_per_turn=mt.max_tokens_per_turn or None,
-        max_tool_response_length=mt.max_tool_response_length,
-        tool_response_truncate_side=mt.tool_response_truncate_side,
-        max_env_failures=mt.max_env_failures,
-    )
+    settings = MultiTurnSettings(mt, cfg.data.max_response_length)
     # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
     sample = sample_environment(cfg)
     tools = tuple(t["function"]["name"] for t in sample.tool_schemas() or [])
