@@ -22,7 +22,7 @@ from typing import Any
 
 from posttrain.agents.env import Environment, Message, maybe_await
 from posttrain.agents.render import Renderer, truncate_text_to_tokens
-from posttrain.agents.trajectory import Trajectory
+from posttrain.agents.trajectory import Trajectory, add_step_metrics
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.agents import MultiTurnConfig
 from posttrain.rollout.base import SamplingParams, TurnEngine, TurnRequest
@@ -197,6 +197,9 @@ async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Rende
         step = await _env_call(env, "step", text, index)
         traj.env_step_seconds.append(time.perf_counter() - started)
         traj.turn_rewards.append(float(step.reward))
+        add_step_metrics(
+            traj.step_metrics, step.metrics, f"environment {type(env).__name__}.step on row {index}"
+        )
         if step.done or not step.messages:
             traj.finish_reason = "stop"
             return

@@ -5,7 +5,8 @@
   counts assistant tokens only;
 - the trainer's recomputed log-probs of the assistant tokens match the engine's (native engine);
 - a re-rendering that disagrees with the sampled tokens is counted (`multi_turn/template_drift`);
-- per-turn reward placement, the trajectory metrics, and a GRPO run in an environment end to end.
+- per-turn reward placement, the trajectory metrics, and a GRPO run in an environment end to end;
+- a tool's and an environment step's metrics reach the step's metrics as `env/<key>`.
 """
 
 import pytest
@@ -169,6 +170,49 @@ def test_grpo_in_an_environment_reports_the_trajectory_metrics(tiny_model_dir, t
         assert all(key in m for m in metrics), key
     assert max(m["num_turns/max"] for m in metrics) > 1
     assert max(m["rollout/prefill_reused_tokens"] for m in metrics) > 0  # later turns reuse their prefix
+
+
+METERED = '''
+from posttrain.agents.env import Environment, StepResult, ToolEnvironment
+from posttrain.agents.hermes import tool_call_text
+from posttrain.agents.tools import ToolOutput, ToolSet, make_tool
+
+
+def measure(text: str) -> ToolOutput:
+    """Measure a text.
+
+    Args:
+        text: the text.
+    """
+    return ToolOutput(text=str(len(text)), metrics={"measured_chars": float(len(text))})
+
+
+class Metered(Environment):
+    """One step: the measure tool runs on the turn's text (whatever the model wrote); the episode ends."""
+
+    def __init__(self):
+        self.tools = ToolEnvironment(ToolSet([make_tool(measure)]))
+
+    async def step(self, text):
+        measured = await self.tools.step(tool_call_text("measure", {"text": text}))
+        return StepResult(done=True, metrics={**measured.metrics, "steps": 1.0})
+'''
+
+
+def test_a_tools_and_a_steps_metrics_reach_the_grpo_steps_metrics(tiny_model_dir, tmp_path):
+    env_file = tmp_path / "metered.py"
+    env_file.write_text(METERED)
+    run = tmp_path / "run"
+    # A turn cut at max_tokens_per_turn still gets its step (one that spends the trajectory budget does not).
+    limits = ["rollout.multi_turn.max_tokens_per_turn=4", "data.max_response_length=16"]
+    run_training(
+        small_config(tiny_model_dir, run, *MULTI_TURN, *limits, f"env.path={env_file}:Metered"), quiet=True
+    )
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["env/steps"] == 1.0 for m in metrics)  # one step per trajectory, a mean over trajectories
+    assert all("env/measured_chars" in m for m in metrics)
+    assert max(m["env/measured_chars"] for m in metrics) > 0
 
 
 COMBINATIONS = {
