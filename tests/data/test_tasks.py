@@ -12,6 +12,7 @@ from posttrain.data.tasks.arithmetic import (
     arithmetic_reward,
     make_arithmetic_splits,
 )
+from posttrain.planning.preflight import _check_task_options as check_task_options
 from posttrain.rewards.functions import REWARD_FUNCTIONS
 
 
@@ -110,3 +111,15 @@ def test_max_operand_reaches_the_arithmetic_task_only():
         assert len(load_splits(cfg).train) == 4
         with pytest.raises(ValueError, match=r"no option\(s\) \['max_operand'\]"):
             load_task(task, seed=0, n_train=1, n_val=1, max_operand=9)
+
+
+def test_the_start_up_check_of_task_options_passes_max_operand_the_same_way():
+    """The check that data.task_options fit the task (run before every command) generates with the same
+    arguments as the run: data.max_operand for the arithmetic task only."""
+    for overrides in (
+        ["data.task=calculator", "data.task_options.min_digits=1"],
+        ["data.task_options.max_digits=1", "data.max_operand=5"],
+    ):
+        check_task_options(build_config(overrides=overrides))
+    with pytest.raises(ValueError, match="max_operand=5 leaves no operand with at least 2 digit"):
+        check_task_options(build_config(overrides=["data.task_options.min_digits=2", "data.max_operand=5"]))
