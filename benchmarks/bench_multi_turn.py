@@ -60,6 +60,7 @@ from rollout_backends import cpu_name  # noqa: E402
 from posttrain.agents.driver import Generation, MultiTurnSettings, run_trajectories  # noqa: E402
 from posttrain.agents.env import Environment, StepResult  # noqa: E402
 from posttrain.agents.render import Renderer  # noqa: E402
+from posttrain.config.schema.agents import MultiTurnConfig  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from posttrain.rollout.base import SamplingParams, TurnRequest  # noqa: E402
 from posttrain.rollout.native.engine import NativeEngine  # noqa: E402
@@ -110,12 +111,10 @@ class TurnAdapter:
 
 def multi_turn(engine: Any, rows: list[dict], tok: Any, args: argparse.Namespace, reuse: bool, tool_s: float):
     """Seconds, sampled tokens, prefill counts and mean turns of one batch of 3-turn trajectories."""
-    settings = MultiTurnSettings(
-        max_assistant_turns=TURNS,
-        max_user_turns=TURNS,
-        max_response_length=TURNS * (args.turn_tokens + 32),
-        max_tokens_per_turn=args.turn_tokens,
+    loop = MultiTurnConfig(
+        max_assistant_turns=TURNS, max_user_turns=TURNS, max_tokens_per_turn=args.turn_tokens
     )
+    settings = MultiTurnSettings(loop, max_response_length=TURNS * (args.turn_tokens + 32))
     adapter = TurnAdapter(engine, SamplingParams(max_tokens=1, temperature=1.0, seed=1), reuse)
     start = time.perf_counter()
     trajs = run_trajectories(rows, lambda row: FixedReplyEnv(row, tool_s), adapter, tok, settings)

@@ -9,7 +9,9 @@ import torch
 from transformers import Qwen2Config
 
 from posttrain.agents.demos import demonstrations, write_jsonl
+from posttrain.agents.driver import MultiTurnSettings
 from posttrain.config.load import build_config
+from posttrain.config.schema.agents import MultiTurnConfig
 from posttrain.data.records import PromptRecord
 from posttrain.rl import train_command as rl
 from posttrain.rl.train_command import run_training
@@ -37,6 +39,12 @@ def varied(prompt, response, ground_truth, extra):
     # An untrained model is never right; reward something it varies in, so every group has signal.
     return float(len(response) % 3) + (1.0 if ground_truth and ground_truth in response else 0.0)
 """
+
+
+def multi_turn_settings(max_response_length: int = 512, **keys) -> MultiTurnSettings:
+    """The driver's settings: a `rollout.multi_turn` section with ``keys`` set (the schema's defaults for the
+    rest) and a trajectory budget of ``max_response_length`` tokens."""
+    return MultiTurnSettings(MultiTurnConfig(**keys), max_response_length)
 
 
 def small_config(model_dir, run_dir, *extra):

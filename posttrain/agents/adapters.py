@@ -25,14 +25,13 @@ class TRLStyleEnvironment(Environment):
     The text ``reset`` returns (if any) becomes a user message after the row's prompt. The episode ends at the
     first assistant turn without a tool call; ``get_reward()``, when defined, is then added to that turn's reward.
     The methods share the object's state, so one turn's calls run one after another, in the order the model
-    wrote them (``max_parallel_calls`` is not used): run side by side, a read could see the state before or after
-    a write depending on the thread scheduler.
+    wrote them: run side by side, a read could see the state before or after a write depending on the thread
+    scheduler.
     """
 
     def __init__(
         self,
         obj: Any,
-        max_parallel_calls: int = 4,
         timeout_s: float = 30.0,
         extra_tools: ToolSet | None = None,
     ) -> None:

@@ -189,7 +189,7 @@ def environment_factory(cfg: PostTrainConfig, sandbox: RunSandbox | None = None)
             )
         return lambda row: SkyRLEnvironment(spec.skyrl_class, kwargs)
     if spec.kind == "trl":
-        return lambda row: TRLStyleEnvironment(spec.cls(**kwargs), calls, timeout, extra_tools=tools)
+        return lambda row: TRLStyleEnvironment(spec.cls(**kwargs), timeout, extra_tools=tools)
     if not len(tools):
         return lambda row: spec.cls(**kwargs)
     return lambda row: WithTools(spec.cls(**kwargs), tools, calls, timeout)

@@ -22,8 +22,9 @@ from typing import Any
 
 from posttrain.agents.env import Environment, Message, maybe_await
 from posttrain.agents.render import Renderer, truncate_text_to_tokens
-from posttrain.agents.trajectory import Trajectory
+from posttrain.agents.trajectory import Trajectory, add_step_metrics
 from posttrain.config.errors import ConfigError
+from posttrain.config.schema.agents import MultiTurnConfig
 from posttrain.rollout.base import SamplingParams, TurnEngine, TurnRequest
 
 
@@ -54,40 +55,18 @@ def engine_generate(engine: TurnEngine, params: SamplingParams) -> GenerateFn:
     return generate
 
 
-@dataclass
+@dataclass(frozen=True)
 class MultiTurnSettings:
-    """The knobs of the loop (the names of verl's ``multi_turn`` keys; every length is in tokens).
+    """What the loop reads: the run's `rollout.multi_turn` section as it is (its keys, defaults and bounds are
+    the config schema's) and `data.max_response_length`, the token budget of the whole trajectory after the
+    prompt, assistant and environment tokens together."""
 
-    max_response_length: the whole trajectory after the prompt, assistant and environment tokens together.
-    max_tokens_per_turn: a cap on one assistant turn (None: only the trajectory budget).
-    max_user_turns: how many environment replies (tool results or user messages) may enter the trajectory.
-    """
-
-    max_assistant_turns: int = 5
-    max_user_turns: int = 5
-    max_response_length: int = 512
-    max_tokens_per_turn: int | None = None
-    max_tool_response_length: int = 256
-    tool_response_truncate_side: str = "middle"
-    max_env_failures: int = 0
-
-    def __post_init__(self) -> None:
-        for key in (
-            "max_assistant_turns",
-            "max_user_turns",
-            "max_response_length",
-            "max_tool_response_length",
-        ):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
+    multi_turn: MultiTurnConfig
+    max_response_length: int
 
 
 class EnvironmentFailure(RuntimeError):
     """An environment raised in reset or step: names the environment, the row and the message."""
-
-
-class ContextLimitError(ValueError):
-    """A trajectory's prompt leaves no room for a response."""
 
 
 class _Batcher:
@@ -97,7 +76,6 @@ class _Batcher:
         self.generate = generate
         self.pending: list[tuple[TurnRequest, asyncio.Future]] = []
         self.runner: asyncio.Task | None = None
-        self.calls = 0
 
     async def submit(self, request: TurnRequest) -> Generation:
         future = asyncio.get_running_loop().create_future()
@@ -121,7 +99,6 @@ class _Batcher:
                 future.set_result(generation)
 
     async def _call(self, requests: list[TurnRequest]) -> list[Generation]:
-        self.calls += 1
         if inspect.iscoroutinefunction(self.generate):
             return await self.generate(requests)
         return await asyncio.to_thread(self.generate, requests)
@@ -145,19 +122,19 @@ async def _env_call(env: Environment, method: str, arg: Any, index: int) -> Any:
         ) from exc
 
 
-def _truncate_messages(traj: Trajectory, messages: list[Message], renderer: Renderer, s: MultiTurnSettings):
+def _truncate_messages(traj: Trajectory, messages: list[Message], renderer: Renderer, mt: MultiTurnConfig):
     out = []
     for m in messages:
         if m.get("role") == "tool":
             text, dropped = truncate_text_to_tokens(
                 renderer.tokenizer,
                 str(m.get("content", "")),
-                s.max_tool_response_length,
-                s.tool_response_truncate_side,
+                mt.max_tool_response_length,
+                mt.tool_response_truncate_side,
             )
             if dropped:
                 traj.truncations.append(
-                    f"tool output: {dropped} tokens dropped ({s.tool_response_truncate_side})"
+                    f"tool output: {dropped} tokens dropped ({mt.tool_response_truncate_side})"
                 )
             m = {**m, "content": text}
         out.append(m)
@@ -192,9 +169,10 @@ async def run_trajectory(
 
 
 async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Renderer, batcher, s) -> None:
+    mt = s.multi_turn
     while True:
         budget = s.max_response_length - len(traj.response_ids)
-        limit = min(budget, s.max_tokens_per_turn or budget)
+        limit = min(budget, mt.max_tokens_per_turn or budget)  # max_tokens_per_turn=0: no cap of its own
         request = TurnRequest(
             ids=traj.prompt_ids + traj.response_ids,
             max_tokens=limit,
@@ -219,14 +197,17 @@ async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Rende
         step = await _env_call(env, "step", text, index)
         traj.env_step_seconds.append(time.perf_counter() - started)
         traj.turn_rewards.append(float(step.reward))
+        add_step_metrics(
+            traj.step_metrics, step.metrics, f"environment {type(env).__name__}.step on row {index}"
+        )
         if step.done or not step.messages:
             traj.finish_reason = "stop"
             return
-        if traj.num_assistant_turns >= s.max_assistant_turns or traj.num_user_turns >= s.max_user_turns:
+        if traj.num_assistant_turns >= mt.max_assistant_turns or traj.num_user_turns >= mt.max_user_turns:
             traj.finish_reason = "turn_limit"
             traj.truncations.append("turn limit")
             return
-        new = _truncate_messages(traj, step.messages, renderer, s)
+        new = _truncate_messages(traj, step.messages, renderer, mt)
         new_ids = renderer.new_message_ids(new)
         if (
             not ids or ids[-1] != renderer.eos_id
@@ -258,7 +239,7 @@ async def run_trajectories_async(
     sample_ids: each trajectory's global sample id (its sampling noise; default: its index here).
     row_ids: the data row each trajectory plays, for error messages (default: its index here).
     An environment that raises stops the run (:class:`EnvironmentFailure`), unless
-    ``settings.max_env_failures`` allows it: the trajectory is then kept as :func:`failed_trajectory` (nothing in
+    ``settings.multi_turn.max_env_failures`` allows it: the trajectory is then kept as :func:`failed_trajectory` (nothing in
     it is trained on) and counted in its ``metrics["env_failures"]``.
     """
     batcher = _Batcher(generate)
@@ -275,17 +256,18 @@ async def run_trajectories_async(
         reported(k, run_trajectory(row, r, make_env(row), tokenizer, batcher, settings, sample_id=s))
         for k, (row, r, s) in enumerate(zip(rows, row_ids, sample_ids))
     ]
-    if settings.max_env_failures == 0:
+    max_failures = settings.multi_turn.max_env_failures
+    if max_failures == 0:
         return list(await asyncio.gather(*tasks))
     out = await asyncio.gather(*tasks, return_exceptions=True)
     failures = [x for x in out if isinstance(x, EnvironmentFailure)]
     for x in out:  # anything else is a bug or a user error: raise it as it is
         if isinstance(x, BaseException) and not isinstance(x, EnvironmentFailure):
             raise x
-    if len(failures) > settings.max_env_failures:
+    if len(failures) > max_failures:
         raise EnvironmentFailure(
             f"{len(failures)} trajectories of {len(rows)} failed in their environment, more than "
-            f"rollout.multi_turn.max_env_failures={settings.max_env_failures}; the first: {failures[0]}"
+            f"rollout.multi_turn.max_env_failures={max_failures}; the first: {failures[0]}"
         ) from failures[0]
     kept = []
     for k, (row, x) in enumerate(zip(rows, out)):

@@ -4,7 +4,8 @@ An environment is made per trajectory. The driver calls:
 
 - ``reset(row)`` once with the data row; it returns the opening messages appended after the row's prompt, or None;
 - ``step(text)`` after each assistant turn with the assistant's text; it returns a :class:`StepResult`: the new
-  messages (``tool`` or ``user``), a reward for this turn, and whether the episode is done;
+  messages (``tool`` or ``user``), a reward for this turn, whether the episode is done, and metrics (numbers by
+  name, summed over the episode's steps and logged per trajectory as ``env/<name>``);
 - ``metrics()`` for per-episode numbers, and ``close()`` at the end (also after a failure).
 
 Any of them may be ``async def``. ``tool_schemas()`` lists the tools to render in the prompt (None: no tools).
@@ -20,6 +21,7 @@ from typing import Any
 
 from posttrain.agents.hermes import FAILURE_KINDS, parse_tool_calls, run_calls
 from posttrain.agents.tools import ToolSet
+from posttrain.agents.trajectory import add_step_metrics
 
 Message = dict[str, Any]
 
@@ -63,8 +65,8 @@ async def maybe_await(value: Any) -> Any:
 class ToolEnvironment(Environment):
     """Runs the ``<tool_call>`` blocks of each assistant turn; a turn without a call ends the episode.
 
-    The turn's reward is the sum of the calls' reward contributions. Metrics: calls per tool, failures per kind,
-    tool time.
+    The turn's reward is the sum of the calls' reward contributions, its step metrics the sum of the calls'
+    ``ToolOutput.metrics`` per key. Episode metrics: calls per tool, failures per kind, tool time.
     """
 
     def __init__(self, tools: ToolSet, max_parallel_calls: int = 4, timeout_s: float = 30.0) -> None:
@@ -83,13 +85,15 @@ class ToolEnvironment(Environment):
         if not calls:
             return StepResult(done=True)
         results = await run_calls(calls, self.tools, self.max_parallel_calls, self.timeout_s)
+        metrics: dict[str, float] = {}
         for r in results:
             self.calls[r.name] += 1
             self.tool_seconds += r.latency_s
             if r.failure:
                 self.failures[r.failure] += 1
+            add_step_metrics(metrics, r.metrics, f"tool {r.name!r}")
         messages = [{"role": "tool", "content": r.text} for r in results]
-        return StepResult(messages=messages, reward=sum(r.reward for r in results))
+        return StepResult(messages=messages, reward=sum(r.reward for r in results), metrics=metrics)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {

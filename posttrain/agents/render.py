@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.schema.agents import TRUNCATE_SIDES
 
-TRUNCATE_SIDES = ("left", "middle", "right")
 TRUNCATION_MARKER = "...(truncated)..."
 _DUMMY = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
 
@@ -39,14 +39,14 @@ class DriftReport:
 class Renderer:
     """Token ids of a conversation's parts through ``tokenizer``'s chat template (with ``tools`` rendered)."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, eos_id: int | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 "multi-turn rollouts need a tokenizer with a chat_template; this tokenizer has none"
             )
         self.tokenizer = tokenizer
         self.tools = tools or None
-        self.eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
+        self.eos_id = tokenizer.eos_token_id
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(

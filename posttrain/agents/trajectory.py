@@ -7,10 +7,33 @@ Layout (``response_ids``, after the prompt)::
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.config.errors import ConfigError
+
 FINISH_REASONS = ("stop", "length", "turn_limit")
+STEP_METRIC_PREFIX = "env/"  # a step metric <key> is logged as env/<key>
+STEP_TIME = "step_time_mean_s"  # env/step_time_mean_s is the driver's own: no step metric may take the name
+
+
+def add_step_metrics(into: dict[str, float], metrics: Mapping[Any, Any], where: str) -> None:
+    """Add ``metrics`` (one environment step's, or one tool call's) to ``into``, key by key. ConfigError, naming
+    ``where``, for a key that is not a string, a value that is not a real number, or the reserved key."""
+    for key, value in metrics.items():
+        if not isinstance(key, str) or key == STEP_TIME:
+            raise ConfigError(
+                f"{where} reported the metric {key!r}: metric names are strings other than {STEP_TIME!r} "
+                f"({STEP_METRIC_PREFIX}{STEP_TIME} is the driver's own); rename it"
+            )
+        if not isinstance(value, numbers.Real):
+            raise ConfigError(
+                f"{where} reported the metric {key!r} = {value!r}: a metric is a real number (int or float); "
+                "report a number"
+            )
+        into[key] = into.get(key, 0.0) + float(value)
 
 
 @dataclass
@@ -30,6 +53,9 @@ class Trajectory:
     tools: the tool schemas rendered in its prompt (None: no tools).
     env_step_seconds: how long each environment step took (tool calls included).
     turn_finish_reasons: the engine's finish reason of each assistant turn ("eos", "stop" or "length").
+    metrics: the environment's per-episode ``metrics()`` (and the run's own counts: template drift, failures).
+    step_metrics: what the environment's steps reported (``StepResult.metrics``; a tool's ``ToolOutput.metrics``
+        is summed into its step's), summed per key over the steps; logged as ``env/<key>``.
     """
 
     prompt_ids: list[int]
@@ -47,6 +73,7 @@ class Trajectory:
     tools: list[dict[str, Any]] | None = None
     env_step_seconds: list[float] = field(default_factory=list)
     turn_finish_reasons: list[str] = field(default_factory=list)
+    step_metrics: dict[str, float] = field(default_factory=dict)
 
     def add_assistant(self, ids: list[int], logprobs: list[float]) -> None:
         start = len(self.response_ids)
@@ -94,7 +121,9 @@ def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     ``tools/failure_frequency`` the share of tool calls that failed; ``tool_failures/<kind>`` the failures of
     each kind; ``truncated/share`` the trajectories that ended on ``length`` or ``turn_limit``;
     ``tool_call_counts/<tool>`` the calls of each tool per trajectory; ``tools/latency_mean_s`` the mean time of
-    a tool call; ``env/step_time_mean_s`` the mean time of an environment step (its tool calls included).
+    a tool call; ``env/step_time_mean_s`` the mean time of an environment step (its tool calls included);
+    ``env/<key>`` each step metric (``Trajectory.step_metrics``: summed over a trajectory's steps) per trajectory,
+    a trajectory that did not report it counting 0.
     """
     if not trajectories:
         return {}
@@ -129,7 +158,9 @@ def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
                 per_tool[name] = per_tool.get(name, 0.0) + value / n
     out.update(per_tool)
     steps = [s for t in trajectories for s in t.env_step_seconds]
-    out["env/step_time_mean_s"] = sum(steps) / len(steps) if steps else 0.0
+    out[STEP_METRIC_PREFIX + STEP_TIME] = sum(steps) / len(steps) if steps else 0.0
+    for key in sorted({k for t in trajectories for k in t.step_metrics}):
+        out[STEP_METRIC_PREFIX + key] = sum(t.step_metrics.get(key, 0.0) for t in trajectories) / n
     tool_seconds = sum(t.metrics.get("tool_seconds", 0.0) for t in trajectories)
     out["tools/latency_mean_s"] = tool_seconds / sum(calls) if sum(calls) else 0.0
     return out

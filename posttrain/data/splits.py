@@ -3,6 +3,7 @@ files, or the generated built-in task."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +53,7 @@ def load_splits(cfg: PostTrainConfig) -> Splits:
         cfg.trainer.seed,
         n_train=d.num_train_examples,
         n_val=d.num_val_examples,
-        max_operand=d.max_operand,
-        **task_options(cfg),
+        **task_arguments(cfg),
     )
     return Splits(train, val, reward or get_task(d.task).default_reward, d.task)
 
@@ -68,6 +68,15 @@ def task_options(cfg: PostTrainConfig) -> dict:
                 f"config key 'data.task_options.{name}' = {options[name]!r}: the task's {name} is set by "
                 f"data.{key}; set data.{key}={options[name]} instead"
             )
+    return options
+
+
+def task_arguments(cfg: PostTrainConfig) -> dict:
+    """The built-in task's options (:func:`task_options`), plus ``data.max_operand`` for a task whose loader
+    takes it (the arithmetic task; the other tasks have no operand bound)."""
+    options = task_options(cfg)
+    if "max_operand" in inspect.signature(get_task(cfg.data.task).load).parameters:
+        options["max_operand"] = cfg.data.max_operand
     return options
 
 

@@ -23,7 +23,7 @@ from posttrain.agents.check import check_multi_turn
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import first_records
-from posttrain.data.splits import load_splits, task_options
+from posttrain.data.splits import load_splits, task_arguments
 from posttrain.data.tasks import get_task, load_task
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.parallel.runtime import select_device
@@ -121,9 +121,7 @@ def _check_task_options(cfg: PostTrainConfig) -> None:
     """data.task_options fit the built-in task: generate one question of each split with them (cheap)."""
     d = cfg.data
     if d.task_options and not (d.train_files or d.val_files) and d.task != "gsm8k":
-        load_task(
-            d.task, cfg.trainer.seed, n_train=1, n_val=1, max_operand=d.max_operand, **task_options(cfg)
-        )
+        load_task(d.task, cfg.trainer.seed, n_train=1, n_val=1, **task_arguments(cfg))
 
 
 def check_model_path(cfg: PostTrainConfig) -> None:

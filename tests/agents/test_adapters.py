@@ -7,10 +7,11 @@ import time
 import pytest
 
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment
-from posttrain.agents.driver import Generation, MultiTurnSettings, run_trajectories
+from posttrain.agents.driver import Generation, run_trajectories
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.errors import ConfigError
 from posttrain.models.tiny import build_tiny_tokenizer
+from tests.helpers import multi_turn_settings
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_trl_style_environment(tok):
         envs.append(TRLStyleEnvironment(Counter()))
         return envs[-1]
 
-    trajs = run_trajectories(rows, make, scripted(tok, counter_policy), tok, MultiTurnSettings())
+    trajs = run_trajectories(rows, make, scripted(tok, counter_policy), tok, multi_turn_settings())
     assert sorted(s["function"]["name"] for s in envs[0].tool_schemas()) == ["increment", "read"]
     schema = next(s for s in envs[0].tool_schemas() if s["function"]["name"] == "increment")["function"]
     assert schema["parameters"]["properties"]["by"] == {"type": "integer", "description": "how much to add."}
@@ -104,7 +105,7 @@ def test_skyrl_gym_multi_turn_gsm8k(tok):
         "extra_info": {"max_turns": 3},
     }
     traj = run_trajectories(
-        [row], lambda r: SkyRLEnvironment(), scripted(tok, gsm8k_policy), tok, MultiTurnSettings()
+        [row], lambda r: SkyRLEnvironment(), scripted(tok, gsm8k_policy), tok, multi_turn_settings()
     )[0]
     assert traj.num_assistant_turns == 2 and traj.finish_reason == "stop"
     assert traj.messages[2]["role"] == "user" and "#### ANSWER" in traj.messages[2]["content"]
@@ -139,7 +140,7 @@ class SlowWriter:
 
 def test_trl_style_calls_of_one_turn_run_in_order():
     """The methods share the object's state: a read written after a slow write sees the write."""
-    env = TRLStyleEnvironment(SlowWriter(), max_parallel_calls=4)
+    env = TRLStyleEnvironment(SlowWriter())
     text = tool_call_text("write", {"value": 5}) + tool_call_text("read", {})
     result = asyncio.run(env.step(text))
     assert [m["content"] for m in result.messages] == ["ok", "5"]

@@ -8,7 +8,7 @@ import pytest
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
 from posttrain.agents.build import builtin_environments, environment_factory
 from posttrain.agents.builtin import GuessNumberEnv
-from posttrain.agents.driver import Generation, MultiTurnSettings, run_trajectories
+from posttrain.agents.driver import Generation, run_trajectories
 from posttrain.agents.env import ToolEnvironment
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.tool_config import load_tool_config
@@ -17,6 +17,7 @@ from posttrain.config.load import build_config
 from posttrain.config.schema.names import TASK_ENVIRONMENTS
 from posttrain.data.tasks import TASKS
 from posttrain.models.tiny import build_tiny_tokenizer
+from tests.helpers import multi_turn_settings
 
 ADD = '''
 def add(a: int, b: int) -> int:
@@ -124,7 +125,7 @@ def test_environment_subclass_with_the_tool_config(files, tok):
         )
 
     traj = run_trajectories(
-        [{"prompt": "3 + 4?"}], make_env, scripted(tok, policy), tok, MultiTurnSettings()
+        [{"prompt": "3 + 4?"}], make_env, scripted(tok, policy), tok, multi_turn_settings()
     )[0]
     assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
     assert traj.messages[2]["content"] == "7" and traj.reward == 1.0
@@ -146,7 +147,7 @@ def test_trl_style_class_gets_the_tool_config_tools_too(files, tok):
         return tool_call_text("increment", {"by": 3}) + tool_call_text("add", {"a": 1, "b": 1})
 
     rows = [{"prompt": "Count.", "start": 1}]
-    traj = run_trajectories(rows, make_env, scripted(tok, policy), tok, MultiTurnSettings())[0]
+    traj = run_trajectories(rows, make_env, scripted(tok, policy), tok, multi_turn_settings())[0]
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["7", "2"]
     assert traj.reward == 7.0  # get_reward(): the counter, scaled by env.kwargs.scale
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posttrain.agents.builtin import GuessNumberEnv, calculator
-from posttrain.agents.driver import EnvironmentFailure, Generation, MultiTurnSettings, run_trajectories
+from posttrain.agents.driver import EnvironmentFailure, Generation, run_trajectories
 from posttrain.agents.env import Environment, StepResult, ToolEnvironment
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.render import Renderer
@@ -19,6 +19,7 @@ from posttrain.data.datasets import encode_prompt
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
+from tests.helpers import multi_turn_settings
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def bisect(conversation: str) -> str:
 
 def test_guess_number_layout_masks_turns_and_rewards(tok):
     rows = [{"target": t} for t in (1, 50, 77, 100)]
-    settings = MultiTurnSettings(max_assistant_turns=8, max_user_turns=8, max_response_length=400)
+    settings = multi_turn_settings(max_assistant_turns=8, max_user_turns=8, max_response_length=400)
     trajs = run_trajectories(
         rows, lambda row: GuessNumberEnv(max_turns=7), scripted(tok, bisect), tok, settings
     )
@@ -74,13 +75,17 @@ def test_guess_number_layout_masks_turns_and_rewards(tok):
 def test_turn_limit_and_trajectory_budget(tok):
     row = [{"target": 100}]
     limited = run_trajectories(
-        row, lambda r: GuessNumberEnv(), scripted(tok, bisect), tok, MultiTurnSettings(max_assistant_turns=2)
+        row,
+        lambda r: GuessNumberEnv(),
+        scripted(tok, bisect),
+        tok,
+        multi_turn_settings(max_assistant_turns=2),
     )[0]
     assert (
         limited.finish_reason == "turn_limit" and limited.num_assistant_turns == 2 and limited.reward == 0.0
     )
     users = run_trajectories(
-        row, lambda r: GuessNumberEnv(), scripted(tok, bisect), tok, MultiTurnSettings(max_user_turns=1)
+        row, lambda r: GuessNumberEnv(), scripted(tok, bisect), tok, multi_turn_settings(max_user_turns=1)
     )[0]
     assert users.finish_reason == "turn_limit" and users.num_user_turns == 1
     for budget in (3, 20, 25, 30):
@@ -89,7 +94,7 @@ def test_turn_limit_and_trajectory_budget(tok):
             lambda r: GuessNumberEnv(),
             scripted(tok, bisect),
             tok,
-            MultiTurnSettings(max_response_length=budget),
+            multi_turn_settings(max_response_length=budget),
         )[0]
         assert short.finish_reason == "length" and len(short.response_ids) <= budget
         assert "trajectory budget" in short.truncations
@@ -106,7 +111,7 @@ def calculator_policy(conversation: str) -> str:
 def test_calculator_tool_round_trip(tok):
     tools = ToolSet([make_tool(calculator)])
     rows = [{"prompt": f"What is {a} * {b}?"} for a, b in [(123, 456), (999, 1001)]]
-    settings = MultiTurnSettings(max_tool_response_length=32)
+    settings = multi_turn_settings(max_tool_response_length=32)
     trajs = run_trajectories(
         rows, lambda r: ToolEnvironment(tools), scripted(tok, calculator_policy), tok, settings
     )
@@ -145,7 +150,7 @@ def test_a_trajectory_waiting_for_its_tool_does_not_block_the_others(tok):
         return [Generation(i, [0.0] * len(i), "stop") for i in ids]
 
     start = time.perf_counter()
-    trajs = run_trajectories(rows, SlowToolEnv, generate, tok, MultiTurnSettings())
+    trajs = run_trajectories(rows, SlowToolEnv, generate, tok, multi_turn_settings())
     assert all(t.num_assistant_turns == 2 for t in trajs)
     # the three fast trajectories' second turns were generated before the slow tool returned
     assert done_at[0][1] == 4 and done_at[1] == (done_at[1][0], 3) and done_at[1][0] - start < 0.9
@@ -164,21 +169,23 @@ def test_an_environment_that_raises_names_itself_and_the_row(tok):
             lambda r: Broken() if r["prompt"] == "b" else Environment(),
             scripted(tok, lambda c: "x"),
             tok,
-            MultiTurnSettings(),
+            multi_turn_settings(),
         )
 
 
 def test_environment_failures_under_the_cap_are_kept_untrained_and_counted(tok):
     rows = [{"prompt": p} for p in "abcd"]
     make = lambda r: Broken() if r["prompt"] in "bd" else Environment()  # noqa: E731
-    capped = MultiTurnSettings(max_env_failures=2)
+    capped = multi_turn_settings(max_env_failures=2)
     trajs = run_trajectories(rows, make, scripted(tok, lambda c: "x"), tok, capped, row_ids=[10, 11, 12, 13])
     failed = [t for t in trajs if t.metrics.get("env_failures")]
     assert len(failed) == 2 and all(sum(t.mask) == 0 and t.reward == 0.0 for t in failed)
     assert "Broken.step failed on row 11" in failed[0].truncations[0]
     assert all(sum(t.mask) > 0 for t in trajs if t not in failed)
     with pytest.raises(EnvironmentFailure, match="2 trajectories of 4 failed .*max_env_failures=1"):
-        run_trajectories(rows, make, scripted(tok, lambda c: "x"), tok, MultiTurnSettings(max_env_failures=1))
+        run_trajectories(
+            rows, make, scripted(tok, lambda c: "x"), tok, multi_turn_settings(max_env_failures=1)
+        )
 
 
 def hf_generate(model, tok):
@@ -207,7 +214,7 @@ def hf_generate(model, tok):
 def test_with_a_real_tiny_qwen2(tok):
     torch.manual_seed(0)
     model = build_tiny_model(tok, hidden_size=64, num_hidden_layers=2, intermediate_size=128)
-    settings = MultiTurnSettings(max_assistant_turns=3, max_tokens_per_turn=12, max_response_length=120)
+    settings = multi_turn_settings(max_assistant_turns=3, max_tokens_per_turn=12, max_response_length=120)
     rows = [{"target": 5, "seed": i} for i in range(3)]
     trajs = run_trajectories(rows, lambda r: GuessNumberEnv(), hf_generate(model, tok), tok, settings)
     for t in trajs:
@@ -224,7 +231,11 @@ def test_single_turn_is_the_one_step_case(tok):
     """No tools, the base environment: the prompt is the data pipeline's prompt and the response the sampled ids."""
     prompt = [{"role": "user", "content": "What is 2 + 3?"}]
     traj = run_trajectories(
-        [{"prompt": prompt}], lambda r: Environment(), scripted(tok, lambda c: "5"), tok, MultiTurnSettings()
+        [{"prompt": prompt}],
+        lambda r: Environment(),
+        scripted(tok, lambda c: "5"),
+        tok,
+        multi_turn_settings(),
     )[0]
     assert traj.prompt_ids == encode_prompt(prompt, tok, apply_chat_template=True)
     assert traj.response_ids == tok("5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -243,7 +254,7 @@ def test_step_metrics_under_verl_and_trl_names(tok):
 
     rows = [{"prompt": "ok"}, {"prompt": "bad"}, {"prompt": "plain"}]
     trajs = run_trajectories(
-        rows, lambda r: ToolEnvironment(tools), scripted(tok, policy), tok, MultiTurnSettings()
+        rows, lambda r: ToolEnvironment(tools), scripted(tok, policy), tok, multi_turn_settings()
     )
     m = trajectory_metrics(trajs)
     assert m["num_turns/min"] == 1.0 and m["num_turns/max"] == 3.0 and m["num_turns/mean"] == 7 / 3
@@ -269,7 +280,7 @@ def test_tool_output_is_truncated_in_tokens_and_logged(tok):
             return "ok"
         return tool_call_text("long_output", {"n": 300}) + tool_call_text("long_output", {"n": 3})
 
-    settings = MultiTurnSettings(max_tool_response_length=32, tool_response_truncate_side="left")
+    settings = multi_turn_settings(max_tool_response_length=32, tool_response_truncate_side="left")
     traj = run_trajectories(
         [{"prompt": "go"}], lambda r: ToolEnvironment(tools), scripted(tok, policy), tok, settings
     )[0]
@@ -286,7 +297,7 @@ def test_an_engine_error_is_raised_not_swallowed(tok):
 
     with pytest.raises(RuntimeError, match="engine died"):
         run_trajectories(
-            [{"prompt": "a"}, {"prompt": "b"}], lambda r: Environment(), broken, tok, MultiTurnSettings()
+            [{"prompt": "a"}, {"prompt": "b"}], lambda r: Environment(), broken, tok, multi_turn_settings()
         )
 
 
@@ -323,7 +334,7 @@ def test_with_the_native_engine(tok):
         h = model.model(torch.tensor([tok(prompt)["input_ids"]])).last_hidden_state[0].mean(0)
         model.lm_head.weight[tok.eos_token_id] = 6.0 * h / h.norm() ** 2
     engine = NativeEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-    settings = MultiTurnSettings(max_assistant_turns=3, max_tokens_per_turn=10, max_response_length=100)
+    settings = multi_turn_settings(max_assistant_turns=3, max_tokens_per_turn=10, max_response_length=100)
     rows = [{"target": 5, "seed": i} for i in range(4)]
     trajs = run_trajectories(rows, lambda r: GuessNumberEnv(), native_generate(engine), tok, settings)
     for t in trajs:
@@ -342,9 +353,9 @@ def test_a_turn_ended_by_another_stop_token_is_closed_with_the_template_eos(tok)
         ids = tok("7", add_special_tokens=False)["input_ids"] + [tok.pad_token_id]
         return [Generation(ids, [0.0] * len(ids), "stop") for _ in prompts]
 
-    traj = run_trajectories([{"target": 9}], lambda r: GuessNumberEnv(), generate, tok, MultiTurnSettings())[
-        0
-    ]
+    traj = run_trajectories(
+        [{"target": 9}], lambda r: GuessNumberEnv(), generate, tok, multi_turn_settings()
+    )[0]
     end = traj.turns[0][1]
     assert traj.response_ids[end - 1] == tok.pad_token_id and traj.response_ids[end] == tok.eos_token_id
     assert traj.mask[end] == 0
@@ -353,7 +364,7 @@ def test_a_turn_ended_by_another_stop_token_is_closed_with_the_template_eos(tok)
 def test_each_trajectory_is_reported_when_it_ends(tok):
     """``on_done`` gets a trajectory as soon as its episode ends, while longer ones still generate turns."""
     rows = [{"target": t} for t in (1, 50, 77, 100)]
-    settings = MultiTurnSettings(max_assistant_turns=8, max_user_turns=8, max_response_length=400)
+    settings = multi_turn_settings(max_assistant_turns=8, max_user_turns=8, max_response_length=400)
     engine_calls, reported = [], []
     policy = scripted(tok, bisect)
 

@@ -1,13 +1,18 @@
 """Built-in arithmetic task: generation, splits, reward, registry."""
 
+import re
+
 import pytest
 
+from posttrain.config.load import build_config
+from posttrain.data.splits import load_splits
 from posttrain.data.tasks import TASKS, get_task, load_task
 from posttrain.data.tasks.arithmetic import (
     arithmetic_problem_count,
     arithmetic_reward,
     make_arithmetic_splits,
 )
+from posttrain.planning.preflight import _check_task_options as check_task_options
 from posttrain.rewards.functions import REWARD_FUNCTIONS
 
 
@@ -90,3 +95,31 @@ def test_registry():
         ValueError, match=r"unknown task 'math'.*\['arithmetic', 'calculator', 'gsm8k', 'guess_number'"
     ):
         get_task("math")
+
+
+def test_max_operand_reaches_the_arithmetic_task_only():
+    """data.max_operand bounds the arithmetic task's operands; the other tasks have no such option (a loader
+    asked for it refuses it), so the run does not pass it to them."""
+    overrides = ["data.max_operand=9", "data.num_train_examples=30", "data.num_val_examples=10"]
+    bounded = load_splits(build_config(overrides=overrides))
+    operands = [int(n) for r in bounded.train for n in re.findall(r"\d+", r.prompt)]
+    assert operands and max(operands) <= 9
+    for task in ("calculator", "guess_number", "python_arithmetic"):
+        cfg = build_config(
+            overrides=[f"data.task={task}", "data.num_train_examples=4", "data.num_val_examples=2"]
+        )
+        assert len(load_splits(cfg).train) == 4
+        with pytest.raises(ValueError, match=r"no option\(s\) \['max_operand'\]"):
+            load_task(task, seed=0, n_train=1, n_val=1, max_operand=9)
+
+
+def test_the_start_up_check_of_task_options_passes_max_operand_the_same_way():
+    """The check that data.task_options fit the task (run before every command) generates with the same
+    arguments as the run: data.max_operand for the arithmetic task only."""
+    for overrides in (
+        ["data.task=calculator", "data.task_options.min_digits=1"],
+        ["data.task_options.max_digits=1", "data.max_operand=5"],
+    ):
+        check_task_options(build_config(overrides=overrides))
+    with pytest.raises(ValueError, match="max_operand=5 leaves no operand with at least 2 digit"):
+        check_task_options(build_config(overrides=["data.task_options.min_digits=2", "data.max_operand=5"]))

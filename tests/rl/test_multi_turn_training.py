@@ -5,7 +5,8 @@
   counts assistant tokens only;
 - the trainer's recomputed log-probs of the assistant tokens match the engine's (native engine);
 - a re-rendering that disagrees with the sampled tokens is counted (`multi_turn/template_drift`);
-- per-turn reward placement, the trajectory metrics, and a GRPO run in an environment end to end.
+- per-turn reward placement, the trajectory metrics, and a GRPO run in an environment end to end;
+- a tool's and an environment step's metrics reach the step's metrics as `env/<key>`.
 """
 
 import pytest
@@ -13,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.agents.builtin import GuessNumberEnv
-from posttrain.agents.driver import MultiTurnSettings
 from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.schema import ActorConfig
 from posttrain.data.records import PromptRecord
@@ -26,7 +26,7 @@ from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.train.losses import actor_loss_fn
-from tests.helpers import read_metrics, small_config
+from tests.helpers import multi_turn_settings, read_metrics, small_config
 
 MULTI_TURN = ["rollout.multi_turn.enable=true"]
 GUESS = [*MULTI_TURN, "env.path=guess_number", "env.kwargs.max_turns=3", "data.max_response_length=24"]
@@ -59,7 +59,7 @@ def test_one_turn_without_tools_is_the_single_turn_path_bit_for_bit(tiny_model_d
 
 def guess_trajectories(model, tokenizer, n=2, prompts=3, seed=5):
     engine = NativeEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    settings = MultiTurnSettings(max_assistant_turns=3, max_tokens_per_turn=4, max_response_length=30)
+    settings = multi_turn_settings(max_assistant_turns=3, max_tokens_per_turn=4, max_response_length=30)
     loop = AgentLoop(
         lambda row: GuessNumberEnv(max_turns=3), tokenizer, settings, "final", {tokenizer.eos_token_id}
     )
@@ -135,7 +135,7 @@ def test_template_drift_is_counted_not_hidden(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir).float()
     result = guess_trajectories(model, tokenizer)
-    loop = AgentLoop(lambda row: GuessNumberEnv(), tokenizer, MultiTurnSettings(), "final")
+    loop = AgentLoop(lambda row: GuessNumberEnv(), tokenizer, multi_turn_settings(), "final")
     for episode in result.episodes:
         canonical = loop.drifted(episode)
         assert episode.metrics["template_drift"] == float(canonical)
@@ -170,6 +170,49 @@ def test_grpo_in_an_environment_reports_the_trajectory_metrics(tiny_model_dir, t
         assert all(key in m for m in metrics), key
     assert max(m["num_turns/max"] for m in metrics) > 1
     assert max(m["rollout/prefill_reused_tokens"] for m in metrics) > 0  # later turns reuse their prefix
+
+
+METERED = '''
+from posttrain.agents.env import Environment, StepResult, ToolEnvironment
+from posttrain.agents.hermes import tool_call_text
+from posttrain.agents.tools import ToolOutput, ToolSet, make_tool
+
+
+def measure(text: str) -> ToolOutput:
+    """Measure a text.
+
+    Args:
+        text: the text.
+    """
+    return ToolOutput(text=str(len(text)), metrics={"measured_chars": float(len(text))})
+
+
+class Metered(Environment):
+    """One step: the measure tool runs on the turn's text (whatever the model wrote); the episode ends."""
+
+    def __init__(self):
+        self.tools = ToolEnvironment(ToolSet([make_tool(measure)]))
+
+    async def step(self, text):
+        measured = await self.tools.step(tool_call_text("measure", {"text": text}))
+        return StepResult(done=True, metrics={**measured.metrics, "steps": 1.0})
+'''
+
+
+def test_a_tools_and_a_steps_metrics_reach_the_grpo_steps_metrics(tiny_model_dir, tmp_path):
+    env_file = tmp_path / "metered.py"
+    env_file.write_text(METERED)
+    run = tmp_path / "run"
+    # A turn cut at max_tokens_per_turn still gets its step (one that spends the trajectory budget does not).
+    limits = ["rollout.multi_turn.max_tokens_per_turn=4", "data.max_response_length=16"]
+    run_training(
+        small_config(tiny_model_dir, run, *MULTI_TURN, *limits, f"env.path={env_file}:Metered"), quiet=True
+    )
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["env/steps"] == 1.0 for m in metrics)  # one step per trajectory, a mean over trajectories
+    assert all("env/measured_chars" in m for m in metrics)
+    assert max(m["env/measured_chars"] for m in metrics) > 0
 
 
 COMBINATIONS = {

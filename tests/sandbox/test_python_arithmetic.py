@@ -3,7 +3,7 @@ the `python` environment with the real bwrap sandbox; a GRPO run on it goes end 
 
 from posttrain.agents.build import environment_factory
 from posttrain.agents.demos import demonstrations
-from posttrain.agents.driver import Generation, MultiTurnSettings, run_trajectories
+from posttrain.agents.driver import Generation, run_trajectories
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.load import build_config
 from posttrain.data.tasks import load_task
@@ -11,7 +11,7 @@ from posttrain.data.tasks.arithmetic import arithmetic_reward
 from posttrain.data.tasks.python_arithmetic import demonstration
 from posttrain.models.tiny import build_tiny_tokenizer
 from posttrain.rl.train_command import run_training
-from tests.helpers import read_metrics, small_config
+from tests.helpers import multi_turn_settings, read_metrics, small_config
 
 
 def test_splits_are_disjoint_seeded_and_large():
@@ -43,7 +43,7 @@ def test_the_task_plays_in_the_python_environment_and_rewards_the_printed_produc
             out.append(Generation(reply, [0.0] * len(reply), "stop"))
         return out
 
-    settings = MultiTurnSettings(max_response_length=2000)
+    settings = multi_turn_settings(max_response_length=2000)
     traj = run_trajectories(
         [{"prompt": record.prompt}], environment_factory(cfg), use_the_tool, tok, settings
     )[0]

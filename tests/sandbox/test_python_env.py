@@ -7,12 +7,13 @@ import threading
 import pytest
 
 from posttrain.agents.build import environment_factory
-from posttrain.agents.driver import Generation, MultiTurnSettings, run_trajectories
+from posttrain.agents.driver import Generation, run_trajectories
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.python_tool import PythonEnv
 from posttrain.config.load import build_config
 from posttrain.models.tiny import build_tiny_tokenizer
 from posttrain.sandbox.build import RunSandbox
+from tests.helpers import multi_turn_settings
 
 BIG = 123456789123456789 * 987654321987654321
 
@@ -55,7 +56,7 @@ def scripted(tok, code):
 def play(tok, cfg, code, **settings):
     make_env = environment_factory(cfg)
     rows = [{"prompt": "What is 123456789123456789 * 987654321987654321?"}]
-    return run_trajectories(rows, make_env, scripted(tok, code), tok, MultiTurnSettings(**settings))[0]
+    return run_trajectories(rows, make_env, scripted(tok, code), tok, multi_turn_settings(**settings))[0]
 
 
 def test_env_path_python_runs_the_call_in_the_sandbox(tok, quick):

@@ -67,9 +67,8 @@ def load_calculator(
     n_val: int = 128,
     min_digits: int = 2,
     max_digits: int = 2,
-    max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Task-registry entry point. ``max_operand`` belongs to the arithmetic task and is not used here."""
+    """Task-registry entry point."""
     return make_calculator_splits(seed, n_train, n_val, min_digits, max_digits)
 
 

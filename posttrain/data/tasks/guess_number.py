@@ -33,11 +33,10 @@ def load_guess_number(
     low: int = 1,
     high: int = 7,
     max_turns: int = 3,
-    max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Rows of one game each, the target drawn from the seed (train and held-out targets drawn apart; with so few
     numbers both cover the range, so the held-out rate measures the policy, not memorised prompts: the prompt is
-    the same for every target). ``max_operand`` belongs to the arithmetic task and is not used here."""
+    the same for every target)."""
     if high <= low:
         raise DataError(f"need low < high, got low={low}, high={high}")
     if max_turns < 1:

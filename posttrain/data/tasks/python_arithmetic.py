@@ -61,7 +61,6 @@ def load_python_arithmetic(
     n_val: int = 128,
     min_digits: int = 6,
     max_digits: int = 9,
-    max_operand: int | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Task-registry entry point (``max_operand`` belongs to the arithmetic task and is not used here)."""
+    """Task-registry entry point."""
     return make_python_arithmetic_splits(seed, n_train, n_val, min_digits, max_digits)

@@ -56,12 +56,11 @@ def load_reasoning_gym(
     seed: int,
     n_train: int = 1000,
     n_val: int = 100,
-    max_operand: int | None = None,
     **options: Any,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """``n_train`` training and ``n_val`` validation records of reasoning-gym task ``name``, generated from
     ``seed``, no question in both. ``options`` go to the task's own config class (``data.task_options``: e.g.
-    ``max_value`` of gcd); ``max_operand`` belongs to the arithmetic task and is not used here."""
+    ``max_value`` of gcd)."""
     check_task_name(name)
     rg = _package()
     check_task_options(name, options)

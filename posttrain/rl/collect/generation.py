@@ -292,16 +292,16 @@ def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
 
 def per_turn_shift(episodes: list, width: int) -> torch.Tensor:
     """[B, width] what moves each turn's environment reward from the last trained token (where
-    :func:`place_scores` put the whole reward) to the last token of its own assistant turn."""
+    :func:`place_scores` put the whole reward) to the last token of its own assistant turn
+    (``Trajectory.turn_end_rewards``, the one placement of per-turn rewards)."""
     out = torch.zeros(len(episodes), width)
     for i, episode in enumerate(episodes):
         ends = [end - 1 for start, end in episode.turns if end > start]
         if not ends:
             continue
-        for (start, end), reward in zip(episode.turns, episode.turn_rewards):
-            if end > start:
-                out[i, end - 1] += reward
-                out[i, ends[-1]] -= reward
+        placed = episode.turn_end_rewards()
+        out[i, : len(placed)] = torch.tensor(placed)
+        out[i, ends[-1]] -= sum(placed)
     return out
 
 

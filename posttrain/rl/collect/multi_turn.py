@@ -8,6 +8,7 @@ mask 0 and log-prob 0), and the trajectory itself in ``result.episodes`` for rew
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from posttrain.agents.check import sample_environment
 from posttrain.agents.driver import MultiTurnSettings, engine_generate, run_trajectories
 from posttrain.agents.hermes import FAILURE_KINDS
 from posttrain.agents.render import Renderer
-from posttrain.agents.trajectory import Trajectory, trajectory_metrics
+from posttrain.agents.trajectory import STEP_METRIC_PREFIX, Trajectory, trajectory_metrics
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.records import PromptRecord
@@ -136,15 +137,7 @@ def build_agent_loop(
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
-    settings = MultiTurnSettings(
-        max_assistant_turns=mt.max_assistant_turns,
-        max_user_turns=mt.max_user_turns,
-        max_response_length=cfg.data.max_response_length,
-        max_tokens_per_turn=mt.max_tokens_per_turn or None,
-        max_tool_response_length=mt.max_tool_response_length,
-        tool_response_truncate_side=mt.tool_response_truncate_side,
-        max_env_failures=mt.max_env_failures,
-    )
+    settings = MultiTurnSettings(mt, cfg.data.max_response_length)
     # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
     sample = sample_environment(cfg, sandbox)
     tools = tuple(t["function"]["name"] for t in sample.tool_schemas() or [])
@@ -153,15 +146,28 @@ def build_agent_loop(
     return AgentLoop(environment_factory(cfg, sandbox), tokenizer, settings, mt.turn_rewards, eos, tools)
 
 
-def metric_names(tool_names: tuple[str, ...]) -> list[str]:
-    """The trajectory metrics every step of a run logs: the same names on every rank and at every step (ranks
-    reduce them position by position), whatever the trajectories did."""
+def metric_names(tool_names: tuple[str, ...], step_keys: tuple[str, ...] = ()) -> list[str]:
+    """The trajectory metrics a step logs: the same names on every rank (ranks reduce them position by position),
+    whatever the trajectories did; the same at every step but for ``env/<key>``, one per key in ``step_keys``
+    (the step metrics the environments reported, on any rank: :func:`step_metric_keys`)."""
     base = trajectory_metrics([Trajectory(prompt_ids=[0], messages=[])])
     names = [k for k in base if not k.startswith(("tool_failures/", "tool_call_counts/"))]
     names += [f"tool_call_counts/{stat}" for stat in ("mean", "min", "max")]
     names += [f"tool_failures/{kind}" for kind in FAILURE_KINDS]
     names += [f"tool_call_counts/{tool}" for tool in tool_names if tool not in ("mean", "min", "max")]
+    names += [STEP_METRIC_PREFIX + key for key in step_keys]
     return names + ["multi_turn/template_drift", "multi_turn/env_failures"]
+
+
+def step_metric_keys(
+    episodes: list[Trajectory], gather: Callable[[list[str]], list[list[str]]] | None = None
+) -> tuple[str, ...]:
+    """The keys of the trajectories' step metrics (``Trajectory.step_metrics``), sorted. ``gather``: every rank's
+    list from this rank's (a distributed run's ``all_gather_object``), so every rank logs every rank's keys."""
+    keys = sorted({key for e in episodes for key in e.step_metrics})
+    if gather is not None:
+        keys = sorted({key for part in gather(keys) for key in part})
+    return tuple(keys)
 
 
 def episode_metrics(
@@ -170,14 +176,18 @@ def episode_metrics(
     how: dict[str, str],
     weight: int,
     tool_names: tuple[str, ...] = (),
+    step_keys: tuple[str, ...] | None = None,
 ) -> None:
     """Add the trajectories' numbers (``trajectory_metrics``, under :func:`metric_names`; 0 for what did not
     happen) to ``metrics``: token totals, drifted templates and failed environments as sums over the step
-    (``how["sum"]``), extremes as extremes, the rest as means over trajectories (``how["mean"]``)."""
+    (``how["sum"]``), extremes as extremes, the rest as means over trajectories (``how["mean"]``; the step
+    metrics ``env/<key>`` among them). ``step_keys``: the step metrics' keys to log (default: the episodes')."""
+    if step_keys is None:
+        step_keys = step_metric_keys(episodes)
     computed = trajectory_metrics(episodes)
     computed["multi_turn/template_drift"] = sum(e.metrics.get("template_drift", 0.0) for e in episodes)
     computed["multi_turn/env_failures"] = sum(e.metrics.get("env_failures", 0.0) for e in episodes)
-    for name in metric_names(tool_names):
+    for name in metric_names(tool_names, step_keys):
         value = computed.get(name, 0.0)
         if name.endswith("/max") and name.startswith(("num_turns/", "tool_call_counts/")):
             metrics.add({name: value}, MAX)

@@ -27,7 +27,7 @@ from posttrain.rl.collect.generation import (
     training_params,
 )
 from posttrain.rl.collect.group_filter import ScoredGroups, draw_groups, generation_salt, group_filter
-from posttrain.rl.collect.multi_turn import episode_metrics
+from posttrain.rl.collect.multi_turn import episode_metrics, step_metric_keys
 from posttrain.rl.collect.truncation import mask_truncated
 from posttrain.rl.collect.validation import validate
 from posttrain.rollout.base import SamplingParams
@@ -152,7 +152,9 @@ def assemble_rollout(
     else:
         rollout_metrics(result, drawn.rewards, local, unshaped, accuracy)
     if context.agent is not None:  # every rank adds the same names, also one that drew no sample
-        episode_metrics(result.episodes or [], local, how, weight, context.agent.tool_names)
+        gather = context.dist.all_gather_object if context.share.distributed else None
+        keys = step_metric_keys(result.episodes or [], gather)  # a collective in a distributed run
+        episode_metrics(result.episodes or [], local, how, weight, context.agent.tool_names, keys)
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
         local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
     if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts
