@@ -90,7 +90,7 @@ def check_cites(text: str, bases: list[Path]) -> list[str]:
             problem = f"`{span}`: no module {mod}" if path is None else name_problem(path, name)
             problems += [problem] if problem else []
             continue
-        for cited, sep, name in CITE.findall(f"`{span}`"):
+        for cited, _sep, name in CITE.findall(f"`{span}`"):
             path = resolve(cited, bases)
             if path is None:
                 problems.append(
