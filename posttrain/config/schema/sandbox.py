@@ -65,7 +65,10 @@ class SandboxConfig:
         choices=SANDBOX_BACKENDS,
     )
     max_concurrent: int = knob(
-        4, "Executions running at once in this process (verl's sandbox_fusion.max_concurrent).", min=1
+        4,
+        "Executions running at once in this run: the code reward and the python tool, in the trainer and its "
+        "reward workers together (verl's sandbox_fusion.max_concurrent).",
+        min=1,
     )
     time_limit_s: float = knob(
         10.0, "Wall-clock seconds one execution may take; then its whole process tree is killed.", min=0.1
