@@ -35,7 +35,7 @@ from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.planning.tune import run_tune
 from posttrain.rewards.code import CodeReward
-from posttrain.rl.collect.rollout import scoring_line
+from posttrain.rl.collect.phase import scoring_line
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
 from posttrain.rl.train_command import run_training

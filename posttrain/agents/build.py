@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
-from posttrain.agents.builtin import CalculatorEnv, GuessNumberEnv
+from posttrain.agents.builtin_envs import CalculatorEnv, GuessNumberEnv
 from posttrain.agents.env import Environment, ToolEnvironment
 from posttrain.agents.python_tool import PythonEnv, bind_python, uses_python
 from posttrain.agents.tool_config import load_tool_config

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from posttrain.agents.builtin import calculator
+from posttrain.agents.builtin_envs import calculator
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.errors import DataError
 from posttrain.data.records import PromptRecord

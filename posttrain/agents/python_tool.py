@@ -21,7 +21,7 @@ from typing import Any
 from posttrain.agents.env import ToolEnvironment
 from posttrain.agents.tools import Tool, ToolSet, make_tool
 from posttrain.sandbox.build import Sandbox
-from posttrain.sandbox.python_tool import run_python
+from posttrain.sandbox.run_python import run_python
 
 
 def python(code: str) -> str:

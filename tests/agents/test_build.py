@@ -7,7 +7,7 @@ import pytest
 
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
 from posttrain.agents.build import builtin_environments, environment_factory
-from posttrain.agents.builtin import GuessNumberEnv
+from posttrain.agents.builtin_envs import GuessNumberEnv
 from posttrain.agents.driver import Generation, run_trajectories
 from posttrain.agents.env import ToolEnvironment
 from posttrain.agents.hermes import tool_call_text

@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.agents.builtin import GuessNumberEnv, calculator
+from posttrain.agents.builtin_envs import GuessNumberEnv, calculator
 from posttrain.agents.tools import schema_from_function
 
 

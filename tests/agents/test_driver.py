@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from posttrain.agents.builtin import GuessNumberEnv, calculator
+from posttrain.agents.builtin_envs import GuessNumberEnv, calculator
 from posttrain.agents.driver import EnvironmentFailure, Generation, run_trajectories
 from posttrain.agents.env import Environment, StepResult, ToolEnvironment
 from posttrain.agents.hermes import tool_call_text

@@ -72,7 +72,7 @@ def test_tool_config_by_file_and_module_path_with_explicit_schema(tmp_path):
         {
             "tools": [
                 {"path": "my_tools.py:add", "timeout_s": 2},
-                {"path": "posttrain.agents.builtin:calculator"},
+                {"path": "posttrain.agents.builtin_envs:calculator"},
                 {"path": "my_tools.py:add", "tool_schema": schema},
             ]
         }

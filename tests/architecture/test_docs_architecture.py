@@ -1,6 +1,6 @@
 """docs/architecture.md kept true to the code, and every doc reachable from the README.
 
-- every file the page cites (`rl/step.py`, `tests/test_cli.py::test_x`, `posttrain.agents.builtin:calculator`)
+- every file the page cites (`rl/step.py`, `tests/test_cli.py::test_x`, `posttrain.agents.builtin_envs:calculator`)
   exists, and every `file.py: name` names something defined in that file (`Class.method` included);
 - every module under posttrain/ is named in its package's row of the package table;
 - the layer map (the fenced block under "Layers (lowest first)") is what the imports do: no import points up;
@@ -130,9 +130,9 @@ def test_the_citation_check_finds_a_missing_file_and_a_missing_name():
     assert len(problems) == 3, problems
     assert "no file rl/nope.py" in problems[0]
     assert "defines no 'no_such'" in problems[1] and "TrainLoop has no 'nope'" in problems[2]
-    assert check_cites("`posttrain.agents.builtin:calculator` `posttrain.agents.builtin:nope`", [PKG])[
-        0
-    ].endswith("defines no 'nope'")
+    assert check_cites(
+        "`posttrain.agents.builtin_envs:calculator` `posttrain.agents.builtin_envs:nope`", [PKG]
+    )[0].endswith("defines no 'nope'")
 
 
 def test_every_module_is_named_in_its_package_row():

@@ -128,7 +128,7 @@ def test_multi_turn_task_cannot_be_turned_off():
 def test_the_plan_says_a_task_implies_multi_turn():
     plan = multi_turn_plan(build_config(overrides=["data.task=guess_number", "env.kwargs.high=9"]))
     assert plan["implied_by_task"] == "guess_number"
-    assert plan["environment"] == "posttrain.agents.builtin.GuessNumberEnv"
+    assert plan["environment"] == "posttrain.agents.builtin_envs.GuessNumberEnv"
     assert plan["environment_kwargs"] == {"low": 1, "high": 9, "max_turns": 7}
 
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from posttrain.agents.build import builtin_environments
-from posttrain.agents.builtin import CalculatorEnv, GuessNumberEnv
+from posttrain.agents.builtin_envs import CalculatorEnv, GuessNumberEnv
 from posttrain.agents.demos import demonstrations
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.errors import DataError

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.agents.builtin import GuessNumberEnv
+from posttrain.agents.builtin_envs import GuessNumberEnv
 from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.schema import ActorConfig
 from posttrain.data.records import PromptRecord

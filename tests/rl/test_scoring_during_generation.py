@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from posttrain.config.load import build_config
 from posttrain.rewards.code import CodeReward
 from posttrain.rewards.runner import RewardFunctionError
-from posttrain.rl.collect.rollout import context_scorer, scoring_line
+from posttrain.rl.collect.phase import context_scorer, scoring_line
 from posttrain.rl.train_command import run_training
 from posttrain.rollout.native.engine import NativeEngine
 from tests.helpers import read_metrics, small_config, untimed

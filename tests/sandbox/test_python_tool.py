@@ -2,7 +2,7 @@
 
 from posttrain.sandbox import Limits, LocalSandbox
 from posttrain.sandbox.build import Sandbox
-from posttrain.sandbox.python_tool import run_python
+from posttrain.sandbox.run_python import run_python
 
 
 def test_output_errors_and_limits_as_text(sandbox):

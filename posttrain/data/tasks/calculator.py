@@ -4,7 +4,7 @@ head (its SFT warm start answered 0 of 278 held-out 2-digit products right witho
 The operands have 2 digits by default (``min_digits``/``max_digits`` change that): with 3 or 4 digits the tiny
 model's warm start did not learn to copy the operands into the tool call, so GRPO had no signal.
 
-The run plays it in the built-in ``calculator`` environment (:class:`posttrain.agents.builtin.CalculatorEnv`): the
+The run plays it in the built-in ``calculator`` environment (:class:`posttrain.agents.builtin_envs.CalculatorEnv`): the
 model may write a ``<tool_call>`` for the safe ``calculator`` tool, reads the result in a tool message and then
 answers. The reward is 1.0 when the first number of the final assistant message equals the product; the share of
 trajectories that call the tool is a metric (``tools/call_frequency``).

@@ -1,6 +1,6 @@
 """Built-in agentic task `guess_number`: find a hidden whole number from "Higher." / "Lower." hints.
 
-The run plays it in the built-in ``guess_number`` environment (:class:`posttrain.agents.builtin.GuessNumberEnv`).
+The run plays it in the built-in ``guess_number`` environment (:class:`posttrain.agents.builtin_envs.GuessNumberEnv`).
 Each row carries its ``target`` (and the range and turn limit) in ``extra``, so the samples of one GRPO group play
 the same game. The reward is the environment's: 1.0 when a guess hits the target within ``max_turns`` guesses
 (the task's reward function, ``environment``, adds nothing to it). Success depends on using the hints across

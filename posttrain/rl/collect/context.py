@@ -25,7 +25,7 @@ from posttrain.rollout.base import RolloutEngine
 @dataclass
 class RolloutContext:
     """The parts of a run that draw, generate and score a step's samples
-    (``posttrain.rl.collect.rollout.rollout_phase``) and validate (``posttrain.rl.collect.validation.validate``)."""
+    (``posttrain.rl.collect.phase.rollout_phase``) and validate (``posttrain.rl.collect.validation.validate``)."""
 
     cfg: PostTrainConfig
     engine: RolloutEngine

@@ -14,7 +14,7 @@ from torch import nn
 
 from posttrain.data.batch import RolloutBatch
 from posttrain.rl.collect.context import RolloutContext
-from posttrain.rl.collect.rollout import rollout_phase, validate_context
+from posttrain.rl.collect.phase import rollout_phase, validate_context
 from posttrain.rollout.weights import RolloutWeights
 from posttrain.utils.metrics import PhaseTimer
 

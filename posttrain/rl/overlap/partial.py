@@ -28,7 +28,7 @@ from posttrain.data.batch import RolloutBatch
 from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.generation import generate_share, score_share, step_seed, training_params
 from posttrain.rl.collect.group_filter import ScoredGroups, generation_salt
-from posttrain.rl.collect.rollout import assemble_rollout, context_baselines, context_scorer
+from posttrain.rl.collect.phase import assemble_rollout, context_baselines, context_scorer
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 from posttrain.utils.metrics import PhaseTimer
 

@@ -16,7 +16,7 @@ import torch
 from posttrain.config.schema import PostTrainConfig
 from posttrain.rl.build import build_rollout_context
 from posttrain.rl.collect.context import GeneratedStep, RolloutContext, StartedStep
-from posttrain.rl.collect.rollout import rollout_phase, validate_context
+from posttrain.rl.collect.phase import rollout_phase, validate_context
 from posttrain.rl.overlap.partial import StartedRollout, finish_rollout, start_rollout
 from posttrain.utils.metrics import PhaseTimer
 from posttrain.utils.seed import seed_everything
