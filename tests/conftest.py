@@ -6,6 +6,11 @@ import signal
 import pytest
 import torch
 
+from posttrain.config.errors import ConfigError
+from posttrain.models.tiny import build_tiny_tokenizer
+from posttrain.sandbox import LocalSandbox
+from tests.sandbox_support import TIGHT
+
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -44,6 +49,24 @@ def _tiny_model(tmp_path_factory, name: str, hidden_size: int, intermediate_size
         num_key_value_heads=2,
         intermediate_size=intermediate_size,
     )
+
+
+@pytest.fixture(scope="session")
+def sandbox() -> LocalSandbox:
+    """The real bubblewrap sandbox at tight limits; skipped where no bwrap works, an error in CI (CI=true): CI
+    must prove the isolation claims, never skip them."""
+    try:
+        return LocalSandbox(TIGHT)
+    except ConfigError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no working bwrap here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The built-in tiny tokenizer (a ChatML template, byte-level BPE)."""
+    return build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")

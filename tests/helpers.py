@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen2Config
 
 from posttrain.agents.demos import demonstrations, write_jsonl
-from posttrain.agents.driver import MultiTurnSettings
+from posttrain.agents.driver import Generation, MultiTurnSettings
 from posttrain.config.load import build_config
 from posttrain.config.schema.agents import MultiTurnConfig
 from posttrain.data.records import PromptRecord
@@ -39,6 +39,21 @@ def varied(prompt, response, ground_truth, extra):
     # An untrained model is never right; reward something it varies in, so every group has signal.
     return float(len(response) % 3) + (1.0 if ground_truth and ground_truth in response else 0.0)
 """
+
+
+def scripted(tok, policy, logprob: float = 0.0):
+    """A deterministic "engine" for the multi-turn driver: ``policy(conversation text)`` gives the reply,
+    sampled as its canonical tokens plus eos, cut at the request's token limit (finish "length" then)."""
+
+    def generate(requests):
+        out = []
+        for r in requests:
+            reply = tok(policy(tok.decode(r.ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            cut = reply[: r.max_tokens]
+            out.append(Generation(cut, [logprob] * len(cut), "stop" if len(cut) == len(reply) else "length"))
+        return out
+
+    return generate
 
 
 def multi_turn_settings(max_response_length: int = 512, **keys) -> MultiTurnSettings:

@@ -7,30 +7,10 @@ import time
 import pytest
 
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment
-from posttrain.agents.driver import Generation, run_trajectories
+from posttrain.agents.driver import run_trajectories
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.errors import ConfigError
-from posttrain.models.tiny import build_tiny_tokenizer
-from tests.helpers import multi_turn_settings
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-def scripted(tok, policy):
-    def generate(requests):
-        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
-        out = []
-        for ids, limit in zip(prompts, limits):
-            reply = (
-                tok(policy(tok.decode(ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            )[:limit]
-            out.append(Generation(reply, [0.0] * len(reply), "stop"))
-        return out
-
-    return generate
+from tests.helpers import multi_turn_settings, scripted
 
 
 class Counter:

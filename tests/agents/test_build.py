@@ -8,7 +8,7 @@ import pytest
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
 from posttrain.agents.build import builtin_environments, environment_factory
 from posttrain.agents.builtin_envs import GuessNumberEnv
-from posttrain.agents.driver import Generation, run_trajectories
+from posttrain.agents.driver import run_trajectories
 from posttrain.agents.env import ToolEnvironment
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.tool_config import load_tool_config
@@ -16,8 +16,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.schema.names import TASK_ENVIRONMENTS
 from posttrain.data.tasks import TASKS
-from posttrain.models.tiny import build_tiny_tokenizer
-from tests.helpers import multi_turn_settings
+from tests.helpers import multi_turn_settings, scripted
 
 ADD = '''
 def add(a: int, b: int) -> int:
@@ -64,11 +63,6 @@ class Counter:
 '''
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
 @pytest.fixture
 def files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -80,20 +74,6 @@ def files(tmp_path, monkeypatch):
 
 def config(*overrides):
     return build_config(overrides=["rollout.multi_turn.enable=true", *overrides])
-
-
-def scripted(tok, policy):
-    def generate(requests):
-        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
-        out = []
-        for ids, limit in zip(prompts, limits):
-            reply = (
-                tok(policy(tok.decode(ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            )[:limit]
-            out.append(Generation(reply, [0.0] * len(reply), "stop"))
-        return out
-
-    return generate
 
 
 def test_builtin_environment_made_with_kwargs():

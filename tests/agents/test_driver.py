@@ -16,30 +16,10 @@ from posttrain.agents.render import Renderer
 from posttrain.agents.tools import ToolSet, make_tool
 from posttrain.agents.trajectory import trajectory_metrics
 from posttrain.data.datasets import encode_prompt
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.models.tiny import build_tiny_model
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
-from tests.helpers import multi_turn_settings
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-def scripted(tok, policy):
-    """A deterministic "engine": ``policy(conversation text)`` gives the reply, sampled as its canonical tokens."""
-
-    def generate(requests):
-        prompts, limits = [r.ids for r in requests], [r.max_tokens for r in requests]
-        out = []
-        for ids, limit in zip(prompts, limits):
-            reply = tok(policy(tok.decode(ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            cut = reply[:limit]
-            out.append(Generation(cut, [-0.5] * len(cut), "stop" if len(cut) == len(reply) else "length"))
-        return out
-
-    return generate
+from tests.helpers import multi_turn_settings, scripted
 
 
 def bisect(conversation: str) -> str:

@@ -10,11 +10,6 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_incremental_tokens_equal_a_whole_rendering(tok, tools):
     r = Renderer(tok, tools=tools)

@@ -5,32 +5,13 @@ import asyncio
 
 import pytest
 
-from posttrain.agents.driver import EnvironmentFailure, Generation, run_trajectories
+from posttrain.agents.driver import EnvironmentFailure, run_trajectories
 from posttrain.agents.env import Environment, StepResult, ToolEnvironment
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.tools import ToolOutput, ToolSet, make_tool
 from posttrain.agents.trajectory import trajectory_metrics
 from posttrain.config.errors import ConfigError
-from posttrain.models.tiny import build_tiny_tokenizer
-from tests.helpers import multi_turn_settings
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-def scripted(tok, policy):
-    """A deterministic "engine": ``policy(conversation text)`` gives the reply, sampled as its canonical tokens."""
-
-    def generate(requests):
-        out = []
-        for r in requests:
-            reply = tok(policy(tok.decode(r.ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            out.append(Generation(reply, [-0.5] * len(reply), "stop"))
-        return out
-
-    return generate
+from tests.helpers import multi_turn_settings, scripted
 
 
 def lookup(table: str) -> ToolOutput:

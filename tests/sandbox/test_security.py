@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from posttrain.sandbox import Limits, LocalSandbox, RunRequest
-from tests.sandbox.conftest import child_pids, ordinary_user_only, root_only, sandbox_pids
+from tests.sandbox_support import child_pids, ordinary_user_only, root_only, sandbox_pids
 
 PROJECT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from posttrain.sandbox import Limits, LocalSandbox
-from tests.sandbox.conftest import child_pids, sandbox_pids
 from tests.sandbox.http_raw import exchange, post, running
+from tests.sandbox_support import child_pids, sandbox_pids
 
 SMALL = Limits(
     time_limit_s=1.0, memory_limit_mb=256, max_processes=16, max_file_size_mb=1, max_output_bytes=4096

@@ -18,8 +18,8 @@ from posttrain.sandbox.build import build_sandbox
 from posttrain.sandbox.server import MAX_BODY_BYTES, is_loopback
 from posttrain.sandbox.types import MAX_DIRECTORIES, MAX_FILES
 from posttrain.sandbox.wire import MAX_FILES_BYTES
-from tests.sandbox.conftest import TIGHT, child_pids, sandbox_pids
 from tests.sandbox.http_raw import connect, exchange, post, read_answer, request_bytes, running
+from tests.sandbox_support import TIGHT, child_pids, sandbox_pids
 
 TIMEOUT_S = 1.0  # the test servers' request timeout
 OK = {"code": "print(1)", "language": "python"}

@@ -12,14 +12,8 @@ from posttrain.config.errors import DataError
 from posttrain.data.datasets import load_records
 from posttrain.data.records import PromptRecord
 from posttrain.data.tasks import load_task
-from posttrain.models.tiny import build_tiny_tokenizer
 from posttrain.sft.conversation import conversation_example
 from posttrain.sft.loop import make_examples
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def _spans(tok, ids, mask):

