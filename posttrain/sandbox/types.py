@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from posttrain.config.schema.sandbox import SandboxConfig
 
@@ -27,29 +27,25 @@ NAME_MAX = 255
 HARNESS_START_S = 2.0  # a run of several executions: the harness's own start and bookkeeping
 
 
+_SECTION = SandboxConfig()  # the `sandbox` section's defaults: declared there, once
+
+
 @dataclass(frozen=True)
 class Limits:
-    """The limits of one execution (defaults: the `sandbox` config section's)."""
+    """The limits of one execution: a frozen view of the `sandbox` section's limit keys (defaults: the
+    section's own, not declared again here)."""
 
-    time_limit_s: float = 10.0
-    cpu_time_limit_s: float | None = None
-    memory_limit_mb: int = 1024
-    max_processes: int = 64
-    max_file_size_mb: int = 16
-    max_output_bytes: int = 1_000_000
-    max_disk_mb: int = 128
+    time_limit_s: float = _SECTION.time_limit_s
+    cpu_time_limit_s: float | None = _SECTION.cpu_time_limit_s
+    memory_limit_mb: int = _SECTION.memory_limit_mb
+    max_processes: int = _SECTION.max_processes
+    max_file_size_mb: int = _SECTION.max_file_size_mb
+    max_output_bytes: int = _SECTION.max_output_bytes
+    max_disk_mb: int = _SECTION.max_disk_mb
 
     @classmethod
     def from_config(cls, cfg: SandboxConfig) -> Limits:
-        return cls(
-            time_limit_s=cfg.time_limit_s,
-            cpu_time_limit_s=cfg.cpu_time_limit_s,
-            memory_limit_mb=cfg.memory_limit_mb,
-            max_processes=cfg.max_processes,
-            max_file_size_mb=cfg.max_file_size_mb,
-            max_output_bytes=cfg.max_output_bytes,
-            max_disk_mb=cfg.max_disk_mb,
-        )
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
     @property
     def cpu_seconds(self) -> int:
