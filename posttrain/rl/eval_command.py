@@ -21,6 +21,7 @@ from posttrain.rl.eval_report import report_eval, trajectory_summary
 from posttrain.rollout.weights import RolloutWeights
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
+from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 
 
@@ -57,6 +58,16 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     splits = load_splits(cfg)
     if not splits.val:
         raise ConfigError("no validation prompts: set data.val_files (or use a built-in task)")
+    # eval writes trainer.run_dir/eval_samples.jsonl: it holds that directory's run lock, so it never writes
+    # into a directory a training run (or another eval) is writing. It only reads --model.
+    lock = lock_run_dir(cfg.trainer.run_dir)
+    try:
+        return _evaluate(cfg, splits, path, device)
+    finally:
+        lock.release()
+
+
+def _evaluate(cfg: PostTrainConfig, splits, path: Path | None, device) -> dict[str, float]:
     rows: list[dict] = []
     with build_reward_runner(cfg, splits.reward_spec, splits.data_source) as runner:
         tokenizer, model, hf_dir, described = load_eval_model(cfg, path, device)

@@ -27,7 +27,7 @@ from posttrain.train.loop import Checkpoints, LoopResult, LoopSettings, TrainLoo
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
-from posttrain.utils.run_lock import lock_run_dir
+from posttrain.utils.run_lock import lock_output_dir, lock_run_dir
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.storage import model_dir_complete
 
@@ -50,14 +50,27 @@ def _data(cfg: PostTrainConfig):
 
 def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     """`posttrain sft`: fine-tune model.path and save it; returns the saved directory. Holds the run
-    directory's lock (the one `posttrain train` takes) from before anything is written there to the end."""
+    directory's lock (the one `posttrain train` takes), and sft.output_dir's where it lies outside the run
+    directory, from before anything is written there to the end."""
     device = select_device(cfg)
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     lock = lock_run_dir(cfg.trainer.run_dir)
     try:
+        # sft.output_dir outside the run directory is the run's too: two runs exporting there are refused.
+        out = lock_output_dir(_output_dir(cfg), "sft.output_dir", cfg.trainer.run_dir)
+    except BaseException:
+        lock.release()
+        raise
+    try:
         return _sft(cfg, device, quiet)
     finally:
+        if out is not None:
+            out.release()
         lock.release()
+
+
+def _output_dir(cfg: PostTrainConfig) -> Path:
+    return Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
 
 
 def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
@@ -75,7 +88,7 @@ def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
     training = prepare_sft(cfg, model, tokenizer, records)
     checkpoints = training.checkpoints(run_dir, cfg.trainer.max_ckpt_to_keep)
     start, _ = checkpoints.resume(cfg.trainer.resume, announce=not quiet)
-    out = Path(cfg.sft.output_dir or run_dir / "sft_model")
+    out = _output_dir(cfg)
     if start >= training.schedule.total_steps:  # nothing to train: nothing in run_dir is rewritten
         return _finished_run(cfg, model, tokenizer, out, start, quiet)
     info = write_run_info(run_dir, cfg, path)
