@@ -23,6 +23,7 @@ from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
 from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
 
 
 def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module, Path, str]:
@@ -62,7 +63,8 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     # into a directory a training run (or another eval) is writing. It only reads --model.
     lock = lock_run_dir(cfg.trainer.run_dir)
     try:
-        return _evaluate(cfg, splits, path, device)
+        with stop_note("eval stopped before its results were written (it wrote nothing): run it again"):
+            return _evaluate(cfg, splits, path, device)
     finally:
         lock.release()
 

@@ -37,7 +37,14 @@ from posttrain.rm.loop import rm_checkpoints, rm_schedule, rm_step, validate_pai
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
 from posttrain.sft.builtin import resolve_model_path, write_run_info
 from posttrain.train.checkpoint import find_checkpoint
-from posttrain.train.loop import Checkpoints, LoopSettings, TrainLoop, checkpoint_step
+from posttrain.train.loop import (
+    Checkpoints,
+    LoopSettings,
+    TrainLoop,
+    checkpoint_step,
+    stopped_export_note,
+    stopped_run_note,
+)
 from posttrain.train.trainable import Trainable
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
@@ -45,6 +52,7 @@ from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.run_lock import lock_output_dir
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
 from posttrain.utils.storage import model_dir_complete
 
 HEADLINE = {"rm/loss": "loss", "rm/accuracy": "acc", "val/accuracy": "val acc", "val/margin": "val margin"}
@@ -160,7 +168,8 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     train, val = _read_pairs(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
-    with ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx:
+    stopped = stop_note(lambda: stopped_run_note(run_dir))  # what a signal leaves behind
+    with stopped, ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx:
         # rm.output_dir outside the run directory is the run's too: a second run exporting there is refused.
         lock = lock_output_dir(_output_dir(cfg), "rm.output_dir", run_dir, take=ctx.is_main)
         try:
@@ -302,7 +311,8 @@ def _finish(cfg, model, path: Path, tokenizer, ctx: DistContext, stats, steps: i
     pairs'), plot the curves, say what was done."""
     run_dir = Path(cfg.trainer.run_dir)
     stored = {"reward_mean": stats["val/reward_mean"], "reward_std": stats["val/reward_std"]}
-    out = _export(cfg, model, path, tokenizer, ctx, _output_dir(cfg), stored)
+    with stop_note(stopped_export_note(_output_dir(cfg))):
+        out = _export(cfg, model, path, tokenizer, ctx, _output_dir(cfg), stored)
     if ctx.is_main:
         plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if not quiet:

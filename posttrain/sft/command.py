@@ -23,12 +23,20 @@ from posttrain.parallel.runtime import select_device
 from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
 from posttrain.sft.loop import SFTTraining, prepare_sft, sft_display, sft_records
 from posttrain.sft.validation import SFTValidator, sft_val_records
-from posttrain.train.loop import Checkpoints, LoopResult, LoopSettings, TrainLoop
+from posttrain.train.loop import (
+    Checkpoints,
+    LoopResult,
+    LoopSettings,
+    TrainLoop,
+    stopped_export_note,
+    stopped_run_note,
+)
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.run_lock import lock_output_dir, lock_run_dir
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
 from posttrain.utils.storage import model_dir_complete
 
 
@@ -62,7 +70,8 @@ def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
         lock.release()
         raise
     try:
-        return _sft(cfg, device, quiet)
+        with stop_note(lambda: stopped_run_note(Path(cfg.trainer.run_dir))):  # what a signal leaves behind
+            return _sft(cfg, device, quiet)
     finally:
         if out is not None:
             out.release()
@@ -95,7 +104,8 @@ def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
     if not quiet:
         print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
     result = _train(cfg, training, checkpoints, validator, start, quiet)
-    out, how = export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)
+    with stop_note(stopped_export_note(out)):
+        out, how = export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)
     plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if not quiet:
         _summary(result.last, training.schedule.total_steps, out, how, run_dir)
@@ -133,7 +143,8 @@ def _finished_run(cfg: PostTrainConfig, model, tokenizer, out: Path, step: int, 
             print(
                 f"{cfg.trainer.run_dir} holds a finished SFT run (step {step}) without a complete {out}: exporting it"
             )
-        return export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)[0]
+        with stop_note(stopped_export_note(out)):
+            return export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)[0]
     raise ConfigError(
         f"{cfg.trainer.run_dir} already holds a finished SFT run (checkpoint at step {step}, the last of "
         f"sft.epochs={cfg.sft.epochs} / sft.max_steps={cfg.sft.max_steps}); to train again use a new "

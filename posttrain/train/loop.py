@@ -27,6 +27,7 @@ from posttrain.parallel.runtime import DistContext
 from posttrain.train.checkpoint import (
     checkpoint_root,
     find_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     read_manifest,
     save_checkpoint,
@@ -120,6 +121,23 @@ class Checkpoints:
         if announce:
             print(f"Resumed from {ckpt} (step {state['step']})")
         return int(state["step"]), state
+
+
+def stopped_run_note(run_dir: Path) -> str:
+    """What a signal that stops a training command leaves behind (the CLI's line): its newest checkpoint, or
+    none yet."""
+    saved = list_checkpoints(run_dir)
+    if saved:
+        return f"the last complete checkpoint is intact ({saved[-1]}): run the same command to resume"
+    return "no checkpoint had been written yet: run the same command to start again"
+
+
+def stopped_export_note(out: Path) -> str:
+    """What a signal during a finished run's export leaves behind: no export, the final checkpoint."""
+    return (
+        f"the export to {out} was not finished (nothing half-written is published); the final checkpoint is "
+        "intact: run the same command to finish the export"
+    )
 
 
 def checkpoint_step(ckpt: Path | None) -> int:
