@@ -2,8 +2,9 @@
 
 Configured like `posttrain sft`: model.path (a causal LM or a one-label classifier; builtin names too),
 data.train_files and data.val_files (pairs), trainer.run_dir, trainer.seed, trainer.test_freq,
-trainer.save_freq, trainer.resume; the rest in the `rm` section. One run per run directory (the run lock),
-checkpoints and resume as in `posttrain train`, SIGTERM handled as there. Logged like `sft`: a progress
+trainer.save_freq, trainer.resume; the rest in the `rm` section. One run per run directory (the run lock, and
+rm.output_dir's outside it), checkpoints and resume as in `posttrain train`, SIGTERM handled as there; a
+finished run is refused before any model loads, unless its export is missing, which the rerun then writes. Logged like `sft`: a progress
 line, ``metrics.jsonl`` and ``curves.png`` in trainer.run_dir.
 
 Launched by torchrun (WORLD_SIZE > 1) every rank runs this, as `posttrain train` does: the same process group
