@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +135,33 @@ def test_sigterm_during_eval_stops_its_reward_workers_without_a_traceback(tiny_m
     assert "terminated (SIGTERM); eval stopped before its results were written" in line
     assert "BrokenPipeError" not in err
     assert not (run / "eval_samples.jsonl").exists()
+
+
+KILLED_WHILE_SCORING = """
+import time
+from posttrain.rewards.runner import RewardInput, RewardRunner
+
+def slow(prompt, response, ground_truth, extra):
+    time.sleep(2)
+    return 1.0
+
+runner = RewardRunner(slow, timeout_s=30)
+print("scoring", flush=True)
+runner.score([RewardInput("p", "r")])
+"""
+
+
+def test_a_reward_worker_whose_trainer_was_killed_exits_without_a_traceback(tmp_path):
+    """Drill: the worker of a killed trainer answered into the closed pipe and printed a BrokenPipeError
+    traceback. The trainer here is SIGKILLed (no cleanup at all) while its worker scores."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WHILE_SCORING], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert proc.stdout.readline().strip() == b"scoring"
+    time.sleep(0.5)  # the worker is inside the call
+    proc.kill()
+    proc.wait()
+    err = proc.stderr.read().decode()  # returns once the worker, which shares the pipe, is gone too
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
