@@ -8,6 +8,7 @@ checkpoints every trainer.save_freq steps and at the end, trainer.resume, the sk
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from posttrain.config.errors import ConfigError
@@ -62,20 +63,14 @@ def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     directory, from before anything is written there to the end."""
     device = select_device(cfg)
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
-    lock = lock_run_dir(cfg.trainer.run_dir)
-    try:
+    with contextlib.ExitStack() as held:
+        held.callback(lock_run_dir(cfg.trainer.run_dir).release)
         # sft.output_dir outside the run directory is the run's too: two runs exporting there are refused.
         out = lock_output_dir(_output_dir(cfg), "sft.output_dir", cfg.trainer.run_dir)
-    except BaseException:
-        lock.release()
-        raise
-    try:
+        if out is not None:
+            held.callback(out.release)
         with stop_note(lambda: stopped_run_note(Path(cfg.trainer.run_dir))):  # what a signal leaves behind
             return _sft(cfg, device, quiet)
-    finally:
-        if out is not None:
-            out.release()
-        lock.release()
 
 
 def _output_dir(cfg: PostTrainConfig) -> Path:
