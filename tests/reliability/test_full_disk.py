@@ -116,12 +116,15 @@ def test_a_full_disk_during_the_sft_export_leaves_no_sft_model(mounts, tmp_path,
     assert not [p for p in run.iterdir() if "sft_model" in p.name]  # neither sft_model/ nor a partial one
 
 
-@pytest.mark.parametrize("command", ["train", "sft"])
+@pytest.mark.parametrize("command", ["train", "sft", "rm", "eval"])
 def test_a_read_only_run_dir_exits_2_naming_it(mounts, tmp_path, tiny_model_dir, command, capsys):
     """Drill: a read-only run directory ended in a traceback."""
     run = mounts(tmp_path / "ro")
     subprocess.run(["mount", "-o", "remount,ro", str(run)], check=True)
-    args = sft_cli_args(run, tiny_model_dir) if command == "sft" else small_overrides(tiny_model_dir, run)
+    args = {
+        "sft": lambda: sft_cli_args(run, tiny_model_dir),
+        "rm": lambda: rm_cli_args(run, tiny_model_dir),
+    }.get(command, lambda: small_overrides(tiny_model_dir, run))()
     if command == "sft":
         (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1 + 1?", "response": "2"}) + "\n")
     assert main([command, *args]) == 2
