@@ -44,7 +44,7 @@ from posttrain.rm.command import run_rm_command
 from posttrain.sandbox.build import build_sandbox, probe_line
 from posttrain.sandbox.server import add_serve_arguments, serve, settings_from_arguments
 from posttrain.sft.command import run_sft_command
-from posttrain.utils.signals import EXIT_TERMINATED, Terminated
+from posttrain.utils.signals import EXIT_TERMINATED, Interrupted, Terminated, sigterm_raises
 from posttrain.utils.storage import storage_problem
 
 EXIT_CONFIG_ERROR = 2
@@ -469,14 +469,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(argv)
     quiet_library_progress_bars()
     try:
-        return args.fn(args)
+        with sigterm_raises():  # every phase, not only the training loop: one line, exit 143
+            return args.fn(args)
     except ConfigError as exc:
-        # User errors (config, data, paths, checkpoints): one clear message, no traceback. Anything else is a
-        # bug and keeps its traceback.
+        # User errors (config, data, paths, checkpoints): one line, no traceback; anything else keeps its own.
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    except Terminated as exc:
-        print(f"posttrain {args.command}: {exc}; run the same command to resume", file=sys.stderr)
+    except Terminated as exc:  # the phase it stopped says what is left (posttrain.utils.signals.stop_note)
+        print(f"posttrain {args.command}: {exc}", file=sys.stderr)
         return EXIT_TERMINATED
     except Exception as exc:
         # A full or read-only disk where no write site named its path (e.g. a metrics line): one line too.
@@ -489,10 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_CONFIG_ERROR
-    except KeyboardInterrupt:
-        print(
-            f"posttrain {args.command}: interrupted; the last complete checkpoint is intact", file=sys.stderr
-        )
+    except KeyboardInterrupt as exc:
+        said = exc if isinstance(exc, Interrupted) else "interrupted"  # what the phase it stopped left
+        print(f"posttrain {args.command}: {said}", file=sys.stderr)
         return 130
 
 

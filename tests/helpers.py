@@ -270,6 +270,28 @@ def sft_cli_args(run, model_dir, rows: int = 8) -> list[str]:
     ]
 
 
+def rm_cli_args(run, model_dir, *extra) -> list[str]:
+    """`posttrain rm` arguments for a short run into ``run`` (4 steps of 4 pairs, a checkpoint and a validation
+    every 2; its pairs written beside it)."""
+    train, val = run.parent / "pairs.jsonl", run.parent / "val_pairs.jsonl"
+    rows = [{"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i)} for i in range(20)]
+    train.write_text("\n".join(json.dumps(r) for r in rows[:16]))
+    val.write_text("\n".join(json.dumps(r) for r in rows[16:]))
+    return [
+        f"model.path={model_dir}",
+        f"trainer.run_dir={run}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
+        "rm.batch_size=4",
+        "rm.micro_batch_size_per_gpu=2",
+        "rm.max_steps=4",
+        "trainer.save_freq=2",
+        "trainer.test_freq=2",
+        "trainer.loggers=jsonl",
+        *extra,
+    ]
+
+
 class GradCapture(torch.optim.Optimizer):
     """An optimizer whose step records the accumulated gradient (and leaves the weights alone)."""
 

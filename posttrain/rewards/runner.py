@@ -80,7 +80,10 @@ def _worker_main(fn: Callable[..., Any], conn: Connection, parent_conn: Connecti
             return
         for index, ok, value, output, kept in call_many(fn, batch):
             kept.update(counts.take())  # and what it counted from threads of its own
-            conn.send((index, ok, value, output, kept))
+            try:
+                conn.send((index, ok, value, output, kept))
+            except OSError:  # BrokenPipeError: the trainer is gone (killed); nobody reads the answer
+                return
 
 
 @contextlib.contextmanager

@@ -22,7 +22,9 @@ from posttrain.rollout.weights import RolloutWeights
 from posttrain.sandbox.build import RunSandbox
 from posttrain.sft.builtin import resolve_model_path
 from posttrain.train.integrity import check_model_dir
+from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
 
 
 def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module, Path, str]:
@@ -58,6 +60,17 @@ def run_eval_command(cfg: PostTrainConfig, model_path: str | None = None) -> dic
     splits = load_splits(cfg)
     if not splits.val:
         raise ConfigError("no validation prompts: set data.val_files (or use a built-in task)")
+    # eval writes trainer.run_dir/eval_samples.jsonl: it holds that directory's run lock, so it never writes
+    # into a directory a training run (or another eval) is writing. It only reads --model.
+    lock = lock_run_dir(cfg.trainer.run_dir)
+    try:
+        with stop_note("eval stopped before its results were written (it wrote nothing): run it again"):
+            return _evaluate(cfg, splits, path, device)
+    finally:
+        lock.release()
+
+
+def _evaluate(cfg: PostTrainConfig, splits, path: Path | None, device) -> dict[str, float]:
     rows: list[dict] = []
     sandbox = RunSandbox(cfg.sandbox)  # the run's one sandbox: the code reward's and the python tool's
     with build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox) as runner:

@@ -8,6 +8,7 @@ turn statistics and the tool-call rate over all samples.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -99,8 +100,10 @@ def report_eval(
 ) -> Path:
     """Write every sample to the run directory and print the summary; returns the samples file."""
     path = Path(cfg.trainer.run_dir) / EVAL_SAMPLES
-    path.unlink(missing_ok=True)
-    write_samples(path, rows)
+    tmp = path.with_name(f".{EVAL_SAMPLES}.partial-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    write_samples(tmp, rows)
+    os.replace(tmp, path)  # whole or not at all: a signal meanwhile leaves the previous eval's file
     if quiet:
         return path
     console = Console(width=120, soft_wrap=True)  # soft wrap: paths in the lines stay whole, copyable

@@ -35,12 +35,20 @@ from posttrain.rl.overlap.worker import RolloutWorker
 from posttrain.rl.step import inline_rollouts, train_step
 from posttrain.rollout.base import RolloutEngine
 from posttrain.sft.builtin import resolve_model_path
-from posttrain.train.loop import Checkpoints, LoopResult, LoopSettings, TrainLoop
+from posttrain.train.loop import (
+    Checkpoints,
+    LoopResult,
+    LoopSettings,
+    TrainLoop,
+    stopped_export_note,
+    stopped_run_note,
+)
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, reward_failure_summary
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
 from posttrain.utils.storage import atomic_dir, model_dir_complete
 
 log = logging.getLogger("posttrain")
@@ -118,7 +126,8 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     seed_everything(cfg.trainer.seed)
     # One run per run_dir: rank 0 takes its lock before anything in it is written (ranked_run).
-    with ranked_run(device, cfg.trainer.run_dir, cfg.trainer.dist_timeout_s) as ctx:
+    stopped = stop_note(lambda: stopped_run_note(Path(cfg.trainer.run_dir)))  # what a signal leaves behind
+    with stopped, ranked_run(device, cfg.trainer.run_dir, cfg.trainer.dist_timeout_s) as ctx:
         if ctx.distributed and cfg.model.path == "builtin:tiny":
             # One rank builds (and caches) the built-in warm start; the others then read the cache.
             if ctx.is_main:
@@ -264,18 +273,23 @@ def _export_gathered(run: Components, path: Path) -> tuple[Path, str]:
 
 def _finish(run: Components, run_dir: Path, quiet: bool) -> None:
     if run.cfg.trainer.export_hf:
-        if run.dist.distributed:
-            # Every rank takes part in gathering the sharded weights; rank 0 writes them.
-            out, how = _export_gathered(run, run_dir / "final_model")
-        else:
-            out, how = export_policy(
-                run.actor.module, run.tokenizer, run_dir / "final_model", run.cfg.trainer.export_merged
-            )
-        if run.dist.is_main and not quiet:
-            print(f"Final policy exported to {out} ({how})")
-        run.dist.barrier()
+        with stop_note(stopped_export_note(run_dir / "final_model")):
+            _export(run, run_dir, quiet)
     if not run.dist.is_main:
         return
     png = run_dir / "curves.png"
     if plot_training_curves(run_dir / "metrics.jsonl", png) and not quiet:
         print(f"Training curves: {png}")
+
+
+def _export(run: Components, run_dir: Path, quiet: bool) -> None:
+    """final_model/: every rank takes part in gathering sharded weights; rank 0 writes them."""
+    if run.dist.distributed:
+        out, how = _export_gathered(run, run_dir / "final_model")
+    else:
+        out, how = export_policy(
+            run.actor.module, run.tokenizer, run_dir / "final_model", run.cfg.trainer.export_merged
+        )
+    if run.dist.is_main and not quiet:
+        print(f"Final policy exported to {out} ({how})")
+    run.dist.barrier()

@@ -2,8 +2,9 @@
 
 Configured like `posttrain sft`: model.path (a causal LM or a one-label classifier; builtin names too),
 data.train_files and data.val_files (pairs), trainer.run_dir, trainer.seed, trainer.test_freq,
-trainer.save_freq, trainer.resume; the rest in the `rm` section. One run per run directory (the run lock),
-checkpoints and resume as in `posttrain train`, SIGTERM handled as there. Logged like `sft`: a progress
+trainer.save_freq, trainer.resume; the rest in the `rm` section. One run per run directory (the run lock, and
+rm.output_dir's outside it), checkpoints and resume as in `posttrain train`, SIGTERM handled as there; a
+finished run is refused before any model loads, unless its export is missing, which the rerun then writes. Logged like `sft`: a progress
 line, ``metrics.jsonl`` and ``curves.png`` in trainer.run_dir.
 
 Launched by torchrun (WORLD_SIZE > 1) every rank runs this, as `posttrain train` does: the same process group
@@ -14,7 +15,9 @@ rank training its share of every step's pairs (posttrain.rm.loop); rank 0 alone 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
+from posttrain.batching.epochs import EpochSchedule
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
@@ -34,13 +37,24 @@ from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import rm_checkpoints, rm_schedule, rm_step, validate_pairs
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
 from posttrain.sft.builtin import resolve_model_path, write_run_info
-from posttrain.train.loop import LoopSettings, TrainLoop
+from posttrain.train.checkpoint import find_checkpoint
+from posttrain.train.loop import (
+    Checkpoints,
+    LoopSettings,
+    TrainLoop,
+    checkpoint_step,
+    stopped_export_note,
+    stopped_run_note,
+)
 from posttrain.train.trainable import Trainable
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
+from posttrain.utils.run_lock import lock_output_dir
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
+from posttrain.utils.storage import model_dir_complete
 
 HEADLINE = {"rm/loss": "loss", "rm/accuracy": "acc", "val/accuracy": "val acc", "val/margin": "val margin"}
 
@@ -59,6 +73,11 @@ def _tokenized(cfg, tokenizer, pairs, what: str, quiet: bool):
     if dropped and not quiet:
         print(
             f"{what}: dropped {dropped} of {len(pairs)} pairs longer than rm.max_length={cfg.rm.max_length}"
+        )
+    if what == "train" and not kept:  # no batch size helps: the pairs or the limit must change
+        raise ConfigError(
+            f"all {len(pairs)} training pairs are longer than rm.max_length={cfg.rm.max_length} tokens "
+            "(chosen or rejected with its prompt) and were dropped; raise rm.max_length or shorten the pairs"
         )
     if what == "train" and len(kept) < cfg.rm.batch_size:
         raise ConfigError(
@@ -150,46 +169,108 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
     train, val = _read_pairs(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
-    with ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx:
-        out = _run(cfg, train, val, run_dir, ctx, quiet or not ctx.is_main)
+    stopped = stop_note(lambda: stopped_run_note(run_dir))  # what a signal leaves behind
+    with stopped, ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx:
+        # rm.output_dir outside the run directory is the run's too: a second run exporting there is refused.
+        lock = lock_output_dir(_output_dir(cfg), "rm.output_dir", run_dir, take=ctx.is_main)
+        try:
+            out = _run(cfg, train, val, run_dir, ctx, quiet or not ctx.is_main)
+        finally:
+            if lock is not None:
+                lock.release()
         ctx.barrier()  # leave together
         return out
 
 
-def _model_path(cfg: PostTrainConfig, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
-    """The model directory, recorded in run_info.yaml by rank 0; under torchrun rank 0 resolves it first (a
-    built-in model is built and cached, a Hub id downloaded, once), then the others read it."""
+def _output_dir(cfg: PostTrainConfig) -> Path:
+    return Path(cfg.rm.output_dir or Path(cfg.trainer.run_dir) / "reward_model")
+
+
+def _model_path(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> Path:
+    """The model directory; under torchrun rank 0 resolves it first (a built-in model is built and cached, a
+    Hub id downloaded, once), then the others read it."""
     if ctx.distributed:
         if ctx.is_main:
             resolve_model_path(model_config(cfg), quiet=quiet)
         ctx.barrier()
-    path = resolve_model_path(model_config(cfg), quiet=quiet or not ctx.is_main)
-    if ctx.is_main:
-        info = write_run_info(run_dir, cfg, path)
-        if not quiet:
-            print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
-    return path
+    return resolve_model_path(model_config(cfg), quiet=quiet or not ctx.is_main)
+
+
+def _finished(cfg: PostTrainConfig, done: int, total: int, ctx: DistContext, quiet: bool) -> bool:
+    """Whether the checkpoint trainer.resume names (of step ``done``) ends the run: then its export is
+    finished when a kill or a full disk left it missing or incomplete, else the rerun is refused. Decided
+    before any model loads; a refused rerun writes nothing."""
+    if done < total:
+        return False
+    out = _output_dir(cfg)
+    whole = ctx.broadcast_object(model_dir_complete(out) if ctx.is_main else None)  # rank 0 exports
+    if whole:
+        raise ConfigError(
+            f"{cfg.trainer.run_dir} already holds a finished reward-model run (checkpoint at step {done}, the "
+            f"last of rm.epochs={cfg.rm.epochs} / rm.max_steps={cfg.rm.max_steps}) and its export {out}; to "
+            "train again use a new trainer.run_dir or trainer.resume=disable, or raise rm.epochs or "
+            "rm.max_steps to continue it"
+        )
+    if not quiet:
+        print(
+            f"{cfg.trainer.run_dir} holds a finished reward-model run (step {done}) without a complete "
+            f"{out}: exporting it"
+        )
+    return True
 
 
 def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
     seed_everything(cfg.trainer.seed)
-    path = _model_path(cfg, run_dir, ctx, quiet)
+    r, t = cfg.rm, cfg.trainer
+    found = find_checkpoint(run_dir, t.resume)  # verified; its step is read before any model loads
+    path = _model_path(cfg, ctx, quiet)
     tokenizer = load_tokenizer(path)
     train_pairs, _ = _tokenized(cfg, tokenizer, train, "train", quiet)
     val_pairs, _ = _tokenized(cfg, tokenizer, val, "validation", quiet)
     budget = token_budget(cfg, train_pairs)  # before the weights load
+    schedule = rm_schedule(cfg, len(train_pairs))
+    finished = _finished(cfg, checkpoint_step(found), schedule.total_steps, ctx, quiet)
+    if ctx.is_main and not finished:  # only a run that trains records what it trains
+        info = write_run_info(run_dir, cfg, path)
+        if not quiet:
+            print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
     model = _build_model(cfg, path, tokenizer, ctx)
     dp = data_parallel(ctx)
-    r, t = cfg.rm, cfg.trainer
-    schedule = rm_schedule(cfg, len(train_pairs))
     trainable = Trainable.create(model, r.optim, schedule.total_steps)
     checkpoints = rm_checkpoints(run_dir, trainable, t.max_ckpt_to_keep, ctx)
-    start, _ = checkpoints.resume(t.resume, announce=not quiet)
-    if start >= schedule.total_steps:
-        raise ConfigError(
-            f"{run_dir} already holds a finished reward-model run (checkpoint at step {start} of "
-            f"{schedule.total_steps}); use a new trainer.run_dir or trainer.resume=disable"
-        )
+    start, _ = checkpoints.restore(found, announce=not quiet)
+    if not finished:
+        pairs = _Pairs(train_pairs, val_pairs, budget, schedule)
+        _train(cfg, trainable, pairs, tokenizer, checkpoints, start, ctx, quiet)
+    stats = validate_pairs(
+        model, val_pairs or train_pairs, tokenizer.pad_token_id, r.micro_batch_size_per_gpu, dp
+    )
+    return _finish(cfg, model, path, tokenizer, ctx, stats, schedule.total_steps, quiet)
+
+
+class _Pairs(NamedTuple):
+    """What the steps train on: the tokenized pairs, the token budget of a micro-batch, the epoch schedule."""
+
+    train: list
+    val: list
+    budget: int
+    schedule: EpochSchedule
+
+
+def _train(
+    cfg: PostTrainConfig,
+    trainable: Trainable,
+    pairs: _Pairs,
+    tokenizer,
+    checkpoints: Checkpoints,
+    start: int,
+    ctx: DistContext,
+    quiet: bool,
+) -> None:
+    """Steps start+1..total on the training loop (posttrain.train.loop), validated on the held-out pairs."""
+    r, t, model, dp = cfg.rm, cfg.trainer, trainable.module, data_parallel(ctx)
+    train_pairs, val_pairs, budget, schedule = pairs
+    run_dir = Path(t.run_dir)
     pad, mb, packed = tokenizer.pad_token_id, r.micro_batch_size_per_gpu, packed_row_tokens(cfg, model)
 
     def step(s: int) -> dict[str, float]:
@@ -224,8 +305,6 @@ def _run(cfg, train, val, run_dir: Path, ctx: DistContext, quiet: bool) -> Path:
         dist=ctx,
     )
     loop.run(start)
-    stats = validate_pairs(model, val_pairs or train_pairs, pad, mb, dp)
-    return _finish(cfg, model, path, tokenizer, ctx, stats, schedule.total_steps, quiet)
 
 
 def _finish(cfg, model, path: Path, tokenizer, ctx: DistContext, stats, steps: int, quiet: bool) -> Path:
@@ -233,9 +312,8 @@ def _finish(cfg, model, path: Path, tokenizer, ctx: DistContext, stats, steps: i
     pairs'), plot the curves, say what was done."""
     run_dir = Path(cfg.trainer.run_dir)
     stored = {"reward_mean": stats["val/reward_mean"], "reward_std": stats["val/reward_std"]}
-    out = _export(
-        cfg, model, path, tokenizer, ctx, Path(cfg.rm.output_dir or run_dir / "reward_model"), stored
-    )
+    with stop_note(stopped_export_note(_output_dir(cfg))):
+        out = _export(cfg, model, path, tokenizer, ctx, _output_dir(cfg), stored)
     if ctx.is_main:
         plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if not quiet:

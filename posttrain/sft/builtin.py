@@ -44,6 +44,7 @@ from posttrain.models.tiny import create_tiny_model_dir
 from posttrain.parallel.runtime import select_device
 from posttrain.sft.loop import run_sft
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
 
 # Version the recipe: bump when the tiny model, its tokenizer or the warm start change.
 RECIPE_VERSION = 3  # 3: the forward narrows the last MLP (float rounding moved the warm start)
@@ -112,7 +113,11 @@ def _atomic_build(target: Path, build) -> Path:
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    build(tmp)
+    try:
+        build(tmp)
+    except BaseException:  # a signal or an error: nothing half-built is left for the next run to sweep
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if target.exists():  # a concurrent build finished first
         shutil.rmtree(tmp, ignore_errors=True)
         return target
@@ -183,7 +188,11 @@ def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:
         save_hf(model, tokenizer, tmp)
         (tmp / "posttrain_builtin.json").write_text(json.dumps(shape, indent=2))
 
-    return _atomic_build(target, build)
+    note = (
+        "the built-in model's SFT warm start was stopped before it was cached: the next run builds it again"
+    )
+    with stop_note(note):
+        return _atomic_build(target, build)
 
 
 BUILTIN_NAMES = ("builtin:tiny", "builtin:base")

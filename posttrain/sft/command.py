@@ -8,6 +8,7 @@ checkpoints every trainer.save_freq steps and at the end, trainer.resume, the sk
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from posttrain.config.errors import ConfigError
@@ -23,12 +24,20 @@ from posttrain.parallel.runtime import select_device
 from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
 from posttrain.sft.loop import SFTTraining, prepare_sft, sft_display, sft_records
 from posttrain.sft.validation import SFTValidator, sft_val_records
-from posttrain.train.loop import Checkpoints, LoopResult, LoopSettings, TrainLoop
+from posttrain.train.loop import (
+    Checkpoints,
+    LoopResult,
+    LoopSettings,
+    TrainLoop,
+    stopped_export_note,
+    stopped_run_note,
+)
 from posttrain.utils.allocator import keep_freed_memory_for_cpu_training
 from posttrain.utils.metrics import MetricsLogger
 from posttrain.utils.plots import plot_training_curves
-from posttrain.utils.run_lock import lock_run_dir
+from posttrain.utils.run_lock import lock_output_dir, lock_run_dir
 from posttrain.utils.seed import seed_everything
+from posttrain.utils.signals import stop_note
 from posttrain.utils.storage import model_dir_complete
 
 
@@ -50,14 +59,22 @@ def _data(cfg: PostTrainConfig):
 
 def run_sft_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     """`posttrain sft`: fine-tune model.path and save it; returns the saved directory. Holds the run
-    directory's lock (the one `posttrain train` takes) from before anything is written there to the end."""
+    directory's lock (the one `posttrain train` takes), and sft.output_dir's where it lies outside the run
+    directory, from before anything is written there to the end."""
     device = select_device(cfg)
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
-    lock = lock_run_dir(cfg.trainer.run_dir)
-    try:
-        return _sft(cfg, device, quiet)
-    finally:
-        lock.release()
+    with contextlib.ExitStack() as held:
+        held.callback(lock_run_dir(cfg.trainer.run_dir).release)
+        # sft.output_dir outside the run directory is the run's too: two runs exporting there are refused.
+        out = lock_output_dir(_output_dir(cfg), "sft.output_dir", cfg.trainer.run_dir)
+        if out is not None:
+            held.callback(out.release)
+        with stop_note(lambda: stopped_run_note(Path(cfg.trainer.run_dir))):  # what a signal leaves behind
+            return _sft(cfg, device, quiet)
+
+
+def _output_dir(cfg: PostTrainConfig) -> Path:
+    return Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
 
 
 def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
@@ -75,14 +92,15 @@ def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
     training = prepare_sft(cfg, model, tokenizer, records)
     checkpoints = training.checkpoints(run_dir, cfg.trainer.max_ckpt_to_keep)
     start, _ = checkpoints.resume(cfg.trainer.resume, announce=not quiet)
-    out = Path(cfg.sft.output_dir or run_dir / "sft_model")
+    out = _output_dir(cfg)
     if start >= training.schedule.total_steps:  # nothing to train: nothing in run_dir is rewritten
         return _finished_run(cfg, model, tokenizer, out, start, quiet)
     info = write_run_info(run_dir, cfg, path)
     if not quiet:
         print(f"Model: {path} (model.path={cfg.model.path}; recorded in {info})")
     result = _train(cfg, training, checkpoints, validator, start, quiet)
-    out, how = export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)
+    with stop_note(stopped_export_note(out)):
+        out, how = export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)
     plot_training_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if not quiet:
         _summary(result.last, training.schedule.total_steps, out, how, run_dir)
@@ -120,7 +138,8 @@ def _finished_run(cfg: PostTrainConfig, model, tokenizer, out: Path, step: int, 
             print(
                 f"{cfg.trainer.run_dir} holds a finished SFT run (step {step}) without a complete {out}: exporting it"
             )
-        return export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)[0]
+        with stop_note(stopped_export_note(out)):
+            return export_policy(model, tokenizer, out, merge=cfg.trainer.export_merged)[0]
     raise ConfigError(
         f"{cfg.trainer.run_dir} already holds a finished SFT run (checkpoint at step {step}, the last of "
         f"sft.epochs={cfg.sft.epochs} / sft.max_steps={cfg.sft.max_steps}); to train again use a new "

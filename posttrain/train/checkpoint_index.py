@@ -227,9 +227,19 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete checkpoint; ValueError for partial or foreign directories."""
     path = Path(path)
     if not is_complete_checkpoint(path):
+        complete = (
+            [p.name for p in list_checkpoints(path.parent.parent)]
+            if path.parent.name == "checkpoints"
+            else []
+        )
         raise CheckpointError(
-            f"path={path} is not a complete checkpoint (no {COMPLETE_FILENAME} marker or manifest); "
-            "pick one with find_checkpoint(run_dir, 'auto')"
+            f"{path} is not a complete checkpoint (no {COMPLETE_FILENAME} marker or {MANIFEST_FILENAME}: its "
+            f"save never finished, or a file was deleted); choose a complete one"
+            + (
+                f" of {path.parent}: {', '.join(complete)}"
+                if complete
+                else " (a checkpoints/step_* directory)"
+            )
         )
     manifest = read_json_file(path / MANIFEST_FILENAME, "the checkpoint's manifest")
     if not isinstance(manifest, dict) or not all(

@@ -24,11 +24,18 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from posttrain.config.schema.run import TrainerConfig
 from posttrain.parallel.runtime import DistContext
-from posttrain.train.checkpoint import checkpoint_root, find_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.train.checkpoint import (
+    checkpoint_root,
+    find_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
 from posttrain.train.guards import SkippedStepGuard, check_finite_weights
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
-from posttrain.utils.metrics import MetricsLogger
+from posttrain.utils.metrics import SAMPLES_FILENAME, MetricsLogger, keep_records_through
 from posttrain.utils.signals import RunSignals
 from posttrain.utils.storage import storage_errors
 
@@ -101,7 +108,10 @@ class Checkpoints:
     def resume(self, how: str, announce: bool) -> tuple[int, dict[str, Any]]:
         """Restore the checkpoint trainer.resume names (``how``: auto, disable or a path), RNG states included;
         returns (its step, its loop state), (0, {}) for a fresh run."""
-        ckpt = find_checkpoint(self.run_dir, how)
+        return self.restore(find_checkpoint(self.run_dir, how), announce)
+
+    def restore(self, ckpt: Path | None, announce: bool) -> tuple[int, dict[str, Any]]:
+        """Restore ``ckpt`` (found and verified by find_checkpoint; None: a fresh run), as :meth:`resume`."""
         if ckpt is None:
             return 0, {}
         # find_checkpoint verified every file (rank 0 read them), so the load does not hash them again.
@@ -111,6 +121,29 @@ class Checkpoints:
         if announce:
             print(f"Resumed from {ckpt} (step {state['step']})")
         return int(state["step"]), state
+
+
+def stopped_run_note(run_dir: Path) -> str:
+    """What a signal that stops a training command leaves behind (the CLI's line): its newest checkpoint, or
+    none yet."""
+    saved = list_checkpoints(run_dir)
+    if saved:
+        return f"the last complete checkpoint is intact ({saved[-1]}): run the same command to resume"
+    return "no checkpoint had been written yet: run the same command to start again"
+
+
+def stopped_export_note(out: Path) -> str:
+    """What a signal during a finished run's export leaves behind: no export, the final checkpoint."""
+    return (
+        f"the export to {out} was not finished (nothing half-written is published); the final checkpoint is "
+        "intact: run the same command to finish the export"
+    )
+
+
+def checkpoint_step(ckpt: Path | None) -> int:
+    """The step a complete checkpoint holds (0 for None): read from its manifest, before any model loads, so
+    a command can refuse a finished run without loading one."""
+    return 0 if ckpt is None else int(read_manifest(ckpt)["step"])
 
 
 @dataclass(frozen=True)
@@ -139,6 +172,7 @@ class TrainLoop:
         """Steps start+1..total_steps (a fresh run validates first)."""
         # Without checkpoints there is nothing to save at a step's end: SIGTERM stops at once.
         at_step_end = self.settings.save_on_terminate and self.checkpoints is not None
+        self._forget_redone_steps(start)
         signals = RunSignals(save_at_step_end=at_step_end).install()
         self.display.start()
         try:
@@ -153,6 +187,16 @@ class TrainLoop:
             if self.logger is not None:
                 self.logger.close()
         return LoopResult(first_validation=first, last=last)
+
+    def _forget_redone_steps(self, start: int) -> None:
+        """Records of the steps this run (re)does are written once: those a stopped run logged after its last
+        checkpoint (and a fresh run's predecessors') leave metrics.jsonl and samples.jsonl before they are
+        written again. Rank 0 (the one with a logger) does it."""
+        if self.logger is None:
+            return
+        through = start if start > 0 else -1  # a fresh run validates step 0 again
+        self.logger.rewind(through)
+        keep_records_through(self.logger.run_dir / SAMPLES_FILENAME, through)
 
     def _first_validation(self) -> Metrics:
         if self.validate is None or self.settings.test_freq <= 0:

@@ -8,14 +8,17 @@ Non-finite values (NaN, +-inf) are written as ``null``: strict JSON has no NaN, 
 most other readers reject the ``NaN`` token Python would emit. A ``null`` reads as "no valid value at
 this step" (a diverged loss shows up as a gap). TensorBoard and W&B receive the raw float.
 
-The file is opened in append mode, so a resumed run adds to it; steps replayed after a resume appear
-twice and :func:`read_metrics` keeps the last value per step and key.
+The file is opened in append mode, so a resumed run adds to it. A resumed run redoes the steps after its
+checkpoint: before it does, the training loop drops their records (:meth:`MetricsLogger.rewind`, and
+:func:`keep_records_through` for ``samples.jsonl``), so every step has one record however often the run
+was stopped. :func:`read_metrics` still merges records per step (later values win) for files written before.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -97,6 +100,28 @@ def write_samples(path: Path, rows: list[dict], step: int | None = None) -> Path
         for row in rows:
             f.write(json.dumps({"step": step, **row} if step is not None else row, ensure_ascii=False) + "\n")
     return path
+
+
+def keep_records_through(path: str | Path, step: int) -> None:
+    """Rewrite the JSON-lines file ``path`` (metrics.jsonl, samples.jsonl) keeping only records of steps up to
+    ``step`` (a negative ``step``: none): a run resumed from the checkpoint of ``step`` (a fresh run: -1)
+    writes the later steps again. Records without a step and a line cut short by a crash are dropped; the
+    file is replaced by one rename, so a crash meanwhile leaves the old file whole."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record_step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(record_step, int) and record_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(f".{path.name}.rewrite-{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def reward_failure_summary(path: str | Path) -> str:
@@ -225,6 +250,14 @@ class MetricsLogger:
         for backend in self._backends:
             backend.log(step, values)
         return values
+
+    def rewind(self, step: int) -> None:
+        """Drop the records of steps after ``step`` from metrics.jsonl (a negative ``step``: all), before a
+        run resumed from the checkpoint of ``step`` writes them again (TensorBoard and W&B keep theirs)."""
+        jsonl = self._backends[0]
+        jsonl.close()
+        keep_records_through(self.path, step)
+        self._backends[0] = _JsonlBackend(self.path)
 
     def close(self) -> None:
         """Flush and close every backend; safe to call twice."""

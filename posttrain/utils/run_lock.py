@@ -1,5 +1,8 @@
-"""One run per run directory: every command that writes ``trainer.run_dir`` (`posttrain train`, `posttrain sft`)
-holds an exclusive lock on it while it runs, taken through one entry point, :func:`lock_run_dir`.
+"""One run per run directory: every command that writes ``trainer.run_dir`` (`posttrain train`, `posttrain sft`,
+`posttrain rm`, `posttrain eval`) holds an exclusive lock on it while it runs, taken through one entry point,
+:func:`lock_run_dir`; a model exported outside the run directory (``sft.output_dir``, ``rm.output_dir``) is
+locked too (:func:`lock_output_dir`), so two runs with different run directories cannot replace each other's
+model.
 
 Two runs writing the same directory would interleave metrics, overwrite each other's config and prune each
 other's checkpoints. The lock is an ``fcntl.flock`` on ``run_dir/.lock``, held through a file descriptor kept
@@ -37,8 +40,11 @@ except ImportError:  # pragma: no cover - Windows
 class RunDirLock:
     """An exclusive lock on a run directory; :meth:`release` (or process exit) frees it."""
 
-    def __init__(self, run_dir: str | os.PathLike, key: str = "trainer.run_dir") -> None:
-        self.path = Path(run_dir) / LOCK_FILENAME
+    def __init__(
+        self, run_dir: str | os.PathLike, key: str = "trainer.run_dir", lock_file: Path | None = None
+    ) -> None:
+        self.target = Path(run_dir)  # the directory locked (named in the second run's error)
+        self.path = lock_file or self.target / LOCK_FILENAME
         self.key = key
         self.file: IO[str] | None = None
         self.replaced_stale: dict | None = None
@@ -55,7 +61,7 @@ class RunDirLock:
         except OSError:
             holder = _read_holder(f)
             f.close()
-            raise ConfigError(_held_message(self.key, self.path.parent, holder)) from None
+            raise ConfigError(_held_message(self.key, self.target, holder)) from None
         # We hold it: any text left in the file is from a run that ended without releasing (killed).
         self.replaced_stale = _read_holder(f) or None
         if self.replaced_stale:
@@ -90,6 +96,18 @@ def lock_run_dir(run_dir: str | os.PathLike, take: bool = True) -> RunDirLock | 
     return RunDirLock(run_dir).acquire() if take else None
 
 
+def lock_output_dir(
+    output_dir: str | os.PathLike, key: str, run_dir: str | os.PathLike, take: bool = True
+) -> RunDirLock | None:
+    """The lock of a command's export directory ``output_dir`` (config key ``key``) when it lies outside
+    ``run_dir`` (inside, the run lock covers it): ``.NAME.lock`` beside it, since the export replaces the
+    directory itself by a rename. None when not needed or ``take`` is False. ConfigError when held."""
+    out, run = Path(output_dir).resolve(), Path(run_dir).resolve()
+    if not take or out == run or run in out.parents:
+        return None
+    return RunDirLock(out, key, lock_file=out.parent / f".{out.name}{LOCK_FILENAME}").acquire()
+
+
 def _me() -> dict:
     return {
         "pid": os.getpid(),
@@ -114,6 +132,7 @@ def _held_message(key: str, run_dir: Path, holder: dict) -> str:
         else "another process"
     )
     return (
-        f"{key}={run_dir} is in use by {who}: two runs in one directory would overwrite each other's config, "
-        f"metrics and checkpoints. Wait for that run to end (or stop it), or choose another {key}"
+        f"{key}={run_dir} is in use by {who}: two runs writing one directory would overwrite each other's "
+        f"files (config, metrics, checkpoints, the model). Wait for that run to end (or stop it), or choose "
+        f"another {key}"
     )

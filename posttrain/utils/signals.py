@@ -9,6 +9,11 @@ and neither ever interrupts a checkpoint save halfway.
   the user gets the clean message instead of a half-written save's stack of errors; a second signal of the
   same kind during the block is not held (an escape hatch for a save that hangs).
 
+- For a whole command (the CLI) :func:`sigterm_raises` makes SIGTERM raise :class:`Terminated` in every phase
+  (loading, evaluating, exporting), not only in the training loop: the default action ends the process with
+  no message and leaves its workers' pipes broken. :func:`stop_note` says, per phase, what a signal that stops
+  it leaves behind (the innermost phase's note wins); the CLI prints it in one line.
+
 Handlers can only be installed from the main thread; elsewhere (a test runner's thread) this is inert.
 """
 
@@ -25,7 +30,54 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 class Terminated(BaseException):
-    """The run received SIGTERM; the message says which checkpoint is intact."""
+    """The run received SIGTERM; the message says what is intact. ``noted``: the message already says what the
+    signal left behind (a phase's :func:`stop_note` does not replace it)."""
+
+    def __init__(self, message: str = "terminated (SIGTERM)", noted: bool = False) -> None:
+        super().__init__(message)
+        self.noted = noted
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with what the phase it stopped left behind (a KeyboardInterrupt still)."""
+
+
+def _note_text(note: str | Callable[[], str]) -> str:
+    return note() if callable(note) else note
+
+
+@contextlib.contextmanager
+def stop_note(note: str | Callable[[], str]) -> Iterator[None]:
+    """A SIGINT or SIGTERM that stops the block is re-raised with ``note`` (what it left behind and what to do;
+    a callable is asked then): the innermost block's note wins."""
+    try:
+        yield
+    except Terminated as exc:
+        if exc.noted:
+            raise
+        raise Terminated(f"terminated (SIGTERM); {_note_text(note)}", noted=True) from None
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; {_note_text(note)}") from None
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in the block (a whole command), so every phase ends with the CLI's
+    one line and its cleanups (reward workers stopped, partial exports deleted) instead of a silent death."""
+    if not _is_main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _is_main_thread() -> bool:
@@ -84,7 +136,11 @@ class RunSignals:
             raise KeyboardInterrupt
         if signal.SIGTERM in self._held:
             if not self.save_at_step_end:
-                raise Terminated("terminated (SIGTERM) after a checkpoint save; that checkpoint is intact")
+                raise Terminated(
+                    "terminated (SIGTERM) after a checkpoint save; that checkpoint is intact: run the same "
+                    "command to resume",
+                    noted=True,
+                )
             self.requested = True
 
     def stop_after_step(
@@ -97,4 +153,8 @@ class RunSignals:
         if not saved:
             with self.critical():
                 save()
-        raise Terminated(f"terminated (SIGTERM) after saving the checkpoint of step {step}; it is intact")
+        raise Terminated(
+            f"terminated (SIGTERM) after saving the checkpoint of step {step}; it is intact: run the same "
+            "command to resume",
+            noted=True,
+        )

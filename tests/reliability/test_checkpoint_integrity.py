@@ -181,3 +181,15 @@ def test_eval_of_a_damaged_checkpoint_names_the_file(tiny_model_dir, tmp_path, c
     assert main(["eval", "--model", str(ckpt), *args]) == 2
     err = capsys.readouterr().err
     assert shard.name in err and "sha256" in err and "Traceback" not in err
+
+
+def test_eval_of_an_incomplete_checkpoint_says_which_are_complete(tiny_model_dir, tmp_path, capsys):
+    """Drill: the message suggested a Python call, `find_checkpoint(run_dir, 'auto')`, to a CLI user."""
+    run = tmp_path / "run"
+    _save_tiny(run, 1)
+    partial = run / "checkpoints" / "step_000002"
+    partial.mkdir()
+    assert main(["eval", "--model", str(partial), *small_overrides(tiny_model_dir, tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert f"{partial} is not a complete checkpoint" in err and "step_000001" in err
+    assert "find_checkpoint" not in err and "Traceback" not in err

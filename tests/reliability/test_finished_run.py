@@ -1,6 +1,6 @@
 """Drills on a finished run directory: the export is published whole (written beside final_model/, then renamed),
 a rerun of a finished run whose export is missing or incomplete (a kill during the export) finishes the export,
-and a refused rerun writes nothing."""
+and a refused rerun writes nothing; `posttrain rm` as `posttrain train`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from posttrain.cli import main
+from posttrain.rm import command as rm_command
 from posttrain.utils.storage import model_dir_complete
-from tests.helpers import small_overrides
+from tests.helpers import rm_cli_args, small_overrides
 
 
 def _snapshot(run: Path) -> dict[str, str]:
@@ -104,3 +105,49 @@ def test_an_export_killed_midway_leaves_no_final_model(tmp_path, tiny_model_dir)
     partial.mkdir()  # what a SIGKILL (no cleanup) leaves
     export_policy(model, tokenizer, out)
     assert model_dir_complete(out) and not partial.exists()
+
+
+@pytest.fixture(scope="module")
+def finished_rm_run(tiny_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished_rm") / "run"
+    assert main(["rm", *rm_cli_args(run, tiny_model_dir)]) == 0
+    return run
+
+
+@pytest.fixture
+def rm_copy(finished_rm_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_rm_run, run)
+    return run
+
+
+def test_an_rm_rerun_finishes_a_missing_or_incomplete_export(rm_copy, tiny_model_dir, capsys):
+    """Drill: `posttrain rm` killed during its export (or stopped there by a full disk) left
+    `.reward_model.partial-*` and every rerun said "already holds a finished reward-model run"."""
+    out = rm_copy / "reward_model"
+    weights = (out / "model.safetensors").read_bytes()
+    for p in out.iterdir():
+        if p.name != "config.json":
+            p.unlink()
+    (rm_copy / ".reward_model.partial-99999").mkdir()  # what a killed writer leaves
+    info = (rm_copy / "run_info.yaml").read_bytes()
+    capsys.readouterr()
+    assert main(["rm", *rm_cli_args(rm_copy, tiny_model_dir)]) == 0
+    assert "holds a finished reward-model run (step 4) without a complete" in capsys.readouterr().out
+    assert model_dir_complete(out) and (out / "model.safetensors").read_bytes() == weights
+    assert not list(rm_copy.glob(".reward_model.partial-*"))
+    assert (rm_copy / "run_info.yaml").read_bytes() == info
+
+
+def test_a_refused_rm_rerun_writes_nothing_and_loads_no_model(rm_copy, tiny_model_dir, monkeypatch, capsys):
+    """Drill: the refused rerun rewrote run_info.yaml and had loaded the checkpoint into the new model first."""
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a refused rerun loaded a model")
+
+    monkeypatch.setattr(rm_command, "load_reward_model", no_model)
+    before = _snapshot(rm_copy)
+    assert main(["rm", *rm_cli_args(rm_copy, tiny_model_dir, "rm.optim.lr=5e-3")]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a finished reward-model run (checkpoint at step 4" in err and "Traceback" not in err
+    assert _snapshot(rm_copy) == before

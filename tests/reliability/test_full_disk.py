@@ -14,7 +14,7 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.train.checkpoint import find_checkpoint, list_checkpoints
-from tests.helpers import sft_cli_args, small_overrides
+from tests.helpers import rm_cli_args, sft_cli_args, small_overrides
 
 
 def _mount_tmpfs(path: Path, size: str = "64m") -> None:
@@ -76,6 +76,28 @@ def test_a_full_disk_during_a_checkpoint_exits_2_and_keeps_the_last_one(
     assert find_checkpoint(run, "auto") == first  # verified against its manifest: intact
 
 
+def test_a_full_disk_during_an_rm_checkpoint_exits_2_and_keeps_the_last_one(
+    mounts, tmp_path, tiny_model_dir, capsys
+):
+    """Drill: `posttrain rm` (its own loop then) ended in `CheckpointException ... unexpected pos 704 vs 598`;
+    on the shared loop it is train's one line, exit 2."""
+    disk = mounts(tmp_path / "disk")
+    run = disk / "run"
+    common = ("trainer.save_freq=1", "trainer.test_freq=0")
+    assert main(["rm", *rm_cli_args(run, tiny_model_dir, "rm.max_steps=1", *common)]) == 0
+    (first,) = list_checkpoints(run)
+    shutil.rmtree(run / "reward_model")  # room for half a checkpoint, not a whole one
+    _fill_leaving(disk, _size(first) // 2)
+    capsys.readouterr()
+    assert main(["rm", *rm_cli_args(run, tiny_model_dir, "rm.max_steps=3", *common)]) == 2
+    err = capsys.readouterr().err
+    assert "no space left" in err and str(run / "checkpoints") in err and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    assert "checkpoint of step 2" in line and "the last complete checkpoint is intact" in line
+    assert list_checkpoints(run) == [first]
+    assert find_checkpoint(run, "auto") == first
+
+
 def test_a_full_disk_during_the_sft_export_leaves_no_sft_model(mounts, tmp_path, tiny_model_dir, capsys):
     """Drill: `SafetensorError ... No space left on device` was a traceback and left a half-written sft_model/.
     The export follows the final checkpoint, which is larger: the disk fills between the two here by deleting
@@ -94,12 +116,15 @@ def test_a_full_disk_during_the_sft_export_leaves_no_sft_model(mounts, tmp_path,
     assert not [p for p in run.iterdir() if "sft_model" in p.name]  # neither sft_model/ nor a partial one
 
 
-@pytest.mark.parametrize("command", ["train", "sft"])
+@pytest.mark.parametrize("command", ["train", "sft", "rm", "eval"])
 def test_a_read_only_run_dir_exits_2_naming_it(mounts, tmp_path, tiny_model_dir, command, capsys):
     """Drill: a read-only run directory ended in a traceback."""
     run = mounts(tmp_path / "ro")
     subprocess.run(["mount", "-o", "remount,ro", str(run)], check=True)
-    args = sft_cli_args(run, tiny_model_dir) if command == "sft" else small_overrides(tiny_model_dir, run)
+    args = {
+        "sft": lambda: sft_cli_args(run, tiny_model_dir),
+        "rm": lambda: rm_cli_args(run, tiny_model_dir),
+    }.get(command, lambda: small_overrides(tiny_model_dir, run))()
     if command == "sft":
         (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1 + 1?", "response": "2"}) + "\n")
     assert main([command, *args]) == 2

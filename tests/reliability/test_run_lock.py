@@ -1,5 +1,6 @@
-"""One run per run directory: a second `posttrain train` on a locked run_dir exits 2 naming the holder and
-writes nothing; a lock whose holder died is taken over."""
+"""One run per run directory: a second `posttrain train` (sft, rm, eval) on a locked run_dir exits 2 naming the
+holder and writes nothing; a lock whose holder died is taken over; an export directory outside the run
+directory (sft.output_dir, rm.output_dir) is locked too."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.cli import main
 from posttrain.config.errors import ConfigError
-from posttrain.utils.run_lock import RunDirLock
-from tests.helpers import sft_cli_args
+from posttrain.utils.run_lock import RunDirLock, lock_output_dir
+from tests.helpers import rm_cli_args, sft_cli_args, small_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLD = "import sys, time\nfrom posttrain.utils.run_lock import RunDirLock\nlock = RunDirLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(120)\n"
@@ -135,8 +137,51 @@ def test_sft_holds_the_lock_while_it_runs(tmp_path, tiny_model_dir):
     command._sft = probe
     try:
         command.run_sft_command(cfg, quiet=True)
+        # sft.output_dir outside the run directory: held too while the run writes it
+        out = tmp_path / "elsewhere" / "model"
+        cfg = build_config(
+            overrides=[*sft_cli_args(tmp_path / "run2", tiny_model_dir), f"sft.output_dir={out}"]
+        )
+
+        def probe_output(*args, **kwargs):
+            with pytest.raises(ConfigError, match=f"sft.output_dir={out} is in use by pid {os.getpid()}"):
+                lock_output_dir(out, "sft.output_dir", tmp_path / "run3")
+            seen.append(True)
+            return real(*args, **kwargs)
+
+        command._sft = probe_output
+        command.run_sft_command(cfg, quiet=True)
     finally:
         command._sft = real
-    assert seen and (run / "sft_model" / "config.json").exists()
+    assert len(seen) == 2 and (run / "sft_model" / "config.json").exists() and (out / "config.json").exists()
     with RunDirLock(run):  # released at the end
         pass
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_a_second_run_exporting_to_the_same_output_dir_is_refused(tmp_path, tiny_model_dir, command, capsys):
+    """Drill: two sft runs with different trainer.run_dir and the same sft.output_dir both exited 0, the last
+    one replacing the other's model. The output directory is held (as the first run holds it while it runs);
+    the second exits 2 naming the holder and the key, and writes no model."""
+    out, key = tmp_path / "shared_model", f"{command}.output_dir"
+    first = lock_output_dir(out, key, tmp_path / "first" / "run")
+    second = tmp_path / "second" / "run"
+    second.parent.mkdir()
+    args = rm_cli_args(second, tiny_model_dir) if command == "rm" else sft_cli_args(second, tiny_model_dir)
+    try:
+        assert main([command, *args, f"{key}={out}"]) == 2
+    finally:
+        first.release()
+    err = capsys.readouterr().err
+    assert f"{key}={out} is in use by pid {os.getpid()}" in err and "Traceback" not in err
+    assert not out.exists() and not (second / "metrics.jsonl").exists()
+
+
+def test_eval_takes_the_run_lock_of_the_directory_it_writes(holder, tiny_model_dir, capsys):
+    """Drill: eval took no lock and wrote eval_samples.jsonl into the directory of a training run while it
+    ran. It holds trainer.run_dir's lock: refused (exit 2, naming the holder) while another run holds it."""
+    run, proc = holder
+    assert main(["eval", *small_overrides(tiny_model_dir, run)]) == 2
+    err = capsys.readouterr().err
+    assert f"pid {proc.pid}" in err and "Traceback" not in err
+    assert not (run / "eval_samples.jsonl").exists()

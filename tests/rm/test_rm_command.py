@@ -19,6 +19,7 @@ from posttrain.rm.command import run_rm_command
 from posttrain.rm.data import render
 from posttrain.rm.demo import write_arithmetic_pairs
 from posttrain.utils.metrics import read_metrics
+from tests.helpers import rm_cli_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,6 +124,14 @@ def test_bad_pairs_exit_2_naming_file_row_and_key(tmp_path, tiny_model_dir, caps
     assert code == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "row 1" in err and "'chosen'" in err and "Traceback" not in err
+
+
+def test_pairs_all_longer_than_max_length_say_to_raise_it(tmp_path, tiny_model_dir, capsys):
+    """Drill: with every pair too long the message said "lower rm.batch_size", which cannot help."""
+    assert main(["rm", *rm_cli_args(tmp_path / "run", tiny_model_dir, "rm.max_length=4")]) == 2
+    err = capsys.readouterr().err
+    assert "all 16 training pairs are longer than rm.max_length=4" in err and "raise rm.max_length" in err
+    assert "rm.batch_size" not in err and "Traceback" not in err
 
 
 def test_lora_reward_model_exports_merged_and_scores_as_in_training(tmp_path, tiny_model_dir, data_dir):

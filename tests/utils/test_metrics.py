@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.utils.metrics import MetricsLogger, PhaseTimer, read_metrics, reduce_metrics
+from posttrain.utils.metrics import (
+    MetricsLogger,
+    PhaseTimer,
+    keep_records_through,
+    read_metrics,
+    reduce_metrics,
+)
 
 
 def test_jsonl_one_record_per_step_with_floats_and_nulls(tmp_path: Path) -> None:
@@ -40,6 +46,30 @@ def test_appends_on_resume_and_read_metrics_merges_per_step(tmp_path: Path) -> N
     with pytest.warns(UserWarning, match="skipped 1 line"):
         records = read_metrics(tmp_path / "metrics.jsonl")
     assert records == [{"step": 1, "a": 1.0}, {"step": 2, "a": 20.0, "val/acc": 0.5}]
+
+
+def test_rewind_drops_the_records_of_later_steps_before_they_are_written_again(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path) as logger:
+        for step in (0, 1, 2, 3):
+            logger.log({"a": float(step)}, step=step)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "a": 1.')  # a line cut short by a kill
+    with MetricsLogger(tmp_path) as logger:  # resumed from the checkpoint of step 2: redoes step 3
+        logger.rewind(2)
+        logger.log({"a": 30.0}, step=3)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [
+        {"step": 0, "a": 0.0},
+        {"step": 1, "a": 1.0},
+        {"step": 2, "a": 2.0},
+        {"step": 3, "a": 30.0},
+    ]
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"step": s, "response": "x"}) + "\n" for s in (0, 1, 1, 2, 3)))
+    keep_records_through(samples, 1)
+    assert [json.loads(line)["step"] for line in samples.read_text().splitlines()] == [0, 1, 1]
+    keep_records_through(samples, -1)  # a fresh run: none kept
+    assert samples.read_text() == ""
 
 
 def test_bad_inputs_raise_value_errors(tmp_path: Path) -> None:
