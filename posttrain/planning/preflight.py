@@ -25,11 +25,16 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import first_records
 from posttrain.data.splits import load_splits, task_options
 from posttrain.data.tasks import get_task, load_task
+from posttrain.models.hf import read_model_config
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.parallel.runtime import select_device
 from posttrain.rewards.functions import resolve_reward_function
+from posttrain.rewards.reward_model import check_reward_model_dir
 from posttrain.rl.build import check_config
+from posttrain.rm.command import check_ranks, read_pairs
+from posttrain.rm.command import model_config as rm_model_config
 from posttrain.sft.builtin import check_builtin_choice
+from posttrain.train.checkpoint_index import check_resume_setting
 
 # logger -> (module it imports, extra that installs it)
 _LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -61,13 +66,29 @@ def preflight(
         check_multi_turn(cfg)
     if not check_model:
         check_builtin_choice(cfg)  # a built-in model that cannot be used with this data is still an error
-    elif not (model_override and (Path(model_override) / "config.json").exists()):
+    elif model_override and (Path(model_override) / "config.json").exists():
+        read_model_config(model_override, "--model")  # eval's model: a config.json that reads
+    else:
         check_model_path(cfg)
+    if cfg.reward.model.enable:
+        check_reward_model_dir(cfg.reward.model.path)
     if command in ("train", "explain"):
         check_loggers(cfg.trainer.loggers)
         elsewhere = ranks_elsewhere and cfg.trainer.device == "cuda"
         check_config(cfg, world_size, torch.device("cuda") if elsewhere else select_device(cfg))
         _check_data_keys(cfg)
+
+
+def preflight_rm(cfg: PostTrainConfig, world_size: int = 1, check_model: bool = True) -> None:
+    """What `posttrain rm` and `posttrain explain rm` both check before any model loads, in this order: every
+    pair of the data files, the data-parallel ranks, trainer.resume, the loggers' packages, model.path
+    (builtin:tiny allowed: the pairs are not its task). ``check_model``: False for explain --model-config."""
+    read_pairs(cfg)
+    check_ranks(cfg, world_size)
+    check_resume_setting(cfg.trainer.run_dir, cfg.trainer.resume)
+    check_loggers(cfg.trainer.loggers)
+    if check_model:
+        check_model_path(rm_model_config(cfg))
 
 
 def _check_data_keys(cfg: PostTrainConfig) -> None:
@@ -139,6 +160,10 @@ def check_model_path(cfg: PostTrainConfig) -> None:
             "('org/name'); give a local directory saved with save_pretrained, a Hub id, model.path=builtin:base "
             "(the untrained tiny model) or builtin:tiny (the arithmetic demo)"
         )
+    else:
+        read_model_config(
+            path, "model.path"
+        )  # a config.json that reads, with a model_type transformers knows
 
 
 def check_loggers(loggers: list[str]) -> None:
