@@ -32,6 +32,7 @@ from posttrain.planning.memory_bytes import WhatIf
 from posttrain.planning.multi_turn import multi_turn_plan, multi_turn_tree
 from posttrain.planning.preflight import preflight, preflight_rm
 from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
+from posttrain.planning.sandbox_probe import harness_probe_line  # the code reward's harness, not a bare run
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.planning.tune import run_tune
 from posttrain.rewards.code import code_reward
@@ -40,7 +41,7 @@ from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
 from posttrain.rl.train_command import run_training
 from posttrain.rm.command import run_rm_command
-from posttrain.sandbox.build import build_sandbox, probe_line
+from posttrain.sandbox.build import build_sandbox
 from posttrain.sandbox.server import add_serve_arguments, serve, settings_from_arguments
 from posttrain.sft.command import run_sft_command
 from posttrain.utils.signals import EXIT_TERMINATED, Terminated
@@ -148,8 +149,7 @@ def explain_rm(args: argparse.Namespace) -> int:
     """`posttrain explain rm [CONFIG ...]`: the plan of a `posttrain rm` run (posttrain.planning.rm_plan)."""
     args.config = args.config[1:]
     cfg = _load(args)
-    world = _world_size(args, cfg)
-    preflight_rm(cfg, world, check_model=not args.model_config)  # what `posttrain rm` checks
+    preflight_rm(cfg, world := _world_size(args, cfg), check_model=not args.model_config)  # rm's checks
     plan = rm_plan(cfg, args.model_config, world)
     print(json.dumps(plan, indent=2) if args.json else "\n".join(rm_plan_lines(cfg, plan)))
     return 0
@@ -193,7 +193,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(turns)
     if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
         # As plain lines: rich would wrap them where the bwrap path's length puts them, and eat a path's [x]
-        for line in (probe_line(cfg.sandbox), scoring_line(cfg, select_device(cfg).type, code_reward)):
+        scoring = scoring_line(cfg, select_device(cfg).type, code_reward)
+        for line in (harness_probe_line(cfg.sandbox), scoring):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
     if estimate is None:
         console.print(

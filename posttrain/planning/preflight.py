@@ -1,7 +1,9 @@
 """Checks every command runs first (train, eval, sft, explain): what a user names must exist and import
 before any model loads, so a typo costs a second, not a model load.
 
-- the reward function imports and its signature fits one of the accepted styles;
+- the reward function imports and its signature fits one of the accepted styles; a reward that runs code
+  (the built-in `code`) runs a trivial program through its harness at the configured sandbox limits
+  (posttrain.planning.sandbox_probe);
 - every data file named exists; files without a reward are an error for RL (the reward scores them);
 - model.path is a built-in name allowed with this data, a local model directory, or a Hub id that is
   cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
@@ -28,6 +30,8 @@ from posttrain.data.tasks import get_task, load_task
 from posttrain.models.hf import read_model_config
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.parallel.runtime import select_device
+from posttrain.planning.sandbox_probe import check_code_sandbox
+from posttrain.rewards.code import SANDBOX_REWARDS
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.reward_model import check_reward_model_dir
 from posttrain.rl.build import check_config
@@ -136,6 +140,8 @@ def _check_reward(cfg: PostTrainConfig, command: str) -> None:
         spec = get_task(cfg.data.task).default_reward
     if spec:
         resolve_reward_function(spec)
+    if spec in SANDBOX_REWARDS:  # the harness runs at the configured limits, as the reward will
+        check_code_sandbox(cfg.sandbox)
 
 
 def _check_task_options(cfg: PostTrainConfig) -> None:
