@@ -66,6 +66,7 @@ def preflight(
     _check_data_files(cfg, command)
     _check_reward(cfg, command)
     _check_task_options(cfg)
+    _check_env_kwargs_against_task(cfg)
     if command in ("train", "explain", "eval"):
         check_multi_turn(cfg)
     if not check_model:
@@ -150,6 +151,29 @@ def _check_task_options(cfg: PostTrainConfig) -> None:
     if d.task_options and not (d.train_files or d.val_files) and d.task != "gsm8k":
         load_task(
             d.task, cfg.trainer.seed, n_train=1, n_val=1, max_operand=d.max_operand, **task_options(cfg)
+        )
+
+
+def _check_env_kwargs_against_task(cfg: PostTrainConfig) -> None:
+    """env.kwargs a built-in multi-turn task's rows override are refused: the rows of data.task=guess_number
+    carry low, high and max_turns, which its environment takes over its constructor's (env.kwargs.high=abc,
+    low=50 high=10 and max_turns=1 were silently ignored)."""
+    d, kwargs = cfg.data, cfg.env.kwargs
+    if not kwargs or d.train_files or d.val_files or d.task == "gsm8k":
+        return
+    task = get_task(d.task)
+    if not task.environment or cfg.env.path not in ("", task.environment):
+        return
+    rows, _ = load_task(
+        d.task, cfg.trainer.seed, n_train=1, n_val=1, max_operand=d.max_operand, **task_options(cfg)
+    )
+    overridden = [k for k in kwargs if k in rows[0].extra]
+    if overridden:
+        key = overridden[0]
+        raise ConfigError(
+            f"env.kwargs.{key}={kwargs[key]!r} has no effect with data.task={d.task}: every row of the task sets "
+            f"{', '.join(overridden)} for its environment, over env.kwargs; set "
+            f"data.task_options.{key}=VALUE instead (the task checks it), and drop env.kwargs.{key}"
         )
 
 

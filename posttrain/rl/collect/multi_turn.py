@@ -140,6 +140,7 @@ def build_agent_loop(cfg: PostTrainConfig, tokenizer: Any) -> AgentLoop | None:
         max_tool_response_length=mt.max_tool_response_length,
         tool_response_truncate_side=mt.tool_response_truncate_side,
         max_env_failures=mt.max_env_failures,
+        env_timeout_s=mt.env_timeout_s,
     )
     # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
     sample = sample_environment(cfg)
