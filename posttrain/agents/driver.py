@@ -134,8 +134,6 @@ def _prompt_messages(row: dict[str, Any]) -> list[Message]:
     return [dict(m) for m in prompt]
 
 
-
-
 def _truncate_messages(traj: Trajectory, messages: list[Message], renderer: Renderer, s: MultiTurnSettings):
     out = []
     for m in messages:
