@@ -15,6 +15,7 @@ it scored here: with a chat template, the conversation [user prompt, assistant r
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,13 @@ def _check_roles(chosen: Text, rejected: Text, prompt: Text | None, where: str, 
                 f"without {rm.prompt_key!r}; give both as whole conversations, or add the prompt"
             )
         return
+    if isinstance(chosen, str) and not os.path.commonprefix([chosen, rejected]).strip():
+        raise DataError(
+            f"{where}: {rm.chosen_key!r} and {rm.rejected_key!r} have no prompt key ({rm.prompt_key!r}, "
+            "rm.prompt_key), so they must be whole texts that begin with the same prompt, but they share no "
+            "beginning at all; the pair would be told apart by its prompt alone. Fix the row, or give the prompt "
+            "in its own field"
+        )
     if isinstance(chosen, list) and _prompt_of(chosen) != _prompt_of(rejected):
         raise DataError(
             f"{where}: {rm.chosen_key!r} and {rm.rejected_key!r} have no prompt key ({rm.prompt_key!r}, "

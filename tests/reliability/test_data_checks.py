@@ -56,6 +56,15 @@ def test_implicit_pairs_must_share_their_prompt(tmp_path):
     assert len(load_pairs(rm_cfg(), [str(write_jsonl(tmp_path / "ok.jsonl", [ok]))])) == 1
 
 
+def test_implicit_text_pairs_must_begin_alike(tmp_path):
+    rows = [
+        {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"},
+        {"chosen": "2+2 is 4", "rejected": "Tell me"},
+    ]
+    with pytest.raises(DataError, match="row 1.*share no beginning"):
+        load_pairs(rm_cfg(), [str(write_jsonl(tmp_path / "texts.jsonl", rows))])
+
+
 @pytest.mark.parametrize("prompt", ["2+2?", None])
 def test_a_reply_in_a_user_message_is_refused(tmp_path, prompt):
     row = {"chosen": [user("4")], "rejected": [assistant("5")]}
