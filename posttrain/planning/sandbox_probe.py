@@ -5,7 +5,8 @@ A plain ``print(6 * 7)`` run (posttrain.sandbox.build.probe_line) said yes where
 at ``sandbox.memory_limit_mb=16`` the harness's interpreter fails with MemoryError, and the code reward scored
 every correct program 0 (``reward/code/memory_limits`` 24 of 24) while explain's probe passed. Here a memory
 limit the harness cannot run under is a ConfigError naming ``sandbox.memory_limit_mb`` and the smallest value
-that works on this machine (found by running the harness at larger limits).
+that works on this machine (found by running the harness at larger limits). The schema refuses less than 32 MiB
+(sandbox.memory_limit_mb's minimum); the probe catches an interpreter that needs more than that.
 
 Time is judged apart, so the verdict does not depend on the machine's load: the probe runs with a wall and CPU
 limit of at least ``PROBE_TIME_S`` and reports how long the trivial case took; explain shows that beside
@@ -29,6 +30,10 @@ PROBE_TIME_S = 10.0  # the probe's wall and CPU limit at least: a loaded machine
 PROBE_CODE = "print(6 * 7)"
 _CASES = {"inputs": [""], "outputs": ["42\n"]}
 _LARGEST_MB = 4096  # where the search for a working memory limit gives up
+_STEP_MB = 8  # the working memory limit is named to this step
+_RUNS = 3  # runs in a row a memory limit must pass to be named
+# What a harness short of address space says when it is not a MemoryError (status memory_limit)
+_OUT_OF_MEMORY = ("MemoryError", "failed to map segment", "Cannot allocate memory")
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,10 @@ def run_harness_probe(cfg: SandboxConfig, memory_limit_mb: int | None = None) ->
 
 
 def smallest_memory_that_works(cfg: SandboxConfig) -> int | None:
-    """The smallest ``sandbox.memory_limit_mb`` (to 1 MiB) above the configured one under which the harness
-    runs, or None when not even ``_LARGEST_MB`` does."""
+    """The smallest ``sandbox.memory_limit_mb``, a multiple of ``_STEP_MB`` above the configured one, under
+    which the harness runs ``_RUNS`` times in a row, or None when not even ``_LARGEST_MB`` does. Near the edge
+    a run fails now and then (a shared library that cannot be mapped), so the edge found by halving is only
+    where the search for a value that always works starts."""
     low, high = cfg.memory_limit_mb, cfg.memory_limit_mb * 2
     while not run_harness_probe(cfg, high).passed:  # low fails, find a high that works
         if high >= _LARGEST_MB:
@@ -78,7 +85,12 @@ def smallest_memory_that_works(cfg: SandboxConfig) -> int | None:
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (low, middle) if run_harness_probe(cfg, middle).passed else (middle, high)
-    return high
+    works = -(-high // _STEP_MB) * _STEP_MB
+    while not all(run_harness_probe(cfg, works).passed for _ in range(_RUNS)):
+        if works >= _LARGEST_MB:
+            return None
+        works += _STEP_MB
+    return works
 
 
 def check_code_sandbox(cfg: SandboxConfig) -> HarnessProbe:
@@ -87,10 +99,11 @@ def check_code_sandbox(cfg: SandboxConfig) -> HarnessProbe:
     if probe.passed:
         return probe
     where = build_sandbox(cfg).describe()
-    if probe.status == MEMORY_LIMIT:
+    if probe.status == MEMORY_LIMIT or any(sign in probe.detail for sign in _OUT_OF_MEMORY):
         works = smallest_memory_that_works(cfg)
         fix = (
-            f"set sandbox.memory_limit_mb={works} or more (the smallest that runs it on this machine)"
+            f"set sandbox.memory_limit_mb={works} or more (the smallest multiple of {_STEP_MB} that runs it "
+            f"{_RUNS} times in a row on this machine; real programs need more)"
             if works
             else f"not even sandbox.memory_limit_mb={_LARGEST_MB} runs it: check the sandbox (docs/sandbox.md)"
         )
