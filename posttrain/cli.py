@@ -30,8 +30,9 @@ from posttrain.planning.keys import key_lines
 from posttrain.planning.memory import Cluster, estimate_memory
 from posttrain.planning.memory_bytes import WhatIf
 from posttrain.planning.multi_turn import multi_turn_plan, multi_turn_tree
-from posttrain.planning.preflight import check_loggers, check_model_path, preflight
+from posttrain.planning.preflight import preflight, preflight_rm
 from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
+from posttrain.planning.sandbox_probe import harness_probe_line  # the code reward's harness, not a bare run
 from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.planning.tune import run_tune
 from posttrain.rewards.code import CodeReward
@@ -39,9 +40,8 @@ from posttrain.rl.collect.phase import scoring_line
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
 from posttrain.rl.train_command import run_training
-from posttrain.rm.command import model_config as rm_model_config
 from posttrain.rm.command import run_rm_command
-from posttrain.sandbox.build import build_sandbox, probe_line
+from posttrain.sandbox.build import build_sandbox
 from posttrain.sandbox.server import add_serve_arguments, serve, settings_from_arguments
 from posttrain.sft.command import run_sft_command
 from posttrain.utils.signals import EXIT_TERMINATED, Interrupted, Terminated, sigterm_raises
@@ -149,8 +149,8 @@ def explain_rm(args: argparse.Namespace) -> int:
     """`posttrain explain rm [CONFIG ...]`: the plan of a `posttrain rm` run (posttrain.planning.rm_plan)."""
     args.config = args.config[1:]
     cfg = _load(args)
-    check_model_path(rm_model_config(cfg))
-    plan = rm_plan(cfg, args.model_config, _world_size(args, cfg))
+    preflight_rm(cfg, world := _world_size(args, cfg), check_model=not args.model_config)  # rm's checks
+    plan = rm_plan(cfg, args.model_config, world)
     print(json.dumps(plan, indent=2) if args.json else "\n".join(rm_plan_lines(cfg, plan)))
     return 0
 
@@ -193,7 +193,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(turns)
     if cfg.reward.function == "code":  # the code reward runs programs: show the sandbox and check it works
         # As plain lines: rich would wrap them where the bwrap path's length puts them, and eat a path's [x]
-        for line in (probe_line(cfg.sandbox), scoring_line(cfg, select_device(cfg).type, CodeReward)):
+        scoring = scoring_line(cfg, select_device(cfg).type, CodeReward)
+        for line in (harness_probe_line(cfg.sandbox), scoring):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
     if estimate is None:
         console.print(
@@ -248,8 +249,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     cfg = _load(args)  # no reward function to check: pairs carry the preference
-    check_model_path(rm_model_config(cfg))  # data.train_files are pairs: builtin:tiny is allowed
-    check_loggers(cfg.trainer.loggers)
+    preflight_rm(cfg, launched_world_size())  # explain rm runs the same checks
     run_rm_command(cfg)
     return 0
 

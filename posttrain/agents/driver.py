@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.agents.env import Environment, Message, maybe_await
+from posttrain.agents.env_call import EnvironmentFailure, call_environment
 from posttrain.agents.render import Renderer, truncate_text_to_tokens
 from posttrain.agents.trajectory import Trajectory, add_step_metrics
 from posttrain.config.errors import ConfigError
@@ -63,10 +64,6 @@ class MultiTurnSettings:
 
     multi_turn: MultiTurnConfig
     max_response_length: int
-
-
-class EnvironmentFailure(RuntimeError):
-    """An environment raised in reset or step: names the environment, the row and the message."""
 
 
 class _Batcher:
@@ -113,15 +110,6 @@ def _prompt_messages(row: dict[str, Any]) -> list[Message]:
     return [dict(m) for m in prompt]
 
 
-async def _env_call(env: Environment, method: str, arg: Any, index: int) -> Any:
-    try:
-        return await maybe_await(getattr(env, method)(arg))
-    except Exception as exc:
-        raise EnvironmentFailure(
-            f"environment {type(env).__name__}.{method} failed on row {index}: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
 def _truncate_messages(traj: Trajectory, messages: list[Message], renderer: Renderer, mt: MultiTurnConfig):
     out = []
     for m in messages:
@@ -153,7 +141,7 @@ async def run_trajectory(
     """One episode of ``env`` on ``row`` (see the module docstring); ``env`` is closed at the end.
     ``sample_id``: the trajectory's global sample id (its sampling noise), ``index`` by default."""
     try:
-        opening = await _env_call(env, "reset", row, index)
+        opening = await call_environment(env, "reset", row, index, s.multi_turn.env_timeout_s)
         messages = _prompt_messages(row) + list(opening or [])
         if not messages:
             raise ConfigError(f"row {index}: no prompt and the environment's reset returned no messages")
@@ -194,7 +182,7 @@ async def _turns(traj: Trajectory, index: int, env: Environment, renderer: Rende
         if gen.finish_reason == "length":  # cut at max_tokens_per_turn: the environment still answers
             traj.truncations.append("turn token limit")
         started = time.perf_counter()
-        step = await _env_call(env, "step", text, index)
+        step = await call_environment(env, "step", text, index, s.multi_turn.env_timeout_s)
         traj.env_step_seconds.append(time.perf_counter() - started)
         traj.turn_rewards.append(float(step.reward))
         add_step_metrics(

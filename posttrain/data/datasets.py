@@ -106,9 +106,16 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: {where}: invalid JSON: {exc.msg} at column {exc.colno}") from exc
+                raise DataError(f"{path}: {where}: invalid JSON: {_json_problem(exc)}") from exc
             yield where, _check_utf8(value, f"{path}: {where}")
             row += 1
+
+
+def _json_problem(exc: json.JSONDecodeError) -> str:
+    """json's reason and column as one phrase: some reasons already end in "at" ("Invalid control character
+    at"), so appending " at column N" read "at at column"."""
+    reason = exc.msg.removesuffix(" at").rstrip(":")
+    return f"{reason} (column {exc.colno})"
 
 
 def _check_utf8(value: Any, where: str, field_name: str = "") -> Any:
@@ -139,7 +146,7 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
         text = path.read_text(encoding="utf-8", errors="surrogateescape")
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+        raise DataError(f"{path}: invalid JSON at line {exc.lineno}: {_json_problem(exc)}") from exc
     if not isinstance(data, list):
         raise DataError(
             f"{path}: a .json prompt file must hold a list of objects, got {type(data).__name__}; "
@@ -151,12 +158,21 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise ImportError(
             "reading .parquet prompt files needs pyarrow: pip install 'posttrain[data]'"
         ) from exc
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:  # truncated, not parquet at all, or an unreadable schema
+        raise DataError(
+            f"{path}: not a readable parquet file ({type(exc).__name__}: {exc}); the file is truncated, "
+            "damaged or in another format: write it again (e.g. datasets' to_parquet), or rename a JSON "
+            "file to .json / .jsonl"
+        ) from exc
+    for i, row in enumerate(table.to_pylist()):
         yield f"row {i}", row
 
 

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from posttrain.config.errors import ConfigError, MissingPathError
 
@@ -39,6 +46,21 @@ def check_model_dir(path: str | Path, need: str = "config.json") -> Path:
             "save one with save_hf(model, tokenizer, path) or model.save_pretrained(path)"
         )
     return path
+
+
+def read_model_config(path: str | Path, key: str) -> PretrainedConfig:
+    """The config.json of the local model directory ``path`` that ``key`` names, read without loading
+    weights. A missing directory, a config.json that is not JSON or a model_type this transformers does not
+    know is a ConfigError naming ``key`` (transformers raises OSError / ValueError with a traceback)."""
+    check_model_dir(path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = str(exc).split(". ")[0].strip()
+        raise ConfigError(
+            f"{key}={str(path)!r}: its config.json cannot be read ({type(exc).__name__}: {reason}); rewrite it "
+            "(save_pretrained writes a valid one) or upgrade transformers if the model_type is newer than it"
+        ) from exc
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -1,7 +1,9 @@
 """Checks every command runs first (train, eval, sft, explain): what a user names must exist and import
 before any model loads, so a typo costs a second, not a model load.
 
-- the reward function imports and its signature fits one of the accepted styles;
+- the reward function imports and its signature fits one of the accepted styles; a reward that runs code
+  (the built-in `code`) runs a trivial program through its harness at the configured sandbox limits
+  (posttrain.planning.sandbox_probe);
 - every data file named exists; files without a reward are an error for RL (the reward scores them);
 - model.path is a built-in name allowed with this data, a local model directory, or a Hub id that is
   cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
@@ -25,11 +27,18 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import first_records
 from posttrain.data.splits import load_splits, task_arguments
 from posttrain.data.tasks import get_task, load_task
+from posttrain.models.hf import read_model_config
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.parallel.runtime import select_device
+from posttrain.planning.sandbox_probe import check_code_sandbox
+from posttrain.rewards.code import SANDBOX_REWARDS
 from posttrain.rewards.functions import resolve_reward_function
+from posttrain.rewards.reward_model import check_reward_model_dir
 from posttrain.rl.build import check_config
+from posttrain.rm.command import check_ranks, read_pairs
+from posttrain.rm.command import model_config as rm_model_config
 from posttrain.sft.builtin import check_builtin_choice
+from posttrain.train.checkpoint_index import check_resume_setting
 
 # logger -> (module it imports, extra that installs it)
 _LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -57,17 +66,34 @@ def preflight(
     _check_data_files(cfg, command)
     _check_reward(cfg, command)
     _check_task_options(cfg)
+    _check_env_kwargs_against_task(cfg)
     if command in ("train", "explain", "eval"):
         check_multi_turn(cfg)
     if not check_model:
         check_builtin_choice(cfg)  # a built-in model that cannot be used with this data is still an error
-    elif not (model_override and (Path(model_override) / "config.json").exists()):
+    elif model_override and (Path(model_override) / "config.json").exists():
+        read_model_config(model_override, "--model")  # eval's model: a config.json that reads
+    else:
         check_model_path(cfg)
+    if cfg.reward.model.enable:
+        check_reward_model_dir(cfg.reward.model.path)
     if command in ("train", "explain"):
         check_loggers(cfg.trainer.loggers)
         elsewhere = ranks_elsewhere and cfg.trainer.device == "cuda"
         check_config(cfg, world_size, torch.device("cuda") if elsewhere else select_device(cfg))
         _check_data_keys(cfg)
+
+
+def preflight_rm(cfg: PostTrainConfig, world_size: int = 1, check_model: bool = True) -> None:
+    """What `posttrain rm` and `posttrain explain rm` both check before any model loads, in this order: every
+    pair of the data files, the data-parallel ranks, trainer.resume, the loggers' packages, model.path
+    (builtin:tiny allowed: the pairs are not its task). ``check_model``: False for explain --model-config."""
+    read_pairs(cfg)
+    check_ranks(cfg, world_size)
+    check_resume_setting(cfg.trainer.run_dir, cfg.trainer.resume)
+    check_loggers(cfg.trainer.loggers)
+    if check_model:
+        check_model_path(rm_model_config(cfg))
 
 
 def _check_data_keys(cfg: PostTrainConfig) -> None:
@@ -113,8 +139,10 @@ def _check_reward(cfg: PostTrainConfig, command: str) -> None:
         spec = load_splits(cfg).reward_spec  # rows with a data_source pick built-in scorers; else a DataError
     if not spec and not user_files:
         spec = get_task(cfg.data.task).default_reward
-    if spec:
+    if spec and spec not in SANDBOX_REWARDS:
         resolve_reward_function(spec)
+    if spec in SANDBOX_REWARDS:  # the harness runs at the configured limits, as the reward will
+        check_code_sandbox(cfg.sandbox)
 
 
 def _check_task_options(cfg: PostTrainConfig) -> None:
@@ -122,6 +150,27 @@ def _check_task_options(cfg: PostTrainConfig) -> None:
     d = cfg.data
     if d.task_options and not (d.train_files or d.val_files) and d.task != "gsm8k":
         load_task(d.task, cfg.trainer.seed, n_train=1, n_val=1, **task_arguments(cfg))
+
+
+def _check_env_kwargs_against_task(cfg: PostTrainConfig) -> None:
+    """env.kwargs a built-in multi-turn task's rows override are refused: the rows of data.task=guess_number
+    carry low, high and max_turns, which its environment takes over its constructor's (env.kwargs.high=abc,
+    low=50 high=10 and max_turns=1 were silently ignored)."""
+    d, kwargs = cfg.data, cfg.env.kwargs
+    if not kwargs or d.train_files or d.val_files or d.task == "gsm8k":
+        return
+    task = get_task(d.task)
+    if not task.environment or cfg.env.path not in ("", task.environment):
+        return
+    rows, _ = load_task(d.task, cfg.trainer.seed, n_train=1, n_val=1, **task_arguments(cfg))
+    overridden = [k for k in kwargs if k in rows[0].extra]
+    if overridden:
+        key = overridden[0]
+        raise ConfigError(
+            f"env.kwargs.{key}={kwargs[key]!r} has no effect with data.task={d.task}: every row of the task sets "
+            f"{', '.join(overridden)} for its environment, over env.kwargs; set "
+            f"data.task_options.{key}=VALUE instead (the task checks it), and drop env.kwargs.{key}"
+        )
 
 
 def check_model_path(cfg: PostTrainConfig) -> None:
@@ -137,6 +186,10 @@ def check_model_path(cfg: PostTrainConfig) -> None:
             "('org/name'); give a local directory saved with save_pretrained, a Hub id, model.path=builtin:base "
             "(the untrained tiny model) or builtin:tiny (the arithmetic demo)"
         )
+    else:
+        read_model_config(
+            path, "model.path"
+        )  # a config.json that reads, with a model_type transformers knows
 
 
 def check_loggers(loggers: list[str]) -> None:

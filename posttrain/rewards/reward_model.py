@@ -6,14 +6,42 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PretrainedConfig
 
 from posttrain.batching.packing import pack_sequences
 from posttrain.batching.token_budget import plan_token_micro_batches
 from posttrain.config.errors import ConfigError
+from posttrain.models.hf import read_model_config
 from posttrain.models.registry import check_packing_supported
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_reward_model_dir(path: str | Path, key: str = "reward.model.path") -> PretrainedConfig:
+    """The config of the reward model at ``path``, checked before any weights load: a local model directory
+    whose config.json reads, of a sequence classifier with one label. A causal LM would load with a fresh
+    two-label head (transformers' default num_labels) and score noise; a classifier with several labels would
+    silently score with label 0."""
+    if not path or not Path(path).is_dir():
+        raise ConfigError(
+            f"{key}={str(path)!r} is not a directory; the reward model is a local directory holding an "
+            "AutoModelForSequenceClassification with one label (train one with `posttrain rm`; "
+            "docs/reward-models.md)"
+        )
+    config = read_model_config(path, key)
+    kinds = config.architectures or []
+    if kinds and not any(k.endswith("ForSequenceClassification") for k in kinds):
+        raise ConfigError(
+            f"{key}={str(path)!r} is a {kinds[0]}, not a sequence classifier; a reward model is an "
+            "AutoModelForSequenceClassification with num_labels=1 (a scalar head): train one from this model "
+            "with `posttrain rm` (docs/reward-models.md)"
+        )
+    if config.num_labels != 1:
+        raise ConfigError(
+            f"{key}={str(path)!r} has num_labels={config.num_labels}; a reward model needs num_labels=1 "
+            "(a single scalar head)"
+        )
+    return config
 
 
 class RewardModelScorer:
@@ -58,14 +86,7 @@ class RewardModelScorer:
             raise ConfigError(
                 f"max_tokens={max_tokens} (token budget per forward pass) must be >= max_length={max_length}"
             )
-        config = AutoConfig.from_pretrained(path)
-        # Checked before loading weights: a classifier with several labels would load fine and then
-        # silently score with label 0.
-        if config.num_labels != 1:
-            raise ConfigError(
-                f"reward model {path} has num_labels={config.num_labels}; a reward model needs num_labels=1 "
-                "(a single scalar head)"
-            )
+        check_reward_model_dir(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"

@@ -3,7 +3,11 @@
 With ``timeout_s > 0`` the function runs in worker processes: each worker gets its share of the samples
 in one message and sends back one small result per sample. A sample that raises, returns a non-finite
 or non-numeric value, kills its worker, or takes longer than ``timeout_s`` gets ``failure_reward``; a hung
-or dead worker is killed and replaced, and the rest of its share goes to the replacement. Workers are
+or dead worker is killed and replaced, and the rest of its share goes to the replacement. After a timeout the
+rest of that worker's share is scored one sample per fresh process, all at once (at most ``_MAX_SPARES``
+together): a function that hangs on every sample then costs its timeout about twice per batch, not once per
+sample (32 hung samples at ``timeout_s=2`` took 66 s one after another). A function that scores several
+samples at once (posttrain.rewards.many) already overlaps them within its own bound and is not spread. Workers are
 started with ``fork`` where available so a function loaded from a user file needs no pickling (on
 platforms without fork it must be picklable); a forked worker first lets go of the listening sockets it
 inherited (torch's rendezvous store, gloo: posttrain.utils.inherited). Because the workers are daemonic, a reward function
@@ -46,6 +50,7 @@ class RewardFunctionError(ConfigError):
 
 _STARTUP_TIMEOUT_S = 60.0  # generous: a spawned interpreter may import a lot before it is ready
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the trainer is still alive
+_MAX_SPARES = 64  # one-sample processes running at once after a timeout (each holds a pipe: 2 descriptors)
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,7 @@ class RewardRunner:
         self._ctx = mp.get_context("fork" if "fork" in methods else "spawn")
         self._workers: list[_Worker | None] = [None] * num_workers
         self._answer_wait_s = self.timeout_s or math.inf
+        self._waiting: deque[tuple[int, tuple[Any, ...]]] = deque()  # samples waiting for a spare process
         # Not atexit.register(self.close): that would keep every runner alive until exit.
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
@@ -282,13 +288,25 @@ class RewardRunner:
         self._answer_wait_s = self.timeout_s * samples_at_once(self.fn)
         items = list(enumerate(args))
         chunk = math.ceil(len(items) / self.num_workers) if items else 0
-        busy: dict[int, _Worker] = {}
+        busy: dict[int | str, _Worker] = {}  # the persistent workers by number, spares by "spare <index>"
+        self._waiting.clear()
         for w in range(self.num_workers):
             share = items[w * chunk : (w + 1) * chunk]
             if share:
                 busy[w] = self._worker(w)
                 busy[w].submit(share, self._answer_wait_s)
-        while busy:
+        try:
+            self._run_until_answered(busy, rewards)
+        except BaseException:
+            for w, worker in busy.items():  # spares are in no list close() stops
+                if isinstance(w, str):
+                    worker.kill()
+            raise
+        return rewards  # type: ignore[return-value]  # every index is filled once busy is empty
+
+    def _run_until_answered(self, busy: dict[int | str, _Worker], rewards: list[float | None]) -> None:
+        while busy or self._waiting:
+            self._start_spares(busy)
             by_conn = {worker.conn: w for w, worker in busy.items()}
             next_deadline = min(worker.deadline for worker in busy.values())
             ready = wait(list(by_conn), timeout=max(0.0, next_deadline - time.monotonic()))
@@ -299,10 +317,11 @@ class RewardRunner:
                 index = busy[w].pending[0]
                 message = f"reward function timed out after {self._answer_wait_s:g} s (sample {self._numbers[index]})"
                 rewards[index] = self._fail(index, message, timeout=True)
-                self._replace(w, busy)
-        return rewards  # type: ignore[return-value]  # every index is filled once busy is empty
+                # A function scoring several samples at once already overlaps its timeouts, within the
+                # bounds it declared (the code reward's sandbox slots), which spares would bypass.
+                self._replace(w, busy, spread=samples_at_once(self.fn) == 1)
 
-    def _drain(self, w: int, busy: dict[int, _Worker], rewards: list[float | None]) -> None:
+    def _drain(self, w: int | str, busy: dict[int | str, _Worker], rewards: list[float | None]) -> None:
         """Read every answer worker ``w`` has sent; handle its death."""
         worker = busy[w]
         try:
@@ -323,17 +342,33 @@ class RewardRunner:
             return
         if not worker.pending:
             del busy[w]
+            if isinstance(w, str):
+                worker.kill()  # a spare serves one sample
 
-    def _replace(self, w: int, busy: dict[int, _Worker]) -> None:
-        """Kill worker ``w`` (its current sample is settled) and give the rest of its share to a new one."""
+    def _replace(self, w: int | str, busy: dict[int | str, _Worker], spread: bool = False) -> None:
+        """Kill worker ``w`` (its current sample is settled) and give the rest of its share to a new one, or,
+        with ``spread`` (it timed out: the function may hang on the others too), to one spare process per
+        sample, so their timeouts run together."""
         old = busy.pop(w)
         old.pending.popleft()
         rest = old.unanswered()
         old.kill()
-        self._workers[w] = None
-        if rest:
-            busy[w] = self._worker(w)
+        if isinstance(w, int):
+            self._workers[w] = None
+        if spread:
+            self._waiting.extend(rest)
+        elif rest:
+            busy[w] = self._worker(w) if isinstance(w, int) else _Worker(self._ctx, self.fn)
             busy[w].submit(rest, self._answer_wait_s)
+
+    def _start_spares(self, busy: dict[int | str, _Worker]) -> None:
+        """A fresh process for each waiting sample, up to _MAX_SPARES running at once."""
+        running = sum(isinstance(w, str) for w in busy)
+        while self._waiting and running < _MAX_SPARES:
+            index, sample = self._waiting.popleft()
+            spare = busy[f"spare {index}"] = _Worker(self._ctx, self.fn)
+            spare.submit([(index, sample)], self._answer_wait_s)
+            running += 1
 
     def _worker(self, w: int) -> _Worker:
         worker = self._workers[w]

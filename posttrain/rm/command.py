@@ -59,7 +59,8 @@ from posttrain.utils.storage import model_dir_complete
 HEADLINE = {"rm/loss": "loss", "rm/accuracy": "acc", "val/accuracy": "val acc", "val/margin": "val margin"}
 
 
-def _read_pairs(cfg: PostTrainConfig):
+def read_pairs(cfg: PostTrainConfig):
+    """(training pairs, held-out pairs), every row checked (posttrain.rm.data)."""
     if not cfg.data.train_files:
         raise ConfigError(
             "posttrain rm needs preference pairs: set data.train_files=[pairs.jsonl] (rows with "
@@ -167,7 +168,7 @@ def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     check_ranks(cfg, launched_world_size())  # before the data is read and any model loads
     device = select_device(cfg)
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
-    train, val = _read_pairs(cfg)  # bad rows are reported before any model loads
+    train, val = read_pairs(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
     stopped = stop_note(lambda: stopped_run_note(run_dir))  # what a signal leaves behind
     with stopped, ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx:

@@ -14,6 +14,8 @@ it scored here: with a chat template, the conversation [user prompt, assistant r
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,7 @@ def _row_to_pair(row: Any, where: str, rm) -> PreferencePair:
     prompt = None
     if rm.prompt_key and row.get(rm.prompt_key) is not None:
         prompt = _check_text(row[rm.prompt_key], where, rm.prompt_key)
+    _check_roles(chosen, rejected, prompt, where, rm)
     if chosen == rejected:
         raise DataError(
             f"{where}: {rm.chosen_key!r} and {rm.rejected_key!r} are identical; a pair needs two different "
@@ -94,7 +97,55 @@ def _row_to_pair(row: Any, where: str, rm) -> PreferencePair:
                 "fill it in or set rm.margin_key=''"
             )
         margin = float(value)
+        if not math.isfinite(margin):
+            # A NaN margin made every step with the pair skip its update; an infinite one logged a null loss
+            # and still stepped.
+            raise DataError(
+                f"{where}: {rm.margin_key!r} (rm.margin_key) is {value!r}; a margin must be a finite number: "
+                "fix or remove the row"
+            )
     return PreferencePair(prompt, chosen, rejected, margin, where)
+
+
+def _check_roles(chosen: Text, rejected: Text, prompt: Text | None, where: str, rm) -> None:
+    """A response given as messages ends with the assistant's reply; an implicit-prompt pair's two
+    conversations share their prompt (every message before the final assistant reply). Without that a pair
+    can be told apart by its prompt alone (accuracy 1.0 in two steps, nothing learnt about the replies)."""
+    for key, value in ((rm.chosen_key, chosen), (rm.rejected_key, rejected)):
+        if isinstance(value, list) and value[-1]["role"] != "assistant":
+            raise DataError(
+                f"{where}: {key!r} ends with a {value[-1]['role']!r} message; the reply a pair ranks must be "
+                "the last message, with role 'assistant' (put the question in the prompt or in earlier messages)"
+            )
+    if prompt is not None or isinstance(chosen, str) != isinstance(rejected, str):
+        if prompt is None:
+            raise DataError(
+                f"{where}: {rm.chosen_key!r} and {rm.rejected_key!r} mix a string and chat messages in a row "
+                f"without {rm.prompt_key!r}; give both as whole conversations, or add the prompt"
+            )
+        return
+    if isinstance(chosen, str) and not os.path.commonprefix([chosen, rejected]).strip():
+        raise DataError(
+            f"{where}: {rm.chosen_key!r} and {rm.rejected_key!r} have no prompt key ({rm.prompt_key!r}, "
+            "rm.prompt_key), so they must be whole texts that begin with the same prompt, but they share no "
+            "beginning at all; the pair would be told apart by its prompt alone. Fix the row, or give the prompt "
+            "in its own field"
+        )
+    if isinstance(chosen, list) and _prompt_of(chosen) != _prompt_of(rejected):
+        raise DataError(
+            f"{where}: {rm.chosen_key!r} and {rm.rejected_key!r} have no prompt key ({rm.prompt_key!r}, "
+            "rm.prompt_key), so they must be conversations that share their prompt (every message before the "
+            "last assistant reply), but those messages differ; the pair would be told apart by its prompt "
+            "alone. Fix the row, or give the prompt in its own field"
+        )
+
+
+def _prompt_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The messages before the final run of assistant messages."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]
 
 
 def load_pairs(cfg: PostTrainConfig, files: list[str]) -> list[PreferencePair]:

@@ -16,6 +16,7 @@ import io
 import ipaddress
 import json
 import logging
+import re
 import select
 import socket
 import threading
@@ -325,6 +326,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def read_token(path: str) -> str:
     """The token in the file ``path`` (surrounding whitespace dropped); a ConfigError saying how to make one."""
     fix = f"write one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > {path}"
@@ -353,6 +362,14 @@ class ServerSettings:
     def check(self) -> None:
         """A ConfigError for settings that cannot serve, or that would open the sandbox to the network: without
         a token, anyone who reaches a non-loopback port runs code on this host."""
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(
+                f"--port {self.port}: a TCP port is 0 to 65535 (0: any free port; default 8080)"
+            )
+        if re.fullmatch(r"[\d.]+", self.host) and not _is_address(self.host):
+            raise ConfigError(
+                f"--host {self.host!r} is not a valid IPv4 address (four numbers 0 to 255); e.g. --host 127.0.0.1"
+            )
         if self.token is None and not is_loopback(self.host):
             raise ConfigError(
                 f"--host {self.host!r} is not a loopback address, and without a token anyone who reaches the "
@@ -373,7 +390,14 @@ def serve(sandbox: Sandbox, settings: ServerSettings) -> None:
     """Serve until interrupted."""
     settings.check()
     s = settings
-    server = SandboxServer((s.host, s.port), sandbox, s.token, s.max_connections, s.request_timeout_s)
+    try:
+        server = SandboxServer((s.host, s.port), sandbox, s.token, s.max_connections, s.request_timeout_s)
+    except OSError as exc:  # the port is taken, the host is not this machine's or does not resolve
+        sandbox.close()
+        raise ConfigError(
+            f"cannot listen on --host {s.host} --port {s.port}: {exc.strerror or exc}; choose a free --port "
+            "(another server may hold this one) or an address of this machine"
+        ) from None
     auth = "bearer token required" if s.token else "no token: loopback only"
     print(f"posttrain sandbox: serving POST {server.url}/run_code ({sandbox.describe()}; {auth})", flush=True)
     try:

@@ -76,7 +76,7 @@ rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_t
 rollout.multi_turn.max_tokens_per_turn rollout.multi_turn.max_parallel_calls rollout.multi_turn.tool_timeout_s
 rollout.multi_turn.max_tool_response_length rollout.multi_turn.tool_response_truncate_side
 rollout.multi_turn.tool_config_path rollout.multi_turn.format rollout.multi_turn.turn_rewards
-rollout.multi_turn.max_env_failures env.path env.kwargs
+rollout.multi_turn.env_timeout_s rollout.multi_turn.max_env_failures env.path env.kwargs
 """.split()
 
 

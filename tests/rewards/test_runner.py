@@ -86,6 +86,19 @@ def test_timeouts_in_several_workers():
     assert time.monotonic() - start < 3.0
 
 
+def test_a_reward_that_hangs_on_every_sample_costs_its_timeout_about_twice_per_batch():
+    """Drill: 32 hung samples at reward.timeout_s=2 took 66 s, the timeouts one after another. After the
+    first timeout the rest run one per process, together."""
+    start = time.monotonic()
+    with RewardRunner(reward, timeout_s=1.0, failure_reward=-1.0) as runner:
+        rewards, metrics = runner.score(samples(*["hang"] * 12, "bb"))
+        took = time.monotonic() - start
+        assert rewards == [-1.0] * 12 + [2.0]
+        assert metrics["reward/num_timeouts"] == 12 and metrics["reward/num_failures"] == 12
+        assert runner.score(samples("a", "bb"))[0] == [1.0, 2.0]  # the worker is back for the next call
+    assert took < 6.0, f"{took:.1f} s: the timeouts ran one after another (12 s)"
+
+
 def test_crashed_worker_is_replaced():
     with RewardRunner(reward, timeout_s=5.0) as runner:
         rewards, metrics = runner.score(samples("a", "crash", "bb"))

@@ -59,6 +59,12 @@ class MultiTurnConfig:
         "token; per_turn = each on the last token of its assistant turn (credit per turn with GAE).",
         choices=TURN_REWARD_PLACEMENTS,
     )
+    env_timeout_s: float = knob(
+        300.0,
+        "Seconds one environment reset or step may take; a call past it counts as an environment failure "
+        "(see max_env_failures). 0: no limit. A synchronous environment then runs in threads of its own.",
+        min=0,
+    )
     max_env_failures: int = knob(
         0,
         "Trajectories per step whose environment may raise in reset/step before the run stops; they are "

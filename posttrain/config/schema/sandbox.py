@@ -78,9 +78,10 @@ class SandboxConfig:
     )
     memory_limit_mb: int = knob(
         1024,
-        "Address space per process (RLIMIT_AS), verl's sandbox_fusion.memory_limit_mb.",
+        "Address space per process (RLIMIT_AS), verl's sandbox_fusion.memory_limit_mb. At least 32: the code "
+        "reward's harness needs 19 to 24 MiB to start Python (measured; at 16 every program scored 0).",
         unit="MiB",
-        min=16,
+        min=32,
     )
     max_processes: int = knob(
         64,

@@ -37,6 +37,9 @@ def load_guess_number(
     """Rows of one game each, the target drawn from the seed (train and held-out targets drawn apart; with so few
     numbers both cover the range, so the held-out rate measures the policy, not memorised prompts: the prompt is
     the same for every target)."""
+    for name, value in (("low", low), ("high", high), ("max_turns", max_turns)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DataError(f"data.task_options.{name}={value!r} must be a whole number")
     if high <= low:
         raise DataError(f"need low < high, got low={low}, high={high}")
     if max_turns < 1:
