@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from posttrain.agents.driver import EnvironmentFailure, Generation, MultiTurnSettings, run_trajectories
+from posttrain.agents.driver import EnvironmentFailure, Generation, run_trajectories
 from posttrain.agents.env import Environment, StepResult
 from posttrain.cli import main
 from posttrain.config.errors import ConfigError
 from posttrain.models.tiny import build_tiny_tokenizer
-from tests.helpers import small_overrides
+from tests.helpers import multi_turn_settings, small_overrides
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ class HangsInReset(Environment):
 def _run(tok, env_class, rows=2, **settings):
     make = lambda row: env_class() if row["prompt"] == "b" else Environment()  # noqa: E731
     prompts = [{"prompt": p} for p in "ab"[:rows]]
-    return run_trajectories(prompts, make, reply_x(tok), tok, MultiTurnSettings(**settings))
+    return run_trajectories(prompts, make, reply_x(tok), tok, multi_turn_settings(**settings))
 
 
 @pytest.mark.parametrize(
