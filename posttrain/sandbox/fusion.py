@@ -12,7 +12,13 @@ import urllib.error
 import urllib.request
 
 from posttrain.config.errors import ConfigError
-from posttrain.sandbox.types import LANGUAGES, SANDBOX_ERROR, Limits, RunRequest, RunResult
+from posttrain.sandbox.types import (
+    SANDBOX_ERROR,
+    Limits,
+    RunRequest,
+    RunResult,
+    unsupported_language,
+)
 from posttrain.sandbox.wire import request_to_json, response_from_json
 
 _BACKOFF_S = 0.1
@@ -65,10 +71,8 @@ class FusionSandbox:
 
     def run(self, request: RunRequest, cancel: threading.Event | None = None) -> RunResult:
         """``cancel`` (set: no further retries) is accepted so that a server may forward to this backend."""
-        if request.language not in LANGUAGES:
-            return RunResult(
-                SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0
-            )
+        if refused := unsupported_language(request):
+            return refused
         limits = request.limits(self.limits)
         payload = request_to_json(request)
         payload["run_timeout"] = limits.time_limit_s

@@ -28,15 +28,14 @@ from posttrain.sandbox.process import PRLIMIT, rlimit_argv, run_command
 from posttrain.sandbox.types import (
     ERROR,
     HARNESS_START_S,
-    LANGUAGES,
     MEMORY_LIMIT,
-    SANDBOX_ERROR,
     SOURCE_NAMES,
     Limits,
     RunRequest,
     RunResult,
     file_name_problem,
     file_tree_problem,
+    unsupported_language,
 )
 
 _MIB = 1024 * 1024
@@ -128,10 +127,8 @@ class LocalSandbox:
 
     def run(self, request: RunRequest, cancel: threading.Event | None = None) -> RunResult:
         """One run; ``cancel``, when set, ends it early with status sandbox_error (a client that went away)."""
-        if request.language not in LANGUAGES:
-            return RunResult(
-                SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0
-            )
+        if refused := unsupported_language(request):
+            return refused
         files = staged_files(request)
         limits = request.limits(self.limits)
         size = sum(map(len, files.values()))

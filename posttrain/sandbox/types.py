@@ -148,3 +148,11 @@ def file_tree_problem(names: list[str]) -> tuple[str, str] | None:
     if len(directories) > MAX_DIRECTORIES:
         return "", f"{len(directories)} directories; at most {MAX_DIRECTORIES}"
     return None
+
+
+def unsupported_language(request: RunRequest) -> RunResult | None:
+    """The result of a request in a language no backend runs (a sandbox error, not the program's), else None:
+    the one language check every backend makes before anything runs."""
+    if request.language in LANGUAGES:
+        return None
+    return RunResult(SANDBOX_ERROR, None, "", f"unsupported language {request.language!r}; {LANGUAGES}", 0.0)

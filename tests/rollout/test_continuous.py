@@ -15,7 +15,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.models.tiny import build_tiny_model
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native import graphs
 from posttrain.rollout.native.engine import NativeEngine
@@ -34,17 +34,12 @@ ARCH = dict(
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
+def model(tok):
+    return build_tiny_model(tok, seed=0, **SMALL)
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_tiny_model(tokenizer, seed=0, **SMALL)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
+def prompts(tok):
     texts = [
         "What is 1 + 2?",
         "Hi",
@@ -53,7 +48,7 @@ def prompts(tokenizer):
         "Count: 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22",
         "Hello there",
     ]
-    return [tokenizer.encode(t) for t in texts]  # ragged: 1 to ~30 tokens
+    return [tok.encode(t) for t in texts]  # ragged: 1 to ~30 tokens
 
 
 def _engine(model, eos, **kwargs):
@@ -234,8 +229,8 @@ def test_first_tokens_follow_the_model_distribution(model, prompts, chi_square):
     assert stat > 3 * critical
 
 
-def test_cache_is_reused_across_calls_and_after_sync_weights(tokenizer, prompts):
-    policy = build_tiny_model(tokenizer, seed=1, **SMALL)
+def test_cache_is_reused_across_calls_and_after_sync_weights(tok, prompts):
+    policy = build_tiny_model(tok, seed=1, **SMALL)
     engine = _engine(policy, {2}, own_copy=True, max_num_seqs=8, max_num_batched_tokens=32)
     assert engine.model is not policy
     params = SamplingParams(max_tokens=6, n=2, seed=4)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.models.tiny import build_tiny_model
 from posttrain.rollout.base import RolloutEngine, SamplingParams
 from posttrain.rollout.native import engine as native
 from posttrain.rollout.native.engine import NativeEngine, left_pad
@@ -16,19 +16,14 @@ SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "t
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
+def model(tok):
+    return build_tiny_model(tok, seed=0, **SMALL)
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_tiny_model(tokenizer, seed=0, **SMALL)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
+def prompts(tok):
     texts = ["What is 1 + 2?", "Hello", "The quick brown fox jumps over the lazy dog and", "Count: 7 8 9"]
-    return [tokenizer.encode(t) for t in texts]
+    return [tok.encode(t) for t in texts]
 
 
 def _engine(model, chunk_size=8, eos=(EOS,)):
@@ -156,8 +151,8 @@ def test_restores_training_mode(model, prompts):
     assert not model.training
 
 
-def test_sync_weights_own_copy_and_shared(tokenizer, prompts):
-    policy = build_tiny_model(tokenizer, seed=1, **SMALL)
+def test_sync_weights_own_copy_and_shared(tok, prompts):
+    policy = build_tiny_model(tok, seed=1, **SMALL)
     engine = _engine(copy.deepcopy(policy))
     assert isinstance(engine, RolloutEngine)
     params = SamplingParams(max_tokens=6, greedy=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.models.tiny import build_tiny_model
 from posttrain.rollout.base import SamplingParams, TurnEngine, TurnRequest
 from posttrain.rollout.native import graphs
 from posttrain.rollout.native.engine import NativeEngine
@@ -20,17 +20,12 @@ ENV = [[40, 41, 42], [43, 44], [45, 46, 47, 48]]  # "environment" ids appended a
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
+def model(tok):
+    return build_tiny_model(tok, seed=0, **SMALL)
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_tiny_model(tokenizer, seed=0, **SMALL)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
+def prompts(tok):
     texts = [
         "What is 1 + 2?",
         "Hi",
@@ -38,7 +33,7 @@ def prompts(tokenizer):
         "7",
         "Hello there",
     ]
-    return [tokenizer.encode(t) for t in texts]
+    return [tok.encode(t) for t in texts]
 
 
 def _engine(model, eos=(PAD,), **kwargs):

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from posttrain.config.schema import RolloutConfig  # noqa: E402
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from posttrain.models.tiny import build_tiny_model  # noqa: E402
 from posttrain.rollout.base import SamplingParams  # noqa: E402
 from posttrain.rollout.native.engine import NativeEngine  # noqa: E402
 from posttrain.rollout.vllm.factory import build_vllm_engine  # noqa: E402
@@ -37,18 +37,13 @@ TEXTS = ["What is 1 + 2?", "Hello", "The quick brown fox jumps over the lazy dog
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    model = build_tiny_model(tokenizer, seed=0, **SHAPE)
+def model_dir(tmp_path_factory, tok):
+    model = build_tiny_model(tok, seed=0, **SHAPE)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     path = tmp_path_factory.mktemp("vllm_tiny")
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    tok.save_pretrained(path)
     return path
 
 
@@ -60,7 +55,7 @@ def hf_model(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, hf_model, tokenizer):
+def engine(model_dir, hf_model, tok):
     """Built as the trainer builds it (config section -> factory), adapter-serving (LoRA rank 8, not merged), with
     dummy (random) weights as verl's default: the first full sync loads the policy."""
     cfg = RolloutConfig(
@@ -72,7 +67,7 @@ def engine(model_dir, hf_model, tokenizer):
     )
     eng = build_vllm_engine(
         model_dir,
-        tokenizer,
+        tok,
         cfg,
         "fp32",
         0,
@@ -94,8 +89,8 @@ def engine(model_dir, hf_model, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [tokenizer.encode(t) for t in TEXTS]
+def prompts(tok):
+    return [tok.encode(t) for t in TEXTS]
 
 
 def _native(model, eos=(EOS,)):

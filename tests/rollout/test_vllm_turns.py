@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from posttrain.models.tiny import build_tiny_model  # noqa: E402
 from posttrain.rollout.base import SamplingParams, TurnEngine, TurnRequest  # noqa: E402
 from posttrain.rollout.vllm import VLLMEngine, VLLMKnobs, sample_seed, turn_seed  # noqa: E402
 
@@ -37,18 +37,13 @@ REPLY = " Okay. Go on, and say a little more please."  # the environment's fixed
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    model = build_tiny_model(tokenizer, seed=0, **SHAPE)
+def model_dir(tmp_path_factory, tok):
+    model = build_tiny_model(tok, seed=0, **SHAPE)
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # clear gaps between tokens: samples do not flip on rounding
     path = tmp_path_factory.mktemp("vllm_turns")
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    tok.save_pretrained(path)
     return path
 
 
@@ -68,8 +63,8 @@ def engine(model_dir):
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [tokenizer.encode(t) for t in TEXTS]
+def prompts(tok):
+    return [tok.encode(t) for t in TEXTS]
 
 
 def test_turn_seed_position_zero_is_the_sample_seed():
@@ -120,8 +115,8 @@ def _three_turns(engine, prompts, reply, params, sessions: bool):
     return ids, logprobs, masks, metrics
 
 
-def test_three_turns_reuse_prefix_and_match_trainer_logprobs(engine, hf_model, prompts, tokenizer):
-    reply = tokenizer.encode(REPLY)
+def test_three_turns_reuse_prefix_and_match_trainer_logprobs(engine, hf_model, prompts, tok):
+    reply = tok.encode(REPLY)
     params = SamplingParams(max_tokens=1, temperature=0.8, seed=11)
     ids, logprobs, masks, metrics = _three_turns(engine, prompts, reply, params, sessions=True)
     for turn in (1, 2):  # each later turn extends the previous context: its blocks are read from the cache
