@@ -35,6 +35,31 @@ _CPU_KILLED = {signal.SIGXCPU}
 
 
 PRLIMIT = "/usr/bin/prlimit"
+
+
+class _SpawnGuard:
+    """Keeps forks of this process out of the moments another thread is starting a program.
+
+    ``subprocess.Popen`` waits until its child has exec'd, on a pipe only that child should hold. A fork made by
+    another thread meanwhile (a reward worker: multiprocessing's fork, which never execs) copies the pipe and
+    keeps it open, and the Popen waits as long as the worker lives: the python tool hung beside the code reward's
+    workers. So a fork waits while a program starts here, and a program waits while a fork happens."""
+
+    def __init__(self) -> None:
+        self.lock = (
+            threading.RLock()
+        )  # re-entrant: a Popen with a preexec_fn runs the fork hooks in its thread
+        os.register_at_fork(
+            before=lambda: self.lock.acquire(),
+            after_in_parent=lambda: self.lock.release(),
+            after_in_child=self._fresh,
+        )
+
+    def _fresh(self) -> None:
+        self.lock = threading.RLock()
+
+
+_SPAWN_GUARD = _SpawnGuard()
 _CANCEL_POLL_S = 0.05  # how soon a cancelled run is killed
 CANCELLED_MESSAGE = "cancelled: the client went away"
 
@@ -118,17 +143,8 @@ def run_command(
     stdout has been silent that long. ``cancel``: when set (e.g. the HTTP client went away), the run ends as
     at its time limit, with status sandbox_error."""
     start = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env if env is not None else {},
-        cwd=cwd,
-        start_new_session=True,
-        preexec_fn=(lambda: _set_limits(limits)) if preexec_limits else None,
-        pass_fds=pass_fds,
-    )
+    with _SPAWN_GUARD.lock:  # no fork copies Popen's exec-status pipe while the program starts
+        proc = _popen(argv, env, cwd, limits, preexec_limits, pass_fds)
     stop = threading.Event()
     out = _Capture(limits.max_output_bytes, bytearray(), last=start)
     err = _Capture(limits.max_output_bytes, bytearray())
@@ -156,6 +172,27 @@ def run_command(
     if ended == "cancelled":
         return RunResult(SANDBOX_ERROR, None, text(out.data), CANCELLED_MESSAGE, duration)
     return RunResult(status, code, text(out.data), text(err.data), duration)
+
+
+def _popen(
+    argv: list[str],
+    env: dict[str, str] | None,
+    cwd: str | None,
+    limits: Limits,
+    preexec_limits: bool,
+    pass_fds: tuple[int, ...],
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env if env is not None else {},
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=(lambda: _set_limits(limits)) if preexec_limits else None,
+        pass_fds=pass_fds,
+    )
 
 
 def _wait(

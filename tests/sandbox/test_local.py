@@ -1,7 +1,10 @@
 """The local backend's behaviour apart from security: statuses, languages, stdin and files, clear errors."""
 
+import multiprocessing
 import os
 import sys
+import threading
+import time
 
 import pytest
 
@@ -107,3 +110,31 @@ def test_no_isolation_only_with_the_unsafe_setting(sandbox):
     assert unsafe.run(RunRequest("print(6 * 7)")).stdout == "42\n"
     code = "import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))"
     assert int(sandbox.run(RunRequest(code)).stdout) <= 3  # the default isolates
+
+
+def test_a_fork_beside_a_starting_run_does_not_hang_it(sandbox):
+    """A process forked (and never exec'ing, as a reward worker) while another thread starts a sandbox used to
+    keep Popen's exec-status pipe open, and that run then waited as long as the worker lived. The race depends
+    on timing: run alone it seldom hits; the ordinary-user run of the sandbox suite hung on it every time
+    (`test_one_sandbox_per_run.py` after the others: a python-tool run beside a reward worker's fork)."""
+    fork = multiprocessing.get_context("fork")
+    statuses: list[str] = []
+
+    def runs():
+        for _ in range(15):
+            statuses.append(sandbox.run(RunRequest("print(1)")).status)
+
+    runner = threading.Thread(target=runs, daemon=True)
+    runner.start()
+    workers, deadline = [], time.monotonic() + 60
+    while runner.is_alive() and time.monotonic() < deadline:
+        worker = fork.Process(target=time.sleep, args=(120,), daemon=True)
+        worker.start()
+        workers.append(worker)
+        time.sleep(0.03)
+    runner.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = runner.is_alive()
+    for worker in workers:
+        worker.kill()
+        worker.join()
+    assert not hung and statuses == ["finished"] * 15, (hung, statuses)
