@@ -5,6 +5,7 @@ CI runs them as root and again as an ordinary user (.ci/sandbox-as-user): the fe
 of the two are marked root_only or ordinary_user_only."""
 
 import os
+from multiprocessing import resource_tracker
 
 import pytest
 
@@ -58,7 +59,9 @@ def sandbox_pids() -> list[int]:
 
 
 def child_pids() -> list[int]:
-    """Live children of this process (a leftover bwrap would be one)."""
+    """Live children of this process (a leftover bwrap would be one), not counting multiprocessing's resource
+    tracker, which an earlier test of the session may have started and which lives as long as this process."""
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -68,6 +71,6 @@ def child_pids() -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and int(entry) != tracker:
             out.append(int(entry))
     return out

@@ -40,7 +40,8 @@ import os, sys, torch
 from posttrain.parallel.runtime import init_distributed, shutdown_distributed
 ctx = init_distributed(torch.device("cpu"), 60)
 ctx.barrier()
-print(os.getpid(), os.environ.get("GLOO_SOCKET_IFNAME", "-"), flush=True)
+# one write (atomic on a pipe): under torchrun both ranks share one stdout, and print's pieces interleaved
+os.write(1, f"{os.getpid()} {os.environ.get('GLOO_SOCKET_IFNAME', '-')}\\n".encode())
 sys.stdin.read()
 ctx.barrier()
 shutdown_distributed(ctx)
