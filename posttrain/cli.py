@@ -261,7 +261,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     settings = settings_from_arguments(args)  # checked before the sandbox is built: refuse at once
-    return serve(build_sandbox(_load(args).sandbox), settings) or 0
+    serve(build_sandbox(_load(args).sandbox), settings)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

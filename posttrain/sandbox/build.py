@@ -111,10 +111,6 @@ class RunSandbox:
                 self._box = build_sandbox(self.cfg)
             return self._box
 
-    @property
-    def built(self) -> bool:
-        return self._box is not None
-
     def close(self) -> None:
         with self._lock:
             if self._box is not None:
