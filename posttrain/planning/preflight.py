@@ -29,6 +29,7 @@ from posttrain.data.splits import load_splits, task_arguments
 from posttrain.data.tasks import get_task, load_task
 from posttrain.models.hf import read_model_config
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
+from posttrain.models.model_path import check_builtin_choice
 from posttrain.parallel.runtime import select_device
 from posttrain.planning.sandbox_probe import check_code_sandbox
 from posttrain.rewards.code import SANDBOX_REWARDS
@@ -37,7 +38,6 @@ from posttrain.rewards.reward_model import check_reward_model_dir
 from posttrain.rl.build import check_config
 from posttrain.rm.command import check_ranks, read_pairs
 from posttrain.rm.command import model_config as rm_model_config
-from posttrain.sft.builtin import check_builtin_choice
 from posttrain.train.checkpoint_index import check_resume_setting
 
 # logger -> (module it imports, extra that installs it)

@@ -16,6 +16,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import load_tokenizer
 from posttrain.models.lora import lora_settings
+from posttrain.models.model_path import BUILTIN_NAMES, builtin_base_dir, resolve_model_path
 from posttrain.planning.memory_bytes import (
     DTYPE_BYTES,
     FULL,
@@ -27,7 +28,6 @@ from posttrain.planning.shape import ModelShape, shape_for_model_path
 from posttrain.rm.command import check_ranks, token_budget
 from posttrain.rm.data import TokenizedPair, load_pairs, tokenize_pairs
 from posttrain.rm.loop import rm_schedule
-from posttrain.sft.builtin import BUILTIN_NAMES, builtin_base_dir, resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _tokenizer(cfg: PostTrainConfig):
     builtin:tiny's warm start is not trained here)."""
     if cfg.model.path in BUILTIN_NAMES:
         return load_tokenizer(builtin_base_dir(cfg))
-    return load_tokenizer(resolve_model_path(cfg, quiet=True))
+    return load_tokenizer(resolve_model_path(cfg, quiet=True, warm_start=None))  # built-in names: above
 
 
 def count_pairs(

@@ -34,6 +34,7 @@ from posttrain.models.lora import (
     lora_memory_summary,
     reference_policy,
 )
+from posttrain.models.model_path import resolve_model_path, write_run_info
 from posttrain.models.prepare import prepare_critic, prepare_policy
 from posttrain.parallel import ulysses
 from posttrain.parallel.data_parallel import DataParallel, data_parallel
@@ -53,7 +54,7 @@ from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
 from posttrain.rollout.weights import RolloutWeights
 from posttrain.sandbox.build import RunSandbox
-from posttrain.sft.builtin import resolve_model_path, write_run_info
+from posttrain.sft.builtin import builtin_model_dir
 from posttrain.train.checkpoint import load_module_weights
 from posttrain.train.checkpoint_index import check_resume_setting
 from posttrain.train.trainable import Trainable
@@ -355,7 +356,7 @@ def build_components(
     sandbox = RunSandbox(cfg.sandbox)  # the run's one sandbox: the code reward's and the python tool's
     # the user's reward is imported (and the sandbox built, for a code reward) before any model loads
     runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
-    model_path = resolve_model_path(cfg, quiet=quiet)
+    model_path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(model_path)
     policy = build_policy(cfg, plan, dist, model_path, quiet)
     critic = build_critic(cfg, plan, dist, model_path)

@@ -13,6 +13,7 @@ from posttrain.data.datasets import tokenize_prompts, warn_dropped
 from posttrain.data.splits import load_splits
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora
+from posttrain.models.model_path import resolve_model_path
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
 from posttrain.rl.collect.multi_turn import build_agent_loop
@@ -20,7 +21,7 @@ from posttrain.rl.collect.validation import validate
 from posttrain.rl.eval_report import report_eval, trajectory_summary
 from posttrain.rollout.weights import RolloutWeights
 from posttrain.sandbox.build import RunSandbox
-from posttrain.sft.builtin import resolve_model_path
+from posttrain.sft.builtin import builtin_model_dir
 from posttrain.train.integrity import check_model_dir
 from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
@@ -34,7 +35,7 @@ def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[ob
     if path is not None and (path / "config.json").exists():
         check_model_dir(path)  # a truncated weights file is named here, not deep in the loader
         return load_tokenizer(path), load_causal_lm(path, cfg.model.dtype, device), path, str(path)
-    base = resolve_model_path(cfg)
+    base = resolve_model_path(cfg, warm_start=builtin_model_dir)
     described = f"{path} on {base}" if path is not None else f"{base} (model.path={cfg.model.path})"
     tokenizer, model = load_tokenizer(base), load_causal_lm(base, cfg.model.dtype, device)
     if path is not None and (path / "adapter_config.json").exists():

@@ -20,6 +20,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.models.export import export_policy
 from posttrain.models.hf import load_causal_lm, save_hf
 from posttrain.models.lora import adapter_state, is_lora_model, policy_weights
+from posttrain.models.model_path import resolve_model_path
 from posttrain.parallel.runtime import (
     DistContext,
     launched_world_size,
@@ -34,7 +35,7 @@ from posttrain.rl.overlap.queue import RolloutQueue
 from posttrain.rl.overlap.worker import RolloutWorker
 from posttrain.rl.step import inline_rollouts, train_step
 from posttrain.rollout.base import RolloutEngine
-from posttrain.sft.builtin import resolve_model_path
+from posttrain.sft.builtin import builtin_model_dir
 from posttrain.train.loop import (
     Checkpoints,
     LoopResult,
@@ -131,7 +132,7 @@ def run_training(cfg: PostTrainConfig, quiet: bool = False) -> dict[str, float]:
         if ctx.distributed and cfg.model.path == "builtin:tiny":
             # One rank builds (and caches) the built-in warm start; the others then read the cache.
             if ctx.is_main:
-                resolve_model_path(cfg, quiet=quiet)
+                resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
             ctx.barrier()
         result, engine = _train(cfg, ctx, quiet=quiet or not ctx.is_main)
         ctx.barrier()  # leave together

@@ -24,6 +24,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.config.schema.roles import ShardingConfig
 from posttrain.models.hf import load_tokenizer, resolve_dtype
 from posttrain.models.lora import hf_model
+from posttrain.models.model_path import resolve_model_path, write_run_info
 from posttrain.models.registry import check_packing_supported
 from posttrain.parallel.data_parallel import data_parallel
 from posttrain.parallel.fsdp import full_state_dict, shard_model
@@ -36,7 +37,7 @@ from posttrain.parallel.runtime import (
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import rm_checkpoints, rm_schedule, rm_step, validate_pairs
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
-from posttrain.sft.builtin import resolve_model_path, write_run_info
+from posttrain.sft.builtin import builtin_model_dir
 from posttrain.train.checkpoint import find_checkpoint
 from posttrain.train.loop import (
     Checkpoints,
@@ -192,9 +193,9 @@ def _model_path(cfg: PostTrainConfig, ctx: DistContext, quiet: bool) -> Path:
     Hub id downloaded, once), then the others read it."""
     if ctx.distributed:
         if ctx.is_main:
-            resolve_model_path(model_config(cfg), quiet=quiet)
+            resolve_model_path(model_config(cfg), quiet=quiet, warm_start=builtin_model_dir)
         ctx.barrier()
-    return resolve_model_path(model_config(cfg), quiet=quiet or not ctx.is_main)
+    return resolve_model_path(model_config(cfg), quiet=quiet or not ctx.is_main, warm_start=builtin_model_dir)
 
 
 def _finished(cfg: PostTrainConfig, done: int, total: int, ctx: DistContext, quiet: bool) -> bool:

@@ -1,16 +1,5 @@
-"""The built-in model: a tiny Qwen2 built from the seed, then warm-started with SFT on the task.
-
-Two names (model.path):
-- ``builtin:tiny``: the arithmetic demo's model, warm-started on the generated task. It is refused when the
-  config names the user's own data files: the demo's warm start (imperfect arithmetic demonstrations)
-  means nothing on another task, and training on it silently would hide that.
-- ``builtin:base``: the same tiny model and tokenizer, untrained (random weights from trainer.seed): the
-  starting point for a user's own SFT (docs/your-task.md).
-
-Both directories are cached (keyed by everything that shapes them and nothing else), so only the first
-run pays for building and warm-starting. Set POSTTRAIN_CACHE to move the cache (default
-~/.cache/posttrain). Builds go to ``.tmp-<name>-<pid>`` and are renamed when complete; leftovers of a
-process that died mid-build are removed by the next build.
+"""The built-in model's warm start: builtin:tiny is the tiny Qwen2 (posttrain/models/model_path.py)
+warm-started with SFT on the task, built once per task and seed, then cached.
 
 The warm start is part of the built-in model's definition, like its architecture. It imitates
 imperfect demonstrations: each time a training problem is drawn, its answer is off by one with
@@ -19,35 +8,30 @@ mistake. The warm-started policy therefore knows the task and samples the right 
 prefers a wrong one. Imitation cannot remove that habit; RL with the exact-match reward can, which
 is what the main job shows. (Trained on clean answers for as long, the tiny model starts RL above
 40% and RL on 480 problems then improves the training problems more than held-out ones.)
+
+The commands resolve model.path with `posttrain.models.model_path:resolve_model_path` and hand it
+`builtin_model_dir` below as its warm start.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 
 import torch
-import yaml
 
-from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.splits import load_splits
 from posttrain.models.hf import load_causal_lm, load_tokenizer, save_hf
-from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
-from posttrain.models.tiny import create_tiny_model_dir
+from posttrain.models.model_path import RECIPE_VERSION, atomic_build, builtin_base_dir, cache_key, cache_root
 from posttrain.parallel.runtime import select_device
 from posttrain.sft.loop import run_sft
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.signals import stop_note
 
-# Version the recipe: bump when the tiny model, its tokenizer or the warm start change.
-RECIPE_VERSION = 3  # 3: the forward narrows the last MLP (float rounding moved the warm start)
 WARM_START = {
     "sft.batch_size": 64,
     "sft.micro_batch_size_per_gpu": 64,
@@ -74,62 +58,6 @@ def imperfect_demonstrations(records: list, steps: int, batch_size: int, seed: i
             rec = dataclasses.replace(rec, ground_truth=str(int(rec.ground_truth) + 1))
         out.append(rec)
     return out
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
-
-
-def _key(payload: dict) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    return True
-
-
-def remove_stale_builds(root: Path) -> list[Path]:
-    """Delete ``.tmp-*-<pid>`` build folders whose process is gone (a killed or crashed build)."""
-    removed = []
-    for tmp in root.glob(".tmp-*") if root.is_dir() else []:
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-    return removed
-
-
-def _atomic_build(target: Path, build) -> Path:
-    """Build into a temporary sibling, then rename: an interrupted build never looks complete."""
-    if (target / "config.json").exists():
-        return target
-    remove_stale_builds(target.parent)
-    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        build(tmp)
-    except BaseException:  # a signal or an error: nothing half-built is left for the next run to sweep
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if target.exists():  # a concurrent build finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return target
-    os.replace(tmp, target)
-    return target
-
-
-def builtin_base_dir(cfg: PostTrainConfig) -> Path:
-    """The untrained tiny model + tokenizer for trainer.seed."""
-    seed = cfg.trainer.seed
-    target = cache_root() / f"tiny-base-v{RECIPE_VERSION}-seed{seed}"
-    return _atomic_build(target, lambda tmp: create_tiny_model_dir(tmp, seed=seed))
 
 
 def warm_start_config(cfg: PostTrainConfig) -> PostTrainConfig:
@@ -171,7 +99,7 @@ def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     base = builtin_base_dir(cfg)
     ws = warm_start_config(cfg)
     shape = warm_start_key(cfg)
-    target = cache_root() / f"tiny-{cfg.data.task}-sft-{_key(shape)}"
+    target = cache_root() / f"tiny-{cfg.data.task}-sft-{cache_key(shape)}"
     if (target / "config.json").exists():
         return target
 
@@ -192,58 +120,4 @@ def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:
         "the built-in model's SFT warm start was stopped before it was cached: the next run builds it again"
     )
     with stop_note(note):
-        return _atomic_build(target, build)
-
-
-BUILTIN_NAMES = ("builtin:tiny", "builtin:base")
-
-
-def user_data_keys(cfg: PostTrainConfig) -> list[str]:
-    """The config keys that name the user's own data files (empty: the built-in task)."""
-    keys = [("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)]
-    keys.append(("sft.train_files", cfg.sft.train_files))
-    return [f"{k}={v}" for k, v in keys if v]
-
-
-def check_builtin_choice(cfg: PostTrainConfig) -> None:
-    """builtin:tiny is the arithmetic demo's warm-started model: refuse it on the user's own data."""
-    path = cfg.model.path
-    if path.startswith("builtin:") and path not in BUILTIN_NAMES:
-        raise ConfigError(f"model.path={path!r} is not a built-in model; use one of {list(BUILTIN_NAMES)}")
-    given = user_data_keys(cfg)
-    if path == "builtin:tiny" and given:
-        raise ConfigError(
-            f"model.path=builtin:tiny is the arithmetic demo's model, warm-started on imperfect arithmetic "
-            f"demonstrations, but the config names your own data ({', '.join(given)}). Use "
-            "model.path=builtin:base (the same tiny model, untrained; fine-tune it with `posttrain sft` first, "
-            "see docs/your-task.md) or your own model directory or Hub id"
-        )
-
-
-def resolve_model_path(cfg: PostTrainConfig, quiet: bool = False) -> Path:
-    """The model directory a run uses: the built-in models ('builtin:tiny', 'builtin:base'), a local
-    directory, or a Hugging Face Hub id (from the local cache, downloaded when not there and online)."""
-    check_builtin_choice(cfg)
-    if cfg.model.path == "builtin:tiny":
-        return builtin_model_dir(cfg, quiet=quiet)
-    if cfg.model.path == "builtin:base":
-        return builtin_base_dir(cfg)
-    path = Path(cfg.model.path)
-    if not path.exists() and looks_like_hub_id(cfg.model.path):
-        return resolve_hub_model(cfg.model.path)
-    if not (path / "config.json").exists():
-        raise MissingPathError(
-            f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json) nor a Hub "
-            "id ('org/name'); give a local directory saved with save_pretrained, a Hub id, "
-            "model.path=builtin:base (untrained tiny model) or builtin:tiny (the arithmetic demo)"
-        )
-    return path
-
-
-def write_run_info(run_dir: Path, cfg: PostTrainConfig, model_path: Path) -> Path:
-    """run_info.yaml: which model directory a run used (model.path as given, and what it resolved to)."""
-    info = {"model_path": cfg.model.path, "resolved_model_path": str(Path(model_path).resolve())}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "run_info.yaml"
-    path.write_text(yaml.safe_dump(info, sort_keys=False))
-    return path
+        return atomic_build(target, build)

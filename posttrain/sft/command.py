@@ -19,9 +19,10 @@ from posttrain.data.tasks import get_task
 from posttrain.models.export import export_policy
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora, is_lora_model, lora_memory_summary
+from posttrain.models.model_path import resolve_model_path, user_data_keys, write_run_info
 from posttrain.models.prepare import check_policy_switches, read_model_config
 from posttrain.parallel.runtime import select_device
-from posttrain.sft.builtin import resolve_model_path, user_data_keys, write_run_info
+from posttrain.sft.builtin import builtin_model_dir
 from posttrain.sft.loop import SFTTraining, prepare_sft, sft_display, sft_records
 from posttrain.sft.validation import SFTValidator, sft_val_records
 from posttrain.train.loop import (
@@ -81,7 +82,7 @@ def _sft(cfg: PostTrainConfig, device, quiet: bool) -> Path:
     check_policy_switches(cfg, device, read_model_config(cfg.model.path))  # before any weights load
     seed_everything(cfg.trainer.seed)
     records, val_records, reward = _data(cfg)  # a bad file or row is reported before any model loads
-    path = resolve_model_path(cfg, quiet=quiet)
+    path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     run_dir = Path(cfg.trainer.run_dir)
     tokenizer = load_tokenizer(path)
     # Before the weights load: the validator builds the run's sandbox when its reward runs code.

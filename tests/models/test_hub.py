@@ -7,8 +7,8 @@ import pytest
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.models.hf import load_causal_lm
+from posttrain.models.model_path import resolve_model_path
 from posttrain.planning.preflight import check_model_path
-from posttrain.sft.builtin import resolve_model_path
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def offline_cache(tmp_path, monkeypatch, tiny_model_dir):
 def test_hub_id_resolves_to_the_cached_snapshot_offline(offline_cache):
     cfg = build_config(overrides=["model.path=tiny-org/tiny-model"])
     check_model_path(cfg)
-    path = resolve_model_path(cfg)
+    path = resolve_model_path(cfg, warm_start=None)
     assert path == offline_cache
     assert load_causal_lm(path).config.model_type == "qwen2"
 

@@ -116,8 +116,9 @@ def test_builtin_tiny_is_allowed_as_the_start_of_a_reward_model(tmp_path):
     pairs, and the demo's model is resolved from the task keys alone (the same cached directory as train's)."""
     from posttrain.config.errors import ConfigError
     from posttrain.config.load import build_config
+    from posttrain.models.model_path import check_builtin_choice
     from posttrain.rm.command import model_config
-    from posttrain.sft.builtin import check_builtin_choice, warm_start_key
+    from posttrain.sft.builtin import warm_start_key
 
     cfg = build_config(
         overrides=["model.path=builtin:tiny", f"data.train_files=[{tmp_path / 'pairs.jsonl'}]"]

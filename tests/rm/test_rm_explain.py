@@ -6,10 +6,10 @@ import json
 from posttrain.cli import main
 from posttrain.config.load import build_config
 from posttrain.models.hf import load_tokenizer
+from posttrain.models.model_path import builtin_base_dir
 from posttrain.planning.rm_plan import batch_plan
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.demo import write_arithmetic_pairs
-from posttrain.sft.builtin import builtin_base_dir
 
 
 def _args(data_dir, *extra):

@@ -1,35 +1,28 @@
-"""The built-in models: builtin:tiny (the arithmetic demo, warm-started) is refused on the user's own data,
-builtin:base is the untrained tiny model, the warm-start cache is keyed only by what shapes the model, and
-leftover build folders of dead processes are removed."""
-
-import os
-import subprocess
-import sys
+"""The built-in model's SFT warm start: its cache is keyed only by what shapes the model, and the commands build
+builtin:tiny through it (the model-path tests are in tests/models/test_model_path.py)."""
 
 import pytest
 import torch
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
+from posttrain.models.model_path import resolve_model_path
 from posttrain.sft import builtin
-from posttrain.sft.builtin import builtin_model_dir, remove_stale_builds, resolve_model_path
+from posttrain.sft.builtin import builtin_model_dir
 
 
-def test_builtin_tiny_is_refused_on_user_data_and_points_to_base(tmp_path):
-    cfg = build_config(
-        overrides=[f"data.train_files=[{tmp_path / 't.jsonl'}]", "reward.function=exact_match"]
-    )
-    with pytest.raises(
-        ConfigError, match=r"builtin:tiny is the arithmetic demo's model.*data.train_files.*builtin:base"
-    ):
-        resolve_model_path(cfg)
-
-
-def test_builtin_base_is_the_untrained_tiny_model():
-    cfg = build_config(overrides=["model.path=builtin:base", "trainer.seed=3"])
-    path = resolve_model_path(cfg)
-    assert (path / "config.json").exists() and "tiny-base" in path.name and "seed3" in path.name
-    assert not (path / "posttrain_builtin.json").exists()  # no warm start recorded: untrained
+def test_builtin_tiny_resolves_to_the_cached_warm_start(monkeypatch, tmp_path):
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(builtin, "run_sft", lambda *a, **k: None)  # the SFT itself is not under test
+    cfg = build_config(overrides=["model.path=builtin:tiny"])
+    path = resolve_model_path(cfg, quiet=True, warm_start=builtin_model_dir)
+    assert path == builtin_model_dir(cfg, quiet=True) and path.parent == tmp_path / "cache"
+    assert (
+        path / "posttrain_builtin.json"
+    ).exists()  # the warm start's recipe is recorded beside the weights
+    with pytest.raises(ConfigError, match="builtin:tiny is the arithmetic demo's model"):
+        on_user_data = build_config(overrides=[f"sft.train_files=[{tmp_path / 't.jsonl'}]"])
+        resolve_model_path(on_user_data, warm_start=builtin_model_dir)
 
 
 def test_warm_start_cache_key_ignores_what_does_not_shape_the_model(monkeypatch, tmp_path):
@@ -49,15 +42,3 @@ def test_warm_start_cache_key_ignores_what_does_not_shape_the_model(monkeypatch,
         assert builtin_model_dir(build_config(overrides=[]), quiet=True) != first
     finally:
         torch.set_num_threads(threads)
-
-
-def test_stale_build_folders_of_dead_processes_are_removed(tmp_path):
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    stale = tmp_path / f".tmp-tiny-base-v2-seed1-{dead.stdout.strip()}"
-    live = tmp_path / f".tmp-tiny-base-v2-seed1-{os.getpid()}"
-    stale.mkdir()
-    live.mkdir()
-    assert remove_stale_builds(tmp_path) == [stale]
-    assert live.exists() and not stale.exists()
