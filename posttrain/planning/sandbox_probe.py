@@ -1,7 +1,7 @@
 """The start-up check of the sandbox the code reward runs programs in: one trivial program through the code
 reward's own harness (posttrain.rewards.code_harness), at the configured memory limit.
 
-A plain ``print(6 * 7)`` run (posttrain.sandbox.build.probe_line) said yes where the harness could not run:
+A plain ``print(6 * 7)`` run (the probe before this one) said yes where the harness could not run:
 at ``sandbox.memory_limit_mb=16`` the harness's interpreter fails with MemoryError, and the code reward scored
 every correct program 0 (``reward/code/memory_limits`` 24 of 24) while explain's probe passed. Here a memory
 limit the harness cannot run under is a ConfigError naming ``sandbox.memory_limit_mb`` and the smallest value

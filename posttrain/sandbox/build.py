@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
 from posttrain.sandbox.fusion import FusionSandbox
 from posttrain.sandbox.local import LocalSandbox
@@ -73,10 +72,6 @@ class Sandbox:
                 self._pool_pid = os.getpid()
         return list(self._pool.map(self.run, requests))
 
-    def probe(self) -> RunResult:
-        """One trivial program: does the sandbox work at all?"""
-        return self.run(RunRequest("print(6 * 7)"))
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -115,20 +110,3 @@ class RunSandbox:
         with self._lock:
             if self._box is not None:
                 self._box.close()
-
-
-def probe_line(cfg: SandboxConfig) -> str:
-    """One line for `posttrain explain`: the sandbox, its limits, and one trivial run through it; a ConfigError
-    when the sandbox cannot run code here."""
-    box = build_sandbox(cfg)
-    try:
-        result = box.probe()
-    finally:
-        box.close()
-    if result.status != "finished" or result.stdout.strip() != "42":
-        detail = (result.stderr or result.stdout).strip()[-300:]
-        raise ConfigError(
-            f"the sandbox ({box.describe()}) cannot run a trivial program: status {result.status}, {detail!r}; "
-            "check the sandbox.* keys (docs/sandbox.md)"
-        )
-    return f"sandbox: {box.describe()}; probe: print(6 * 7) -> 42 in {result.duration_s:.2f} s"

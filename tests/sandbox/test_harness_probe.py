@@ -22,7 +22,8 @@ from posttrain.planning.sandbox_probe import (
     run_harness_probe,
 )
 from posttrain.rewards.code import CodeReward
-from posttrain.sandbox.build import build_sandbox, probe_line
+from posttrain.sandbox.build import build_sandbox
+from posttrain.sandbox.types import RunRequest
 
 CODE_DATA = Path(__file__).parents[2] / "examples/code/tiny_code.jsonl"
 SUM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -31,7 +32,8 @@ CASES = json.dumps({"inputs": ["1 2\n", "10 -3\n"], "outputs": ["3\n", "7\n"]})
 
 def test_the_harness_probe_fails_where_the_code_reward_fails(sandbox):
     tight = SandboxConfig(memory_limit_mb=16)
-    probe_line(tight)  # the bare probe passes: it is not what the reward runs
+    bare = build_sandbox(tight).run(RunRequest("print(6 * 7)"))
+    assert bare.stdout == "42\n"  # a bare program runs: it is not what the reward runs
     assert CodeReward(build_sandbox(tight))("p", SUM, CASES, {}) == 0.0  # a correct program scores 0
     with pytest.raises(ConfigError) as info:
         check_code_sandbox(tight)

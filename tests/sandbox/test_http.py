@@ -17,8 +17,9 @@ import pytest
 from posttrain.cli import main
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.sandbox import SandboxConfig
+from posttrain.planning.sandbox_probe import harness_probe_line
 from posttrain.sandbox import Limits, RunRequest
-from posttrain.sandbox.build import Sandbox, build_sandbox, probe_line
+from posttrain.sandbox.build import Sandbox, build_sandbox
 from posttrain.sandbox.fusion import FusionSandbox
 from posttrain.sandbox.server import SandboxServer
 
@@ -201,13 +202,15 @@ def test_explain_shows_the_sandbox_and_when_the_code_reward_scores(sandbox, caps
 
 
 def test_the_explain_probe_line_and_a_sandbox_that_cannot_run():
-    line = probe_line(SandboxConfig(time_limit_s=5))
+    line = harness_probe_line(SandboxConfig(time_limit_s=5))
     assert line.startswith("sandbox: local bubblewrap") and "probe: print(6 * 7) -> 42" in line
     dead = SandboxConfig(backend="sandbox_fusion")
     dead.sandbox_fusion.url = [f"http://127.0.0.1:{free_port()}"]
     dead.sandbox_fusion.max_retries = 0
-    with pytest.raises(ConfigError, match="cannot run a trivial program: status sandbox_error"):
-        probe_line(dead)
+    with pytest.raises(
+        ConfigError, match="cannot run the code reward's harness on a trivial program: status"
+    ):
+        harness_probe_line(dead)
 
 
 def test_the_probe_line_is_one_line_whatever_the_bwrap_paths_length(sandbox, tmp_path, capsys):
