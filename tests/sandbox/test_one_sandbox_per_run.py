@@ -59,7 +59,11 @@ def test_the_python_tool_and_the_code_reward_share_max_concurrent(sandbox):  # n
     with build_reward_runner(cfg, "code", "", run_sandbox) as runner:
         watcher = threading.Thread(target=watch)
         watcher.start()
-        tool_calls = [threading.Thread(target=env.tools["python"].fn, args=(SLEEP,)) for _ in range(4)]
+        tool_outputs = []  # list.append is atomic: the four calls' threads share it
+        tool_calls = [
+            threading.Thread(target=lambda: tool_outputs.append(env.tools["python"].fn(SLEEP)))
+            for _ in range(4)
+        ]
         try:
             for t in tool_calls:
                 t.start()
@@ -69,5 +73,10 @@ def test_the_python_tool_and_the_code_reward_share_max_concurrent(sandbox):  # n
         finally:
             stop.set()
             watcher.join()
+    # Both users ran their programs (so the count below is not of an idle sandbox): every tool call printed 3
+    # and every sample's program passed its test case.
+    assert tool_outputs == ["3"] * 4, tool_outputs
     assert rewards == [1.0] * 6
-    assert max(seen) == 2, max(seen)  # busy to the cap, never past it (4 + 6 programs of 0.6 s were waiting)
+    # Never past the cap. Reaching it is likely (4 + 6 programs of 0.6 s were waiting) but not certain on a
+    # loaded machine, where one program may end before the next starts: that is not what this test proves.
+    assert 1 <= max(seen) <= 2, max(seen)
