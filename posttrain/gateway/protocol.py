@@ -269,8 +269,6 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
         if calls:
             msg["tool_calls"] = _parse_calls(calls, f"{where}.tool_calls")
-        elif role == "assistant" and content is None:
-            raise bad(f"{where}.content", "is null and the message has no tool_calls")
         if role == "tool" and not isinstance(m.get("tool_call_id"), str):
             raise bad(f"{where}.tool_call_id", "is missing; a tool message answers a tool call by its id")
         out.append(msg)

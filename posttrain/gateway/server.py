@@ -153,6 +153,7 @@ class Batcher:
 class _Server(ThreadingHTTPServer):
     daemon_threads = False  # server_close joins the handler threads
     block_on_close = True
+    request_queue_size = 256  # many harnesses connect at once
 
     def __init__(self, address: tuple[str, int], gateway: Gateway) -> None:
         self.gateway = gateway
