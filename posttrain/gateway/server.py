@@ -50,6 +50,7 @@ from posttrain.rollout.base import SamplingParams, TurnRequest
 
 logger = logging.getLogger("posttrain.gateway")
 Backend = Callable[[list[TurnRequest], SamplingParams], list[Generation]]
+_LINGER_S = 1.0  # how long a refused client's unread body is read before the connection closes
 _PATH = re.compile(r"(?:/s/([A-Za-z0-9_-]+))?/v1/(chat/completions|completions|models)/?")
 
 
@@ -200,7 +201,7 @@ class Gateway:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._sample_ids = itertools.count()
-        self._created = int(time.time())
+        self.created = int(time.time())
         self._serve_thread: threading.Thread | None = None
 
     def __enter__(self) -> Gateway:
@@ -289,9 +290,8 @@ class Gateway:
         return session
 
     # ------------------------------------------------------------------ requests
-    def chat(self, session_id: str | None, body: Any) -> P.Completion | None:
+    def chat(self, session_id: str | None, req: P.ChatRequest) -> P.Completion:
         """Serve one chat request (the handler writes the answer); raises ProtocolError."""
-        req = P.parse_chat(body)
         self.count("ignored_fields", len(req.ignored))
         if session_id is None:
             ids = Renderer(self.tokenizer, tools=req.tools).prompt_ids(req.template_messages)
@@ -316,9 +316,8 @@ class Gateway:
             self.count("overridden_params", len(plan.overridden))
         return completion
 
-    def complete(self, body: Any) -> P.Completion:
+    def complete(self, req: P.CompletionRequest) -> P.Completion:
         """Serve one (legacy) completion request, session-less."""
-        req = P.parse_completion(body)
         self.count("ignored_fields", len(req.ignored))
         prompt = req.prompt
         ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
@@ -414,6 +413,18 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, err: P.ProtocolError) -> None:
         self.server.gateway.count("errors")
         self._send(err.status, json.dumps(P.error_body(err)).encode())
+        self._drain()
+
+    def _drain(self) -> None:
+        """Read what the client still sends (an unread body) before closing: closing on unread data resets
+        the connection, and the client could lose our answer."""
+        with contextlib.suppress(OSError):
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(_LINGER_S)
+            left = 1 << 20
+            while left > 0 and (data := self.connection.recv(65536)):
+                left -= len(data)
 
     def _route(self, method: str) -> tuple[str | None, str] | None:
         """(session id, endpoint) after checking the key, the path and the method; None once answered."""
@@ -444,7 +455,7 @@ class _Handler(BaseHTTPRequestHandler):
             except P.ProtocolError as err:
                 self._error(err)
                 return
-            self._send(200, json.dumps(P.models_response(gw.model_name, gw._created)).encode())
+            self._send(200, json.dumps(P.models_response(gw.model_name, gw.created)).encode())
 
     def do_POST(self) -> None:  # noqa: N802
         route = self._route("POST")
@@ -464,16 +475,16 @@ class _Handler(BaseHTTPRequestHandler):
         if endpoint == "completions":
             if session_id is not None:
                 raise P.bad("path", "a session serves chat completions only; use /v1/completions without one")
-            req = P.parse_completion(body)  # validated twice: cheap, and keeps the stream flag at hand
-            c = gw.complete(body)
+            req = P.parse_completion(body)
+            c = gw.complete(req)
             if req.sampling.stream:
                 self._send(200, P.sse(P.completion_chunks(c, gw.tokenizer, req)), "text/event-stream")
             else:
                 payload = P.completion_response(c, gw.tokenizer, req.logprobs_count)
                 self._send(200, json.dumps(payload).encode())
             return
-        c = gw.chat(session_id, body)
-        sampling = P.parse_chat(body).sampling
+        chat = P.parse_chat(body)
+        c, sampling = gw.chat(session_id, chat), chat.sampling
         if sampling.stream:
             self._send(200, P.sse(P.chat_chunks(c, gw.tokenizer, sampling)), "text/event-stream")
         else:

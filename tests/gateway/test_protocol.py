@@ -122,7 +122,9 @@ def test_keys_paths_methods_and_sizes(gw):
     assert raw(gw, "PUT", "/v1/chat/completions", {})[0] == 405
     status, out = raw(gw, "POST", "/v1/chat/completions", b"{not json")
     assert status == 400 and out["error"]["message"].startswith("body: is not valid JSON")
-    status, out = raw(gw, "POST", "/v1/chat/completions", {"model": "p", "messages": USER, "x": "y" * 5000})
+    status, out = raw(
+        gw, "POST", "/v1/chat/completions", {"model": "p", "messages": USER, "x": "y" * 200_000}
+    )
     assert status == 413 and "at most 4096" in out["error"]["message"]
     handle = gw.open_session(sample_id=0, params=SamplingParams(max_tokens=4), max_response_tokens=8)
     status, out = raw(gw, "POST", f"/s/{handle.id}/v1/completions", {"prompt": "x"})
