@@ -50,6 +50,7 @@ from posttrain.rollout.base import SamplingParams, TurnRequest
 
 logger = logging.getLogger("posttrain.gateway")
 Backend = Callable[[list[TurnRequest], SamplingParams], list[Generation]]
+_CLOSE_WAIT_S = 30.0  # at close, how long answers being written are waited for
 _LINGER_S = 1.0  # how long a refused client's unread body is read before the connection closes
 _PATH = re.compile(r"(?:/s/([A-Za-z0-9_-]+))?/v1/(chat/completions|completions|models)/?")
 
@@ -159,6 +160,8 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], gateway: Gateway) -> None:
         self.gateway = gateway
         self.connections: set[socket.socket] = set()
+        self.idle: set[socket.socket] = set()  # connections waiting for their next request
+        self.closing = False
         self.conn_lock = threading.Lock()
         super().__init__(address, _Handler)
 
@@ -215,7 +218,7 @@ class Gateway:
         """Serve in background threads (the HTTP loop and the engine thread)."""
         self.batcher.start()
         self._serve_thread = threading.Thread(
-            target=self._server.serve_forever, name="gateway-http", daemon=True
+            target=self._server.serve_forever, args=(0.05,), name="gateway-http", daemon=True
         )
         self._serve_thread.start()
 
@@ -225,11 +228,19 @@ class Gateway:
             self._server.shutdown()
             self._serve_thread.join()
             self._serve_thread = None
+        self._server.closing = True  # handlers answering now close their connection after the answer
         self.batcher.close()
-        with self._server.conn_lock:
-            for conn in list(self._server.connections):  # wakes handlers idling on keep-alive connections
+        end = time.monotonic() + _CLOSE_WAIT_S
+        while True:  # wake handlers idling on keep-alive connections; let the others write their answer
+            with self._server.conn_lock:
+                left = set(self._server.connections)
+                idle = left & self._server.idle if time.monotonic() < end else left
+            if not left:
+                break
+            for conn in idle:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
+            time.sleep(0.01)
         self._server.server_close()
 
     # ------------------------------------------------------------------ sessions
@@ -385,8 +396,21 @@ class _Handler(BaseHTTPRequestHandler):
     def finish(self) -> None:
         with self.server.conn_lock:
             self.server.connections.discard(self.connection)
+            self.server.idle.discard(self.connection)
         with contextlib.suppress(OSError):
             super().finish()
+
+    def handle_one_request(self) -> None:
+        with self.server.conn_lock:
+            self.server.idle.add(self.connection)
+        super().handle_one_request()
+        if self.server.closing:
+            self.close_connection = True
+
+    def parse_request(self) -> bool:
+        with self.server.conn_lock:  # a request line arrived: busy until answered
+            self.server.idle.discard(self.connection)
+        return super().parse_request()
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
         logger.debug(format, *args)

@@ -2,7 +2,10 @@
 completions, models, log-probs, stop strings, the token-id extension fields, concurrency, close."""
 
 import json
+import subprocess
+import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -214,3 +217,72 @@ def test_close_leaves_no_threads(tok, engine):
     gw.close()
     assert set(threading.enumerate()) - before == set()
     c.close()
+
+
+def test_one_engine_thread_one_backend_call_per_sampling_setting(tok):
+    """Concurrent session-less calls: the backend is only ever called from one thread, once per distinct
+    setting in a gathered batch, with the request's temperature/top_p (0: greedy)."""
+    seen = []
+    gate = threading.Barrier(6)
+
+    def backend(requests, params):
+        seen.append((threading.get_ident(), params, len(requests)))
+        return scripted_backend(tok, lambda r: "ok")(requests, params)
+
+    with Gateway(backend, tok, default_params=SamplingParams(max_tokens=4, temperature=0.9)) as gw:
+
+        def call(temperature):
+            with client_for(gw.base_url, gw.api_key) as c:
+                gate.wait()
+                c.chat.completions.create(model="p", messages=USER, temperature=temperature, top_p=0.5)
+
+        threads = [threading.Thread(target=call, args=(t,)) for t in (0.3, 0.3, 0.3, 0, 0, None)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len({ident for ident, _, _ in seen}) == 1 and sum(n for _, _, n in seen) == 6
+    settings = {(p.temperature, p.greedy, p.top_p) for _, p, _ in seen}
+    assert settings == {(0.3, False, 0.5), (1.0, True, 0.5), (0.9, False, 0.5)}
+    assert len(seen) <= 6 and all(p.max_tokens == 4 for _, p, _ in seen)
+
+
+def test_the_gateway_imports_no_openai():
+    code = "import sys, posttrain.gateway; assert 'openai' not in sys.modules and 'httpx' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_calls_still_waiting_at_close_get_503_and_the_one_running_finishes(tok):
+    release, running = threading.Event(), threading.Event()
+
+    def backend(requests, params):
+        running.set()
+        release.wait(30)
+        return scripted_backend(tok, lambda r: "ok")(requests, params)
+
+    gw = Gateway(backend, tok)
+    gw.start()
+    results = {}
+
+    def call(name):
+        with client_for(gw.base_url, gw.api_key) as c:
+            try:
+                results[name] = c.chat.completions.create(model="p", messages=USER).choices[0].message.content
+            except openai.APIStatusError as exc:
+                results[name] = exc.status_code
+
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert running.wait(30)
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    while not gw.batcher._pending:  # the second call waits behind the running one
+        time.sleep(0.01)
+    closer = threading.Thread(target=gw.close)
+    closer.start()
+    while not gw.batcher._stopping:
+        time.sleep(0.01)
+    release.set()
+    for t in (closer, first, second):
+        t.join(30)
+    assert results == {"first": "ok", "second": 503}
