@@ -22,15 +22,29 @@ max_model_len - prompt length) tokens. Calls of one session are served one at a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.agents.render import Renderer, TemplateDriftError
-from posttrain.gateway.protocol import ChatRequest, bad, message_key
+from posttrain.gateway.protocol import ChatRequest, ProtocolError, bad, message_key
 from posttrain.rollout.base import SamplingParams
+
+
+@contextlib.contextmanager
+def template_errors() -> Iterator[None]:
+    """A chat template that refuses the request's messages (it raised) answers 400, not 500: a retry of the
+    same messages cannot succeed."""
+    try:
+        yield
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise bad("messages", f"the chat template cannot render them ({type(exc).__name__}: {exc})") from exc
 
 
 @dataclass

@@ -45,7 +45,7 @@ from typing import Any
 from posttrain.agents.driver import Generation
 from posttrain.agents.render import Renderer
 from posttrain.gateway import protocol as P
-from posttrain.gateway.capture import CallRecord, Session
+from posttrain.gateway.capture import CallRecord, Session, template_errors
 from posttrain.rollout.base import SamplingParams, TurnRequest
 
 logger = logging.getLogger("posttrain.gateway")
@@ -305,13 +305,15 @@ class Gateway:
         """Serve one chat request (the handler writes the answer); raises ProtocolError."""
         self.count("ignored_fields", len(req.ignored))
         if session_id is None:
-            ids = Renderer(self.tokenizer, tools=req.tools).prompt_ids(req.template_messages)
+            with template_errors():
+                ids = Renderer(self.tokenizer, tools=req.tools).prompt_ids(req.template_messages)
             return self._finish(req, ids, self._sessionless(req, ids), req.tool_names, req.tool_choice)[0]
         session = self.session(session_id)
         if req.sampling.seed is not None:
             self.count("ignored_fields")
         with session.lock:
-            plan = session.plan(req, self.tokenizer, self.max_model_len)
+            with template_errors():
+                plan = session.plan(req, self.tokenizer, self.max_model_len)
             turn = TurnRequest(
                 ids=plan.prompt_ids, max_tokens=plan.max_tokens, sample_id=session.sample_id,
                 position=plan.position, session=session.sample_id,

@@ -1,6 +1,7 @@
 """The wire format: every refused input gets its status and a message naming the field (without a retry by the
 openai client), accepted-and-ignored fields are counted, tool-call blocks and stop strings are read exactly."""
 
+import copy
 import http.client
 import json
 from urllib.parse import urlsplit
@@ -152,3 +153,22 @@ def test_stop_strings_cut_after_the_completing_token(tok):
     cut, text, hit = apply_stop(tok, ids, ["world", "zzz"])
     assert hit and text == "hello " and "world" in tok.decode(cut) and "world" not in tok.decode(cut[:-1])
     assert apply_stop(tok, ids, ["zzz"]) == (ids, "hello world, bye", False)
+
+
+def test_messages_the_chat_template_refuses_are_a_400(tok):
+    strict = copy.deepcopy(tok)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages here') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    with (
+        Gateway(scripted_backend(strict, lambda r: "ok"), strict) as gw,
+        client_for(gw.base_url, gw.api_key) as c,
+    ):
+        with pytest.raises(
+            openai.BadRequestError, match="chat template cannot render them.*no system messages"
+        ):
+            c.chat.completions.create(model="p", messages=[{"role": "system", "content": "x"}, *USER])
+        handle = gw.open_session(sample_id=0, params=SamplingParams(max_tokens=4), max_response_tokens=8)
+        with client_for(handle.base_url, handle.api_key) as s, pytest.raises(openai.BadRequestError):
+            s.chat.completions.create(model="p", messages=[{"role": "system", "content": "x"}, *USER])
