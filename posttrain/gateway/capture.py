@@ -10,7 +10,7 @@ calls as (name, parsed arguments), so fields clients drop or add do not matter),
 which is how the native multi-turn loop (``posttrain.agents.driver``) builds its turns, so a harness that only
 appends gets the native loop's tokens bit for bit. Otherwise (an edited or trimmed history, changed ``tools``, the
 first call) the messages are rendered whole (``Renderer.prompt_ids``), and ``extends_previous`` is true only if
-those ids happen to start with the previous prompt + completion.
+those ids happen to start with the previous prompt + completion (a session's first call: false).
 
 A *chain* is a run of calls each extending the one before; a call that does not extend starts a new chain (a
 "prefix break", counted). A call's ``position`` is the number of tokens of its chain after the chain's first

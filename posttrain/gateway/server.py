@@ -255,6 +255,13 @@ class Gateway:
     ) -> SessionHandle:
         """A session for one trajectory (see ``posttrain.gateway.capture``); ``deadline``: a ``time.time()``
         after which its calls are refused."""
+        for name, value, low in (
+            ("max_response_tokens", max_response_tokens, 1),
+            ("max_tokens_per_turn", max_tokens_per_turn, 0),
+            ("sample_id", sample_id, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"open_session: {name}={value!r} must be an integer >= {low}")
         sid = secrets.token_hex(8)
         session = Session(
             sid, sample_id=sample_id, params=params, max_response_tokens=max_response_tokens,

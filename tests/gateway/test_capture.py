@@ -151,3 +151,8 @@ def test_a_passed_deadline_and_an_unknown_session_are_refused(gateway):
     bogus = handle.base_url.replace(handle.id, "0123456789abcdef")
     with client_for(bogus, handle.api_key) as c, pytest.raises(openai.NotFoundError, match="no session"):
         c.chat.completions.create(model="policy", messages=USER)
+
+
+def test_open_session_checks_its_arguments(gateway):
+    with pytest.raises(ValueError, match="max_response_tokens=0 must be an integer >= 1"):
+        gateway.open_session(sample_id=0, params=SamplingParams(max_tokens=4), max_response_tokens=0)
