@@ -18,6 +18,11 @@ prompt (assistant, template and environment tokens together, as ``data.max_respo
 native loop); the session's ``max_response_tokens`` bounds it per chain: a call with no budget left is refused
 (400), and each call may sample at most min(request's max_tokens, max_tokens_per_turn or no cap, budget left,
 max_model_len - prompt length) tokens. Calls of one session are served one at a time, in arrival order.
+
+Sampling noise: a call's ``TurnRequest.position`` (the noise offset) is its position in the chain for the
+session's first chain, so those calls sample exactly what the native loop samples. A later chain continues after
+the highest noise index the session has used, so a repeated or edited call draws fresh noise instead of
+replaying an earlier sample.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class TurnPlan:
     max_tokens: int
     overridden: list[str]
     chain_start: int  # length of the first prompt of this call's chain
+    noise_base: int  # the noise index of the chain's first sampled token
+    noise_position: int  # TurnRequest.position: noise_base + position
 
 
 @dataclass
@@ -120,6 +127,8 @@ class Session:
         self.closed = False
         self.prefix_breaks = 0
         self._chain_start = 0  # length of the current chain's first prompt
+        self._noise_base = 0  # the current chain's first noise index
+        self._noise_end = 0  # one past the highest noise index used by the session
         self._last: _Last | None = None
 
     def plan(self, req: ChatRequest, tokenizer: Any, max_model_len: int | None) -> TurnPlan:
@@ -141,7 +150,9 @@ class Session:
         start = self._chain_start if extends else len(ids)
         position = len(ids) - start
         limit = self._limit(req, ids, position, max_model_len)
-        return TurnPlan(ids, extends, position, limit, overridden_params(req, self.params), start)
+        base = self._noise_base if extends else self._noise_end
+        overridden = overridden_params(req, self.params)
+        return TurnPlan(ids, extends, position, limit, overridden, start, base, base + position)
 
     def _extension(self, req: ChatRequest, renderer: Renderer, tools: str) -> list[int] | None:
         """The exact prompt when the messages extend the previous call and its returned answer, else None."""
@@ -184,7 +195,8 @@ class Session:
         """Keep a served call; ``returned``: the assistant message sent back, in template form."""
         if not plan.extends_previous and self.records:
             self.prefix_breaks += 1
-        self._chain_start = plan.chain_start
+        self._chain_start, self._noise_base = plan.chain_start, plan.noise_base
+        self._noise_end = max(self._noise_end, plan.noise_position + len(record.completion_ids))
         self.records.append(record)
         self._last = _Last(
             keys=[message_key(m) for m in req.template_messages],

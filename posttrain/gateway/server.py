@@ -323,7 +323,7 @@ class Gateway:
                 plan = session.plan(req, self.tokenizer, self.max_model_len)
             turn = TurnRequest(
                 ids=plan.prompt_ids, max_tokens=plan.max_tokens, sample_id=session.sample_id,
-                position=plan.position, session=session.sample_id,
+                position=plan.noise_position, session=session.sample_id,
             )  # fmt: skip
             completion, record = self._finish(
                 req, plan.prompt_ids, (turn, session.params), req.tool_names, req.tool_choice

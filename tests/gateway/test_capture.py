@@ -156,3 +156,17 @@ def test_a_passed_deadline_and_an_unknown_session_are_refused(gateway):
 def test_open_session_checks_its_arguments(gateway):
     with pytest.raises(ValueError, match="max_response_tokens=0 must be an integer >= 1"):
         gateway.open_session(sample_id=0, params=SamplingParams(max_tokens=4), max_response_tokens=0)
+
+
+def test_a_repeated_call_draws_fresh_noise(gateway):
+    """The same messages twice in a session: the second call starts a new chain, which continues the session's
+    noise, so it does not replay the first sample."""
+    handle = gateway.open_session(
+        sample_id=5, params=SamplingParams(max_tokens=8, seed=2), max_response_tokens=64
+    )
+    with client_for(handle.base_url, handle.api_key) as c:
+        for _ in range(2):
+            c.chat.completions.create(model="policy", messages=USER, max_tokens=8)
+    a, b = gateway.close_session(handle.id)
+    assert a.prompt_ids == b.prompt_ids and not b.extends_previous
+    assert a.completion_ids != b.completion_ids

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from posttrain.agents.hermes import tool_call_text
+from posttrain.agents.render import Renderer
 from posttrain.gateway import Gateway
 from posttrain.gateway.protocol import apply_stop, split_tool_calls
 from posttrain.rollout.base import SamplingParams
@@ -172,3 +173,16 @@ def test_messages_the_chat_template_refuses_are_a_400(tok):
         handle = gw.open_session(sample_id=0, params=SamplingParams(max_tokens=4), max_response_tokens=8)
         with client_for(handle.base_url, handle.api_key) as s, pytest.raises(openai.BadRequestError):
             s.chat.completions.create(model="p", messages=[{"role": "system", "content": "x"}, *USER])
+
+
+def test_text_parts_developer_role_and_max_completion_tokens(tok):
+    reply = lambda r: "one two three four five six seven"  # noqa: E731
+    with Gateway(scripted_backend(tok, reply), tok) as gw, client_for(gw.base_url, gw.api_key) as c:
+        parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        r = c.chat.completions.create(
+            model="p", messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
+            max_completion_tokens=3,
+        )  # fmt: skip
+        expected = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
+        assert r.model_dump()["prompt_token_ids"] == Renderer(tok).prompt_ids(expected)
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
