@@ -8,6 +8,7 @@ import pytest
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.gateway.harness import check_harness
+from posttrain.planning.preflight import preflight
 
 
 @pytest.fixture
@@ -79,3 +80,10 @@ def test_refused_before_any_model_loads(here, extra, message):
     cfg = build_config(overrides=extra)
     with pytest.raises(ConfigError, match=message):
         check_harness(cfg)
+
+
+@pytest.mark.parametrize("command", ["train", "explain", "eval"])
+def test_preflight_checks_the_harness(here, command):
+    cfg = build_config(overrides=["harness.path=h.py:nope"])
+    with pytest.raises(ConfigError, match="harness.path='h.py:nope': .* defines no 'nope'"):
+        preflight(cfg, command, check_model=False)
