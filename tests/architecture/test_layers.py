@@ -17,6 +17,7 @@ LAYERS = [
     {"models", "parallel", "sandbox"},
     {"forward"},
     {"rollout", "rewards", "agents"},
+    {"gateway"},
     {"train"},
     {"sft", "rm"},
     {"rl"},

@@ -6,7 +6,6 @@ import json
 import secrets
 import sys
 import threading
-import types
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -23,6 +22,7 @@ from posttrain.gateway.harness import CallableHarness, CommandHarness, HarnessFa
 from posttrain.models.tiny import build_tiny_model
 from posttrain.parallel.shares import MEAN, SUM, ShareMetrics
 from posttrain.rewards.runner import RewardRunner
+from posttrain.rl.collect import harness_loop
 from posttrain.rl.collect.harness_loop import HARNESS_METRICS, HarnessLoop, build_rollout_loop
 from posttrain.rl.collect.multi_turn import env_rewards, episode_metrics, score_weights
 from posttrain.rl.collect.validation import _generate_and_score
@@ -271,9 +271,9 @@ def test_a_closed_loop_starts_a_new_gateway_and_a_finished_session_refuses_calls
 def test_the_builder_picks_the_harness_loop(tok, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "h.py").write_text("def agent(row, base_url, api_key):\n    return None\n")
-    server = types.ModuleType("posttrain.gateway.server")  # the server module arrives with the gateway
-    server.Gateway = StandInGateway
-    monkeypatch.setitem(sys.modules, "posttrain.gateway.server", server)
+    monkeypatch.setattr(
+        harness_loop, "Gateway", StandInGateway
+    )  # the real one arrives with the server module
     cfg = build_config(overrides=["harness.path=h.py:agent", "rollout.multi_turn.max_tokens_per_turn=8"])
     built = build_rollout_loop(cfg, tok)
     assert isinstance(built, HarnessLoop) and built.max_tokens_per_turn == 8
