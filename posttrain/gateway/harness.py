@@ -19,8 +19,8 @@ import os
 import shlex
 import shutil
 import signal
+import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,12 +164,10 @@ async def run_harness(
     base_url: str,
     api_key: str,
     timeout_s: float,
-    executor: Executor | None = None,
     where: str = "",
 ) -> HarnessResult:
     """Run ``harness`` on one row against its session (``base_url``, ``api_key``) for at most ``timeout_s``
-    seconds. ``executor``: where a sync callable runs (one that outlives its timeout keeps running there; its
-    session refuses it once closed). ``where`` names the row in failures."""
+    seconds; ``where`` names the row in failures."""
     where = f"harness {harness.name!r}{' on ' + where if where else ''}"
     if isinstance(harness, CommandHarness):
         return await _run_command(harness, row, base_url, api_key, timeout_s, where)
@@ -177,9 +175,7 @@ async def run_harness(
         if inspect.iscoroutinefunction(harness.fn):
             value = await asyncio.wait_for(harness.fn(dict(row), base_url, api_key), timeout_s)
         else:
-            loop = asyncio.get_running_loop()
-            call = loop.run_in_executor(executor, harness.fn, dict(row), base_url, api_key)
-            value = await asyncio.wait_for(call, timeout_s)
+            value = await asyncio.wait_for(_in_thread(harness.fn, dict(row), base_url, api_key), timeout_s)
             if inspect.isawaitable(value):  # a sync function that returned a coroutine
                 value = await asyncio.wait_for(value, timeout_s)
     except asyncio.TimeoutError as exc:
@@ -187,6 +183,33 @@ async def run_harness(
     except Exception as exc:
         raise HarnessFailure("raised", f"{where} raised {exc!r}") from exc
     return parse_result(value, where)
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread of its own, as a future of the running loop. A thread per call: one that
+    outlives its timeout (a thread cannot be killed) holds no pool slot another trajectory waits for, and does
+    not keep the process alive; its session refuses its calls once closed."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # timed out meanwhile
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+    def target() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting trajectory, which names it
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=target, daemon=True, name="harness").start()
+    return future
 
 
 async def _run_command(

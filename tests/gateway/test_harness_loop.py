@@ -6,6 +6,7 @@ import json
 import secrets
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -282,3 +283,18 @@ def test_the_builder_picks_the_harness_loop(tok, tmp_path, monkeypatch):
         ConfigError, match="harness.path / harness.command need a rollout engine that runs turns"
     ):
         built.generate(object(), RECORDS, PARAMS)
+
+
+def test_a_sync_harness_past_its_timeout_holds_up_no_other_trajectory(tok, engine):
+    def stuck_on_the_first(row, base_url, api_key):
+        if row["ground_truth"] == "4":
+            time.sleep(4)  # a thread cannot be stopped: it runs on, the run does not wait for it
+        return two_turns(row, base_url, api_key)
+
+    agents = loop(tok, stuck_on_the_first, max_concurrent=1, timeout_s=1.0, max_failures=1)
+    took = time.monotonic()
+    result = agents.generate(engine, RECORDS, ONE)
+    agents.close()
+    assert time.monotonic() - took < 3.5
+    assert result.episodes[0].metrics == {"gateway/harness_failures/timeout": 1.0}
+    assert result.episodes[1].num_assistant_turns == 2

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,23 +145,18 @@ class HarnessLoop:
     async def _all(self, gateway, rows, sample_ids, names, params, on_done) -> list[Trajectory]:
         """Every row's trajectory, at most ``harness.max_concurrent`` at once; failures as ``max_failures`` says."""
         limit = asyncio.Semaphore(self.settings.max_concurrent)
-        # Sync callables run here; one past its timeout keeps its thread (its closed session refuses it).
-        executor = ThreadPoolExecutor(self.settings.max_concurrent, thread_name_prefix="harness")
 
         async def one(k: int) -> Trajectory:
             async with limit:
-                traj = await self._trajectory(gateway, rows[k], sample_ids[k], names[k], params, executor)
+                traj = await self._trajectory(gateway, rows[k], sample_ids[k], names[k], params)
             if on_done is not None:
                 on_done(k, traj)
             return traj
 
-        try:
-            tasks = [one(k) for k in range(len(rows))]
-            if self.settings.max_failures == 0:
-                return list(await asyncio.gather(*tasks))
-            out = await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            executor.shutdown(wait=False, cancel_futures=True)
+        tasks = [one(k) for k in range(len(rows))]
+        if self.settings.max_failures == 0:
+            return list(await asyncio.gather(*tasks))
+        out = await asyncio.gather(*tasks, return_exceptions=True)
         return self._kept(out, rows, on_done)
 
     def _kept(self, out: list, rows: list[dict], on_done) -> list[Trajectory]:
@@ -189,7 +183,7 @@ class HarnessLoop:
             kept.append(x)
         return kept
 
-    async def _trajectory(self, gateway, row, sample_id, name, params, executor) -> Trajectory:
+    async def _trajectory(self, gateway, row, sample_id, name, params) -> Trajectory:
         """One harness run in its own session, assembled into a sample; HarnessFailure naming the row."""
         timeout = self.settings.timeout_s
         session = gateway.open_session(
@@ -201,9 +195,7 @@ class HarnessLoop:
         )
         where = f"row {name} (sample {sample_id})"
         try:
-            result = await run_harness(
-                self.harness, row, session.base_url, session.api_key, timeout, executor, where
-            )
+            result = await run_harness(self.harness, row, session.base_url, session.api_key, timeout, where)
         finally:
             records = gateway.close_session(session.id)
         try:
