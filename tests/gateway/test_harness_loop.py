@@ -27,9 +27,11 @@ from posttrain.rl.collect import harness_loop
 from posttrain.rl.collect.harness_loop import HARNESS_METRICS, HarnessLoop, build_rollout_loop
 from posttrain.rl.collect.multi_turn import env_rewards, episode_metrics, score_weights
 from posttrain.rl.collect.validation import _generate_and_score
+from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import SamplingParams, TurnRequest
 from posttrain.rollout.native.engine import NativeEngine
 from tests.gateway.records import StandInCallRecord
+from tests.helpers import read_metrics, small_config
 
 
 @dataclass
@@ -298,3 +300,44 @@ def test_a_sync_harness_past_its_timeout_holds_up_no_other_trajectory(tok, engin
     assert time.monotonic() - took < 3.5
     assert result.episodes[0].metrics == {"gateway/harness_failures/timeout": 1.0}
     assert result.episodes[1].num_assistant_turns == 2
+
+
+HARNESS_FILE = """
+import openai
+
+
+def agent(row, base_url, api_key):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+        messages += [{"role": "user", "content": "Go on."}]
+    return {"reward": float(len(reply.choices[0].message.content) % 2), "metrics": {"calls": 2}}
+"""
+
+
+def test_a_training_run_through_a_harness(tiny_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "h.py").write_text(HARNESS_FILE)
+    served = []
+
+    class Counted(StandInGateway):
+        def __enter__(self):
+            served.append("open")
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            served.append("closed")
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(harness_loop, "Gateway", Counted)
+    run = tmp_path / "run"
+    over = [f"harness.path={tmp_path / 'h.py'}:agent", "data.max_response_length=24", "trainer.test_freq=2"]
+    run_training(small_config(tiny_model_dir, run, *over), quiet=True)
+    logged = read_metrics(run)
+    steps = [step for step in logged if "actor/loss" in step]
+    assert len(steps) == 2 and served == ["open", "closed"]  # one endpoint for training and validation
+    for step in steps:
+        assert step["gateway/prefix_breaks"] == 0.0 and step["gateway/harness_failures/raised"] == 0.0
+        assert step["env/calls"] == 2.0 and step["num_turns/mean"] == 3.0 and step["tokens/environment"] > 0
+    assert logged[0]["val/num_turns_mean"] == 3.0 and "val/accuracy" in steps[-1]
