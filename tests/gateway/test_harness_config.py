@@ -4,10 +4,12 @@ value, the rule and a fix."""
 import sys
 
 import pytest
+from rich.console import Console
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.gateway.harness import check_harness
+from posttrain.planning.multi_turn import multi_turn_plan, multi_turn_tree
 from posttrain.planning.preflight import preflight
 
 
@@ -87,3 +89,13 @@ def test_preflight_checks_the_harness(here, command):
     cfg = build_config(overrides=["harness.path=h.py:nope"])
     with pytest.raises(ConfigError, match="harness.path='h.py:nope': .* defines no 'nope'"):
         preflight(cfg, command, check_model=False)
+
+
+def test_explain_shows_the_harness_plan(here):
+    cfg = build_config(overrides=["harness.path=h.py:agent", "harness.max_concurrent=4"])
+    plan = multi_turn_plan(cfg)
+    assert plan["harness"] == "harness.path='h.py:agent'" and plan["max_concurrent"] == 4
+    console = Console(width=200, record=True)
+    console.print(multi_turn_tree(cfg))
+    text = console.export_text()
+    assert "harness rollouts (harness.path='h.py:agent')" in text and "harness.on_prefix_break=last" in text
