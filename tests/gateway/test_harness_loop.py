@@ -27,6 +27,7 @@ from posttrain.rl.collect import harness_loop
 from posttrain.rl.collect.harness_loop import HARNESS_METRICS, HarnessLoop, build_rollout_loop
 from posttrain.rl.collect.multi_turn import env_rewards, episode_metrics, score_weights
 from posttrain.rl.collect.validation import _generate_and_score
+from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import SamplingParams, TurnRequest
 from posttrain.rollout.native.engine import NativeEngine
@@ -317,8 +318,8 @@ def agent(row, base_url, api_key):
 """
 
 
-def test_a_training_run_through_a_harness(tiny_model_dir, tmp_path, monkeypatch):
-    (tmp_path / "h.py").write_text(HARNESS_FILE)
+def counted_gateway(monkeypatch) -> list[str]:
+    """The stand-in as the run's gateway; returns the list its starts and stops are written to."""
     served = []
 
     class Counted(StandInGateway):
@@ -331,6 +332,12 @@ def test_a_training_run_through_a_harness(tiny_model_dir, tmp_path, monkeypatch)
             return super().__exit__(*exc)
 
     monkeypatch.setattr(harness_loop, "Gateway", Counted)
+    return served
+
+
+def test_a_training_run_through_a_harness(tiny_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "h.py").write_text(HARNESS_FILE)
+    served = counted_gateway(monkeypatch)
     run = tmp_path / "run"
     over = [f"harness.path={tmp_path / 'h.py'}:agent", "data.max_response_length=24", "trainer.test_freq=2"]
     run_training(small_config(tiny_model_dir, run, *over), quiet=True)
@@ -341,3 +348,11 @@ def test_a_training_run_through_a_harness(tiny_model_dir, tmp_path, monkeypatch)
         assert step["gateway/prefix_breaks"] == 0.0 and step["gateway/harness_failures/raised"] == 0.0
         assert step["env/calls"] == 2.0 and step["num_turns/mean"] == 3.0 and step["tokens/environment"] > 0
     assert logged[0]["val/num_turns_mean"] == 3.0 and "val/accuracy" in steps[-1]
+
+
+def test_posttrain_eval_through_a_harness(tiny_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "h.py").write_text(HARNESS_FILE)
+    served = counted_gateway(monkeypatch)
+    over = [f"harness.path={tmp_path / 'h.py'}:agent", "data.max_response_length=24"]
+    metrics = run_eval_command(small_config(tiny_model_dir, tmp_path / "run", *over), str(tiny_model_dir))
+    assert metrics["val/num_turns_mean"] == 3.0 and served == ["open", "closed"]
