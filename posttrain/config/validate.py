@@ -211,6 +211,11 @@ def _check_harness(cfg: PostTrainConfig) -> None:
             "posttrain's environment would never be called; drop env.path (or the harness). A multi-turn "
             f"data.task (now {cfg.data.task!r}) sets env.path itself: pick a single-turn task or data files"
         )
+    if env.kwargs:
+        raise ConfigError(
+            f"{key}={value!r} with env.kwargs={env.kwargs!r}: a harness has no posttrain environment to pass "
+            "them to; drop env.kwargs (the harness gets each data row as it is)"
+        )
     if mt.tool_config_path:
         raise ConfigError(
             f"{key}={value!r} with rollout.multi_turn.tool_config_path={mt.tool_config_path!r}: a harness sends "

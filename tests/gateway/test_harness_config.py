@@ -39,6 +39,7 @@ def test_a_harness_loads_with_defaults(here):
         ),
         (["data.task=guess_number"], "with env.path='guess_number'.* A multi-turn data.task"),
         (["rollout.multi_turn.enable=true"], "with rollout.multi_turn.enable=true: a harness is its own"),
+        (["env.kwargs.level=2"], r"with env.kwargs=\{'level': 2\}: a harness has no posttrain environment"),
         (
             ["rollout.multi_turn.tool_config_path=t.yaml"],
             "sends its own tools .* drop rollout.multi_turn.tool_",
