@@ -36,6 +36,9 @@ class AssemblyFailure(Exception):
         super().__init__(message)
         self.kind = kind
 
+    def __reduce__(self):  # pickled whole (a rank's failure crossing processes), kind included
+        return type(self), (self.kind, str(self))
+
 
 @dataclass
 class Assembled:

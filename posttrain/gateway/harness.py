@@ -47,6 +47,9 @@ class HarnessFailure(ConfigError):
         super().__init__(message)
         self.kind = kind
 
+    def __reduce__(self):  # pickled whole (a rank's failure crossing processes), kind included
+        return type(self), (self.kind, str(self))
+
 
 @dataclass
 class HarnessResult:

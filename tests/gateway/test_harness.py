@@ -2,6 +2,7 @@
 with its message; loading a harness names the key on a missing file, function or program."""
 
 import asyncio
+import pickle
 import sys
 import time
 
@@ -167,3 +168,8 @@ def test_loading_names_the_key_and_the_fix(tmp_path, monkeypatch):
         load_harness(HarnessConfig(command="no-such-program-x --a"))
     with pytest.raises(ConfigError, match="cannot split it into arguments .* fix its quoting"):
         load_harness(HarnessConfig(command="python 'unclosed"))
+
+
+def test_a_failure_pickles_with_its_kind():
+    back = pickle.loads(pickle.dumps(HarnessFailure("timeout", "row 3 took too long")))
+    assert back.kind == "timeout" and str(back) == "row 3 took too long"
