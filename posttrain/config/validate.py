@@ -13,6 +13,7 @@ from typing import Any
 from posttrain.algorithms.advantages import GROUP_ESTIMATORS
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig, TrainerConfig
+from posttrain.config.schema.harness import harness_enabled
 from posttrain.config.schema.names import BUILTIN_TASKS, TASK_ENVIRONMENTS
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -91,6 +92,7 @@ def check_config(cfg: PostTrainConfig) -> None:
     _check_overlong_buffer(cfg)
     _check_reward_weights(cfg)
     _check_ray_ranks(cfg)
+    _check_harness(cfg)
 
 
 def _check_filter_groups(cfg: PostTrainConfig) -> None:
@@ -187,4 +189,42 @@ def _check_ray_ranks(cfg: PostTrainConfig) -> None:
             f"trainer.device=cuda with trainer.ray_ranks={t.ray_ranks}, but trainer.ray_gpus_per_rank=0: Ray "
             "gives a rank no GPU it did not reserve, so the ranks would find none; set "
             "trainer.ray_gpus_per_rank=1 (one GPU per rank), or trainer.device=cpu"
+        )
+
+
+def _check_harness(cfg: PostTrainConfig) -> None:
+    """A harness (harness.path or harness.command) owns the whole trajectory: one form of it, and none of the
+    native agent loop's environment and tools beside it (the harness brings its own)."""
+    h = cfg.harness
+    if not harness_enabled(h):
+        return
+    if h.path and h.command:
+        raise ConfigError(
+            f"harness.path={h.path!r} and harness.command={h.command!r} are both set: a run has one harness; "
+            "keep harness.path (a Python callable) or harness.command (an external program), not both"
+        )
+    key, value = ("harness.path", h.path) if h.path else ("harness.command", h.command)
+    mt, env = cfg.rollout.multi_turn, cfg.env
+    if env.path:
+        raise ConfigError(
+            f"{key}={value!r} with env.path={env.path!r}: a harness runs its own agent loop and environment, so "
+            "posttrain's environment would never be called; drop env.path (or the harness). A multi-turn "
+            f"data.task (now {cfg.data.task!r}) sets env.path itself: pick a single-turn task or data files"
+        )
+    if env.kwargs:
+        raise ConfigError(
+            f"{key}={value!r} with env.kwargs={env.kwargs!r}: a harness has no posttrain environment to pass "
+            "them to; drop env.kwargs (the harness gets each data row as it is)"
+        )
+    if mt.tool_config_path:
+        raise ConfigError(
+            f"{key}={value!r} with rollout.multi_turn.tool_config_path={mt.tool_config_path!r}: a harness sends "
+            "its own tools with its requests; drop rollout.multi_turn.tool_config_path"
+        )
+    if mt.enable:
+        raise ConfigError(
+            f"{key}={value!r} with rollout.multi_turn.enable=true: a harness is its own multi-turn rollout "
+            "(posttrain's agent loop and the harness cannot both play a trajectory); set "
+            "rollout.multi_turn.enable=false (the harness still honours rollout.multi_turn.max_tokens_per_turn "
+            "and rollout.multi_turn.turn_rewards)"
         )

@@ -135,7 +135,7 @@ class Session:
         """The next call's prompt ids and limits; ProtocolError (400) when it cannot be served."""
         if self.closed:
             raise bad("session", f"session {self.id} is closed; open a new one", code="session_closed")
-        if self.deadline is not None and time.time() > self.deadline:
+        if self.deadline is not None and time.monotonic() > self.deadline:
             raise bad("session", f"session {self.id}'s deadline has passed", code="deadline_exceeded")
         renderer = Renderer(tokenizer, tools=req.tools)
         tools = json.dumps(req.tools, sort_keys=True)

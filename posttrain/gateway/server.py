@@ -253,7 +253,7 @@ class Gateway:
         max_tokens_per_turn: int = 0,
         deadline: float | None = None,
     ) -> SessionHandle:
-        """A session for one trajectory (see ``posttrain.gateway.capture``); ``deadline``: a ``time.time()``
+        """A session for one trajectory (see ``posttrain.gateway.capture``); ``deadline``: a ``time.monotonic()``
         after which its calls are refused."""
         for name, value, low in (
             ("max_response_tokens", max_response_tokens, 1),

@@ -1,4 +1,5 @@
-"""`posttrain explain`'s multi-turn plan: turns, the trajectory token budget, the environment, every tool."""
+"""`posttrain explain`'s multi-turn plan: turns, the trajectory token budget, the environment, every tool; or,
+with a harness (`harness.*`), the harness's plan."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from posttrain.agents.build import SKYRL, load_tools, resolve_env
 from posttrain.agents.check import sample_environment
 from posttrain.agents.tools import ToolSet
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.harness import harness_enabled
 from posttrain.config.schema.names import TASK_ENVIRONMENTS
 
 
 def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
     """The plan as data (explain --json), or None when multi-turn rollouts are off."""
     mt, env = cfg.rollout.multi_turn, cfg.env
+    if harness_enabled(cfg.harness):
+        return harness_plan(cfg)
     if not mt.enable:
         return None
     spec = resolve_env(env.path)
@@ -62,6 +66,8 @@ def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
     plan = multi_turn_plan(cfg)
     if plan is None:
         return None
+    if "harness" in plan:
+        return harness_tree(plan)
     mt = cfg.rollout.multi_turn
     why = f"implied by data.task={plan['implied_by_task']}" if plan["implied_by_task"] else "on"
     root = Tree(f"multi-turn rollouts (rollout.multi_turn.enable: {why}; format {mt.format})")
@@ -126,3 +132,40 @@ def _tools_branch(
         name = schema.get("function", {}).get("name", "?")
         own = f" (timeout {timeouts[name]:g} s)" if name in timeouts else ""
         tools.add(f"{name}{own}: {json.dumps(schema, sort_keys=True)}")
+
+
+def harness_plan(cfg: PostTrainConfig) -> dict[str, Any]:
+    """A harness run's plan as data: the harness, its endpoint and limits (docs/harnesses.md)."""
+    h, mt = cfg.harness, cfg.rollout.multi_turn
+    return {
+        "harness": f"harness.path={h.path!r}" if h.path else f"harness.command={h.command!r}",
+        "endpoint": f"http://{h.host}:{h.port or '<free port>'}/s/<session>/v1",
+        "max_concurrent": h.max_concurrent,
+        "timeout_s": h.timeout_s,
+        "max_failures": h.max_failures,
+        "on_prefix_break": h.on_prefix_break,
+        "trajectory_budget_tokens": cfg.data.max_response_length,
+        "max_tokens_per_turn": mt.max_tokens_per_turn or None,
+        "turn_rewards": mt.turn_rewards,
+    }
+
+
+def harness_tree(plan: dict[str, Any]) -> Tree:
+    root = Tree(f"harness rollouts ({plan['harness']}): one run per trajectory against {plan['endpoint']}")
+    root.add(
+        f"at most {plan['max_concurrent']} at once (harness.max_concurrent), {plan['timeout_s']} s each "
+        f"(harness.timeout_s); failures allowed per rollout: {plan['max_failures']} (harness.max_failures)"
+    )
+    per_call = plan["max_tokens_per_turn"] or "what is left"
+    root.add(
+        f"trajectory budget: data.max_response_length={plan['trajectory_budget_tokens']} tokens after the first "
+        f"prompt; one call samples at most {per_call} (rollout.multi_turn.max_tokens_per_turn)"
+    )
+    root.add(
+        "trained: the sampled ids of a chain of calls that extend each other (mask 1), the template tokens "
+        f"between them masked out; a rewritten history: harness.on_prefix_break={plan['on_prefix_break']}"
+    )
+    root.add(
+        "rewards: a harness's reward replaces the reward function's score; None leaves it to the function"
+    )
+    return root

@@ -9,7 +9,8 @@ before any model loads, so a typo costs a second, not a model load.
   cached (or may be downloaded); explain, which plans before the model is at hand, only checks the first;
 - the optional packages the configured loggers need are installed;
 - train, explain and eval: the multi-turn settings (posttrain.agents.check: tool config, environment, env.kwargs,
-  combinations multi-turn rollouts do not support);
+  combinations multi-turn rollouts do not support) and the harness (posttrain.gateway.harness: it imports, or its
+  program is found);
 - train and explain: every config-only check of the run (posttrain.rl.build.check_config) and the first rows
   of each data file, so explain accepts exactly what train accepts.
 """
@@ -27,6 +28,7 @@ from posttrain.config.schema import PostTrainConfig
 from posttrain.data.datasets import first_records
 from posttrain.data.splits import load_splits, task_arguments
 from posttrain.data.tasks import get_task, load_task
+from posttrain.gateway.harness import check_harness
 from posttrain.models.hf import read_model_config
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.models.model_path import check_builtin_choice
@@ -69,6 +71,7 @@ def preflight(
     _check_env_kwargs_against_task(cfg)
     if command in ("train", "explain", "eval"):
         check_multi_turn(cfg)
+        check_harness(cfg)
     if not check_model:
         check_builtin_choice(cfg)  # a built-in model that cannot be used with this data is still an error
     elif model_override and (Path(model_override) / "config.json").exists():

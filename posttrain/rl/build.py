@@ -22,6 +22,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import to_dict
 from posttrain.config.plan import BatchPlan, build_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.harness import harness_enabled
 from posttrain.data.datasets import TokenizedPrompts, tokenize_prompts
 from posttrain.data.sampler import PromptSampler
 from posttrain.data.splits import Splits, load_splits
@@ -47,7 +48,7 @@ from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
 from posttrain.rl.collect.context import RolloutContext
-from posttrain.rl.collect.multi_turn import build_agent_loop
+from posttrain.rl.collect.harness_loop import build_rollout_loop
 from posttrain.rl.collect.validation import validation_params
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
@@ -93,8 +94,11 @@ class Components(RolloutContext):
         return self.parallel[role] if self.parallel else DataParallel()
 
     def close(self) -> None:
-        """The reward runner only: the train command closes the engine after the ranks' last collective."""
+        """The reward runner and the rollout loop (a harness's gateway): the train command closes the engine
+        after the ranks' last collective."""
         self.reward_runner.close()
+        if self.agent is not None:
+            self.agent.close()
 
 
 def _tokenize(
@@ -259,7 +263,7 @@ def build_engine(
         # Multi-turn: a cache as long as a whole trajectory from the start, so no turn outgrows it (which would
         # end the sessions whose prefixes later turns reuse).
         max_model_len=(r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length)
-        if r.multi_turn.enable
+        if r.multi_turn.enable or harness_enabled(cfg.harness)
         else None,
     )
 
@@ -384,7 +388,7 @@ def build_components(
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, dist.device),
         generation_device=dist.device.type,
-        agent=build_agent_loop(cfg, tokenizer, sandbox),
+        agent=build_rollout_loop(cfg, tokenizer, sandbox),
         kl_ctrl=build_kl_controller(cfg),
         forward=forward,
         dist=dist,
@@ -456,6 +460,6 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
         sampler=sampler,
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, device),
-        agent=build_agent_loop(cfg, tokenizer, sandbox),
+        agent=build_rollout_loop(cfg, tokenizer, sandbox),
         generation_device=device.type,
     )

@@ -16,7 +16,7 @@ from posttrain.models.lora import apply_lora
 from posttrain.models.model_path import resolve_model_path
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
-from posttrain.rl.collect.multi_turn import build_agent_loop
+from posttrain.rl.collect.harness_loop import build_rollout_loop
 from posttrain.rl.collect.validation import validate
 from posttrain.rl.eval_report import report_eval, trajectory_summary
 from posttrain.rollout.weights import RolloutWeights
@@ -83,10 +83,14 @@ def _evaluate(cfg: PostTrainConfig, splits, path: Path | None, device) -> dict[s
         engine = build_engine(cfg, model, tokenizer, device, hf_dir)
         # vLLM reads hf_dir; a checkpoint's or an adapter's weights follow (a no-op for the native engine).
         RolloutWeights(cfg, engine).push(model)
-        agent = build_agent_loop(cfg, tokenizer, sandbox)
-        metrics = validate(
-            engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows, agent=agent
-        )
+        agent = build_rollout_loop(cfg, tokenizer, sandbox)
+        try:
+            metrics = validate(
+                engine, tokenizer, prompts, runner, cfg, seed=cfg.trainer.seed, samples=rows, agent=agent
+            )
+        finally:
+            if agent is not None:
+                agent.close()  # a harness's gateway
     if any(
         "messages" in r for r in rows
     ):  # a multi-turn task: success, turns and tool use of the trajectories

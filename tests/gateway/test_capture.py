@@ -141,7 +141,10 @@ def test_the_run_decides_sampling_and_records_what_it_overrode(gateway):
 
 def test_a_passed_deadline_and_an_unknown_session_are_refused(gateway):
     handle = gateway.open_session(
-        sample_id=4, params=SamplingParams(max_tokens=8), max_response_tokens=64, deadline=time.time() - 1
+        sample_id=4,
+        params=SamplingParams(max_tokens=8),
+        max_response_tokens=64,
+        deadline=time.monotonic() - 1,
     )
     with (
         client_for(handle.base_url, handle.api_key) as c,

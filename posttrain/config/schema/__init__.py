@@ -23,6 +23,7 @@ from posttrain.config.schema.algorithm import (
     KLControlConfig,
     RolloutCorrectionConfig,
 )
+from posttrain.config.schema.harness import HarnessConfig
 from posttrain.config.schema.model import DataConfig, ModelConfig
 from posttrain.config.schema.names import ADV_ESTIMATORS, DTYPES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from posttrain.config.schema.rewards import OverlongBufferConfig, RewardConfig, RewardModelConfig
@@ -49,6 +50,7 @@ __all__ = [
     "DataConfig",
     "FSDPConfig",
     "FilterGroupsConfig",
+    "HarnessConfig",
     "KLControlConfig",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -87,4 +89,5 @@ class PostTrainConfig:
     sft: SFTConfig = section(SFTConfig)
     sandbox: SandboxConfig = section(SandboxConfig)
     env: EnvConfig = section(EnvConfig)
+    harness: HarnessConfig = section(HarnessConfig)
     rm: RMConfig = section(RMConfig)

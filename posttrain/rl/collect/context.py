@@ -18,6 +18,7 @@ from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
+from posttrain.rl.collect.harness_loop import HarnessLoop
 from posttrain.rl.collect.multi_turn import AgentLoop
 from posttrain.rollout.base import RolloutEngine
 
@@ -37,12 +38,14 @@ class RolloutContext:
     reward_model: RewardModelScorer | None
     dist: DistContext = DistContext()
     share: DataShare = SINGLE_SHARE
-    agent: AgentLoop | None = None  # multi-turn runs: how trajectories are rolled out
+    agent: AgentLoop | HarnessLoop | None = None  # multi-turn runs: how trajectories are rolled out
     # Where the engine generates, "cpu" or "cuda": reward.score_during_generation=auto reads it.
     generation_device: str = "cpu"
 
     def close(self) -> None:
         self.reward_runner.close()
+        if self.agent is not None:
+            self.agent.close()
         self.engine.close()
 
 

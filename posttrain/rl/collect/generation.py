@@ -22,7 +22,7 @@ from posttrain.rewards.combine import RewardWeights, combine_rewards
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
-from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards
+from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards, score_weights
 from posttrain.rl.collect.validation import CORRECT_THRESHOLD, reward_inputs
 from posttrain.rollout.base import (
     RolloutEngine,
@@ -115,9 +115,9 @@ class Scorer:
             texts = [i.response for i in inputs]
             rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts) if inputs else [])
         scores, parts = combine_rewards(torch.tensor(rewards, dtype=torch.float32), rm, self.weights)
-        scores = scores + torch.tensor(
-            env_rewards(result), dtype=torch.float32
-        )  # multi-turn: the environment's
+        # Multi-turn: the environment's reward adds to the score, or replaces it (a harness's reward).
+        weights = torch.tensor(score_weights(result), dtype=torch.float32)
+        scores = scores * weights + torch.tensor(env_rewards(result), dtype=torch.float32)
         return scores, {**metrics, **parts}
 
 

@@ -36,6 +36,7 @@ class AgentLoop:
     turn_rewards: str = "final"
     eos_token_ids: set[int] = field(default_factory=set)
     tool_names: tuple[str, ...] = ()  # the tools a trajectory may call (their call counts are step metrics)
+    summed_metrics: tuple[str, ...] = ()  # trajectory metrics logged as sums over the step (a harness loop's)
 
     def generate(
         self,
@@ -85,6 +86,9 @@ class AgentLoop:
 
         return on_done
 
+    def close(self) -> None:
+        """Nothing to release: environments close with their trajectories (a harness loop stops its gateway)."""
+
     def drifted(self, traj: Trajectory) -> bool:
         """Whether re-rendering the finished conversation gives other tokens than the trajectory holds."""
         if "env_failures" in traj.metrics:
@@ -96,6 +100,19 @@ class AgentLoop:
 def record_row(record: PromptRecord) -> dict[str, Any]:
     """The row an environment sees: the record's extra fields, its prompt and its ground truth."""
     return {**record.extra, "prompt": record.prompt, "ground_truth": record.ground_truth}
+
+
+# A trajectory metric: 1.0 when its environment's reward replaces the reward function's score (a harness that
+# returned a reward has judged the trajectory itself).
+SCORE_REPLACED = "score_replaced"
+
+
+def score_weights(result: RolloutResult) -> list[float]:
+    """[S] what each sample's reward function (and reward model) score counts for: 0.0 where the environment's
+    reward replaces it (``SCORE_REPLACED``), else 1.0. The score is ``weight * score + env_rewards``."""
+    if result.episodes is None:
+        return [1.0] * len(result)
+    return [0.0 if e.metrics.get(SCORE_REPLACED) else 1.0 for e in result.episodes]
 
 
 def env_rewards(result: RolloutResult) -> list[float]:
@@ -177,11 +194,14 @@ def episode_metrics(
     weight: int,
     tool_names: tuple[str, ...] = (),
     step_keys: tuple[str, ...] | None = None,
+    summed: tuple[str, ...] = (),
 ) -> None:
     """Add the trajectories' numbers (``trajectory_metrics``, under :func:`metric_names`; 0 for what did not
     happen) to ``metrics``: token totals, drifted templates and failed environments as sums over the step
     (``how["sum"]``), extremes as extremes, the rest as means over trajectories (``how["mean"]``; the step
-    metrics ``env/<key>`` among them). ``step_keys``: the step metrics' keys to log (default: the episodes')."""
+    metrics ``env/<key>`` among them). ``step_keys``: the step metrics' keys to log (default: the episodes').
+    ``summed``: more trajectory metrics (``Trajectory.metrics``) logged as sums over the step (the loop's
+    ``summed_metrics``: a harness loop's failures and prefix breaks)."""
     if step_keys is None:
         step_keys = step_metric_keys(episodes)
     computed = trajectory_metrics(episodes)
@@ -197,3 +217,5 @@ def episode_metrics(
             metrics.add({name: value}, how["sum"])
         else:
             metrics.add({name: value}, how["mean"], weight=weight)
+    for name in summed:
+        metrics.add({name: sum(e.metrics.get(name, 0.0) for e in episodes)}, how["sum"])

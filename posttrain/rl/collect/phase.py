@@ -154,7 +154,15 @@ def assemble_rollout(
     if context.agent is not None:  # every rank adds the same names, also one that drew no sample
         gather = context.dist.all_gather_object if context.share.distributed else None
         keys = step_metric_keys(result.episodes or [], gather)  # a collective in a distributed run
-        episode_metrics(result.episodes or [], local, how, weight, context.agent.tool_names, keys)
+        episode_metrics(
+            result.episodes or [],
+            local,
+            how,
+            weight,
+            context.agent.tool_names,
+            keys,
+            context.agent.summed_metrics,
+        )
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
         local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
     if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts

@@ -15,7 +15,7 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.records import PromptRecord
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.rewards.runner import RewardInput, RewardRunner
-from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards
+from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards, score_weights
 from posttrain.rollout.base import RolloutEngine, RolloutResult, SamplingParams
 
 CORRECT_THRESHOLD = 1.0
@@ -121,7 +121,8 @@ def validate(
 
 
 def _generate_and_score(engine, tokenizer, runner, records, ids, params, offset, agent):
-    """(result, reward inputs, rewards) of one validation batch; a trajectory's reward adds the environment's."""
+    """(result, reward inputs, rewards) of one validation batch; a trajectory's reward adds the environment's
+    (or is it: a harness's reward replaces the reward function's score)."""
     if agent is not None:
         rows = list(range(offset, offset + len(records)))
         result = agent.generate(engine, records, params, offset, row_ids=rows)
@@ -129,7 +130,8 @@ def _generate_and_score(engine, tokenizer, runner, records, ids, params, offset,
         result = engine.generate(ids, params, **({"prompt_offset": offset} if offset else {}))
     inputs = reward_inputs([records[p] for p in result.prompt_index], result, tokenizer)
     scores, _ = runner.score(inputs)
-    return result, inputs, [s + env for s, env in zip(scores, env_rewards(result))]
+    weights, env = score_weights(result), env_rewards(result)
+    return result, inputs, [s * w + e for s, w, e in zip(scores, weights, env)]
 
 
 def episode_counts(episode) -> tuple[int, float]:
