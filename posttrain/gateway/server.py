@@ -258,7 +258,7 @@ class Gateway:
 
     def _sessionless(self, req: Any, ids: list[int]) -> tuple[TurnRequest, SamplingParams]:
         s, d = req.sampling, self.default_params
-        self._check_context(ids)
+        self._check_context(ids, "prompt" if isinstance(req, P.CompletionRequest) else "messages")
         limit = s.max_tokens or d.max_tokens
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - len(ids))
@@ -275,10 +275,10 @@ class Gateway:
         self.count("sessionless_calls")
         return TurnRequest(ids=ids, max_tokens=limit, sample_id=sample_id), params
 
-    def _check_context(self, ids: list[int]) -> None:
+    def _check_context(self, ids: list[int], param: str = "messages") -> None:
         if self.max_model_len is not None and len(ids) >= self.max_model_len:
             raise P.bad(
-                "messages",
+                param,
                 f"the prompt is {len(ids)} tokens; the model's context is {self.max_model_len} tokens",
                 code="context_length_exceeded",
             )

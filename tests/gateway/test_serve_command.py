@@ -1,6 +1,7 @@
 """`posttrain serve MODEL_DIR`: the real command in a subprocess, called with the real openai client, stopped by
 SIGTERM; and each refused input (exit code 2, one message, before any weights load)."""
 
+import json
 import os
 import re
 import shutil
@@ -116,6 +117,16 @@ def test_completions_honour_the_request_sampling(client):
     assert seeded.model_extra["token_ids"] == sample(seed=7, temperature=1.5).model_extra["token_ids"]
     assert seeded.model_extra["token_ids"] != sample(seed=8, temperature=1.5).model_extra["token_ids"]
     assert len(sample(max_tokens=2).model_extra["token_ids"]) <= 2
+
+
+def test_a_prompt_over_the_context_is_refused_400_naming_it(client, tiny_model_dir):
+    context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-policy", prompt=[5] * context, max_tokens=2)
+    assert info.value.code == "context_length_exceeded"
+    assert f"prompt: the prompt is {context} tokens; the model's context is {context} tokens" in str(
+        info.value
+    )
 
 
 def test_models_lists_the_served_name(client):
