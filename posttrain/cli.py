@@ -1,4 +1,4 @@
-"""The `posttrain` command line: train, sft, rm, eval, explain, tune.
+"""The `posttrain` command line: train, sft, rm, eval, explain, tune, sandbox serve, serve.
 
 Every subcommand takes optional YAML files and dotted overrides, in any order:
     posttrain train my.yaml actor.ppo_mini_batch_size=16 trainer.total_steps=20
@@ -25,7 +25,7 @@ from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
 from posttrain.parallel.runtime import launched_world_size, select_device
 from posttrain.planning.advice import advise, starting_point
-from posttrain.planning.explain import advice_lines, estimate_table, plan_tree
+from posttrain.planning.explain import advice_lines, estimate_table, explain_json, plan_tree
 from posttrain.planning.keys import key_lines
 from posttrain.planning.memory import Cluster, estimate_memory
 from posttrain.planning.memory_bytes import WhatIf
@@ -39,6 +39,7 @@ from posttrain.rewards.code import CodeReward
 from posttrain.rl.collect.phase import scoring_line
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
+from posttrain.rl.serve_command import add_serve_parser, run_serve, serve_settings
 from posttrain.rl.train_command import run_training
 from posttrain.rm.command import run_rm_command
 from posttrain.sandbox.build import build_sandbox
@@ -120,31 +121,6 @@ def _cluster_shape(args: argparse.Namespace, world: int) -> tuple[int, int]:
     return 1, world
 
 
-def _explain_json(plan, estimate, advice, point) -> dict:
-    """explain --json: the plan's dict with the memory estimate, its advice and the starting point."""
-    out = plan.to_dict()
-    mem = None
-    if estimate is not None:
-        mem = estimate.to_dict()
-        mem["advice"] = {
-            k: {
-                "overrides": a.overrides,
-                "peak_gib": round(a.peak_bytes / 2**30, 3),
-                "fits": a.fits,
-                "reason": a.reason,
-            }
-            for k, a in advice.items()
-        }
-        if point is not None:
-            mem["starting_point"] = {
-                "tier": point.tier,
-                "source": point.source,
-                "overrides": point.overrides,
-            }
-    out["memory_estimate"] = mem
-    return out
-
-
 def explain_rm(args: argparse.Namespace) -> int:
     """`posttrain explain rm [CONFIG ...]`: the plan of a `posttrain rm` run (posttrain.planning.rm_plan)."""
     args.config = args.config[1:]
@@ -180,7 +156,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         advice = advise(cfg, estimate, shape, cluster, what_if)
         point = starting_point(shape) if args.suggest else None
     if args.json:
-        out = _explain_json(plan, estimate, advice, point)
+        out = explain_json(plan, estimate, advice, point)
         out["multi_turn"] = multi_turn_plan(cfg)
         print(json.dumps(out, indent=2, default=repr))
         return 0
@@ -265,6 +241,12 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = serve_settings(args)  # flags, MODEL_DIR and its tokenizer checked before any weights load
+    run_serve(_load(args), settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain", description="RL post-training of LLMs (PPO, GRPO and relatives)."
@@ -311,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(limits, token: docs/sandbox.md).",
         )
     )
+    add_serve_parser(sub, cmd_serve)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The gateway's HTTP server (:class:`Gateway`) and the batcher that feeds the engine.
+"""The gateway's HTTP server (:class:`Gateway`); the engine is fed by :class:`posttrain.gateway.batcher.Batcher`.
 
 Endpoints (each also under ``/s/<session>/v1/...`` for a session opened with :meth:`Gateway.open_session`):
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (session-less only), ``GET /v1/models``. Every request
@@ -12,9 +12,7 @@ Streaming (``stream: true``) answers with server-sent events built after generat
 a content chunk (with the choice's ``token_ids``), a tool-calls chunk, the final chunk with the finish reason,
 the usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``; tokens do not arrive one by one.
 
-Batching: handler threads (one per connection) submit their turn and wait. One engine thread gathers what is
-pending (until no new request has arrived for ``window_s``, at most ``max_wait_s``) and calls the backend once per
-distinct sampling setting; only that thread ever calls the backend, since engines are not thread-safe.
+Batching: see :mod:`posttrain.gateway.batcher` (one engine thread calls the backend).
 
 In a session, sampling is the run's (the session's ``params``); request temperature/top_p/top_k that differ are
 recorded in ``CallRecord.overridden`` (and counted), the request's ``seed`` is ignored. The session-less endpoint
@@ -26,7 +24,6 @@ each call gets a fresh sample id. Nothing is recorded for it but counts.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hmac
 import itertools
 import json
@@ -37,19 +34,18 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from posttrain.agents.driver import Generation
 from posttrain.agents.render import Renderer
 from posttrain.gateway import protocol as P
+from posttrain.gateway import responses as R
+from posttrain.gateway.batcher import Backend, Batcher
 from posttrain.gateway.capture import CallRecord, Session, template_errors
 from posttrain.rollout.base import SamplingParams, TurnRequest
 
 logger = logging.getLogger("posttrain.gateway")
-Backend = Callable[[list[TurnRequest], SamplingParams], list[Generation]]
 _CLOSE_WAIT_S = 30.0  # at close, how long answers being written are waited for
 _LINGER_S = 1.0  # how long a refused client's unread body is read before the connection closes
 _PATH = re.compile(r"(?:/s/([A-Za-z0-9_-]+))?/v1/(chat/completions|completions|models)/?")
@@ -62,94 +58,6 @@ class SessionHandle:
     id: str
     base_url: str
     api_key: str
-
-
-class _Waiter:
-    def __init__(self, request: TurnRequest, params: SamplingParams) -> None:
-        self.request, self.params = request, params
-        self.done = threading.Event()
-        self.result: Generation | None = None
-        self.error: P.ProtocolError | None = None
-
-
-class Batcher:
-    """One engine thread calling ``backend`` with the requests gathered from the handler threads."""
-
-    def __init__(self, backend: Backend, window_s: float = 0.002, max_wait_s: float = 0.02) -> None:
-        self.backend, self.window_s, self.max_wait_s = backend, window_s, max_wait_s
-        self._cond = threading.Condition()
-        self._pending: list[_Waiter] = []
-        self._stopping = False
-        self.calls = 0  # backend calls made
-        self._thread = threading.Thread(target=self._loop, name="gateway-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, request: TurnRequest, params: SamplingParams) -> Generation:
-        """The request's sample; ProtocolError (500/503) when the backend failed or the gateway closed."""
-        waiter = _Waiter(request, params)
-        with self._cond:
-            if self._stopping:
-                raise P.ProtocolError(503, "the gateway is closing")
-            self._pending.append(waiter)
-            self._cond.notify_all()
-        waiter.done.wait()
-        if waiter.error is not None:
-            raise waiter.error
-        assert waiter.result is not None
-        return waiter.result
-
-    def close(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _gather(self) -> list[_Waiter] | None:
-        with self._cond:
-            while not self._pending and not self._stopping:
-                self._cond.wait()
-            end = time.monotonic() + self.max_wait_s
-            while not self._stopping:  # until no new request arrives for window_s (at most max_wait_s)
-                seen, left = len(self._pending), end - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(self.window_s, left))
-                if len(self._pending) == seen:
-                    break
-            batch, self._pending = self._pending, []
-            if self._stopping:
-                for w in batch:
-                    w.error = P.ProtocolError(503, "the gateway closed before this call was served")
-                    w.done.set()
-                return None
-            return batch
-
-    def _loop(self) -> None:
-        while (batch := self._gather()) is not None:
-            groups: dict[SamplingParams, list[_Waiter]] = {}
-            for w in batch:  # max_tokens is per request: it does not split groups
-                groups.setdefault(dataclasses.replace(w.params, max_tokens=1), []).append(w)
-            for key, waiters in groups.items():
-                self._run(key, waiters)
-
-    def _run(self, key: SamplingParams, waiters: list[_Waiter]) -> None:
-        params = dataclasses.replace(key, max_tokens=max(w.request.max_tokens for w in waiters))
-        try:
-            self.calls += 1
-            out = list(self.backend([w.request for w in waiters], params))
-            if len(out) != len(waiters):
-                raise RuntimeError(f"the backend returned {len(out)} generations for {len(waiters)} requests")
-            for w, gen in zip(waiters, out):
-                w.result = gen
-        except Exception as exc:  # answer these calls, keep serving the others
-            logger.exception("gateway: the backend failed on %d requests", len(waiters))
-            for w in waiters:
-                w.error = P.ProtocolError(500, f"the engine failed: {type(exc).__name__}: {exc}")
-        for w in waiters:
-            w.done.set()
 
 
 class _Server(ThreadingHTTPServer):
@@ -308,7 +216,7 @@ class Gateway:
         return session
 
     # ------------------------------------------------------------------ requests
-    def chat(self, session_id: str | None, req: P.ChatRequest) -> P.Completion:
+    def chat(self, session_id: str | None, req: P.ChatRequest) -> R.Completion:
         """Serve one chat request (the handler writes the answer); raises ProtocolError."""
         self.count("ignored_fields", len(req.ignored))
         if session_id is None:
@@ -336,7 +244,7 @@ class Gateway:
             self.count("overridden_params", len(plan.overridden))
         return completion
 
-    def complete(self, req: P.CompletionRequest) -> P.Completion:
+    def complete(self, req: P.CompletionRequest) -> R.Completion:
         """Serve one (legacy) completion request, session-less."""
         self.count("ignored_fields", len(req.ignored))
         prompt = req.prompt
@@ -350,7 +258,7 @@ class Gateway:
 
     def _sessionless(self, req: Any, ids: list[int]) -> tuple[TurnRequest, SamplingParams]:
         s, d = req.sampling, self.default_params
-        self._check_context(ids)
+        self._check_context(ids, "prompt" if isinstance(req, P.CompletionRequest) else "messages")
         limit = s.max_tokens or d.max_tokens
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - len(ids))
@@ -367,10 +275,10 @@ class Gateway:
         self.count("sessionless_calls")
         return TurnRequest(ids=ids, max_tokens=limit, sample_id=sample_id), params
 
-    def _check_context(self, ids: list[int]) -> None:
+    def _check_context(self, ids: list[int], param: str = "messages") -> None:
         if self.max_model_len is not None and len(ids) >= self.max_model_len:
             raise P.bad(
-                "messages",
+                param,
                 f"the prompt is {len(ids)} tokens; the model's context is {self.max_model_len} tokens",
                 code="context_length_exceeded",
             )
@@ -378,16 +286,16 @@ class Gateway:
     def _finish(
         self, req: Any, prompt_ids: list[int], turn: tuple[TurnRequest, SamplingParams], names: list[str],
         tool_choice: Any,
-    ) -> tuple[P.Completion, CallRecord]:  # fmt: skip
+    ) -> tuple[R.Completion, CallRecord]:  # fmt: skip
         request, params = turn
         gen = self.batcher.submit(request, params)
         ids, logprobs = list(gen.ids[: request.max_tokens]), list(gen.logprobs[: request.max_tokens])
-        ids, text, hit = P.apply_stop(self.tokenizer, ids, req.sampling.stop)
+        ids, text, hit = R.apply_stop(self.tokenizer, ids, req.sampling.stop)
         logprobs = logprobs[: len(ids)]
         reason = "stop" if hit else gen.finish_reason
-        content, calls = P.split_tool_calls(text, names, tool_choice)
+        content, calls = R.split_tool_calls(text, names, tool_choice)
         finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
-        completion = P.Completion(self.model_name, prompt_ids, ids, logprobs, text, finish, content, calls)
+        completion = R.Completion(self.model_name, prompt_ids, ids, logprobs, text, finish, content, calls)
         record = CallRecord(prompt_ids, ids, logprobs, reason, False, [], text)
         return completion, record
 
@@ -488,7 +396,7 @@ class _Handler(BaseHTTPRequestHandler):
             except P.ProtocolError as err:
                 self._error(err)
                 return
-            self._send(200, json.dumps(P.models_response(gw.model_name, gw.created)).encode())
+            self._send(200, json.dumps(R.models_response(gw.model_name, gw.created)).encode())
 
     def do_POST(self) -> None:  # noqa: N802
         route = self._route("POST")
@@ -511,17 +419,17 @@ class _Handler(BaseHTTPRequestHandler):
             req = P.parse_completion(body)
             c = gw.complete(req)
             if req.sampling.stream:
-                self._send(200, P.sse(P.completion_chunks(c, gw.tokenizer, req)), "text/event-stream")
+                self._send(200, R.sse(R.completion_chunks(c, gw.tokenizer, req)), "text/event-stream")
             else:
-                payload = P.completion_response(c, gw.tokenizer, req.logprobs_count)
+                payload = R.completion_response(c, gw.tokenizer, req.logprobs_count)
                 self._send(200, json.dumps(payload).encode())
             return
         chat = P.parse_chat(body)
         c, sampling = gw.chat(session_id, chat), chat.sampling
         if sampling.stream:
-            self._send(200, P.sse(P.chat_chunks(c, gw.tokenizer, sampling)), "text/event-stream")
+            self._send(200, R.sse(R.chat_chunks(c, gw.tokenizer, sampling)), "text/event-stream")
         else:
-            self._send(200, json.dumps(P.chat_response(c, gw.tokenizer, sampling)).encode())
+            self._send(200, json.dumps(R.chat_response(c, gw.tokenizer, sampling)).encode())
 
     def _body(self) -> Any:
         gw = self.server.gateway

@@ -290,3 +290,28 @@ def advice_lines(estimate, advice: dict) -> list[str]:
         else:
             lines.append(f"{head}; no config key fixes it: {tail}")
     return lines
+
+
+def explain_json(plan, estimate, advice, point) -> dict:
+    """`posttrain explain --json`: the plan's dict with the memory estimate, its advice and the starting point."""
+    out = plan.to_dict()
+    mem = None
+    if estimate is not None:
+        mem = estimate.to_dict()
+        mem["advice"] = {
+            k: {
+                "overrides": a.overrides,
+                "peak_gib": round(a.peak_bytes / 2**30, 3),
+                "fits": a.fits,
+                "reason": a.reason,
+            }
+            for k, a in advice.items()
+        }
+        if point is not None:
+            mem["starting_point"] = {
+                "tier": point.tier,
+                "source": point.source,
+                "overrides": point.overrides,
+            }
+    out["memory_estimate"] = mem
+    return out

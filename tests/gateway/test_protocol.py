@@ -12,7 +12,7 @@ import pytest
 from posttrain.agents.hermes import tool_call_text
 from posttrain.agents.render import Renderer
 from posttrain.gateway import Gateway
-from posttrain.gateway.protocol import apply_stop, split_tool_calls
+from posttrain.gateway.responses import apply_stop, split_tool_calls
 from posttrain.rollout.base import SamplingParams
 from tests.gateway.support import client_for, scripted_backend
 from tests.gateway.test_server import TOOLS
