@@ -72,7 +72,10 @@ def _explain(argv: list[str]) -> tuple[int, str]:
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")
-        code = main(["explain", "--json", *argv])
+        try:
+            code = main(["explain", "--json", *argv])
+        except SystemExit as exc:  # argparse's own refusal (e.g. `-=x` reads as an option): exit 2, one message
+            code = exc.code
     return code, err.getvalue()
 
 
