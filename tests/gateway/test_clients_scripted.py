@@ -46,7 +46,9 @@ def run_harness(name: str, base_url: str, api_key: str) -> dict:
 def test_the_client_library_runs_a_tool_call_and_answers(tok, name):
     pytest.importorskip(CLIENTS[name])
     with Gateway(scripted_backend(tok, scripted_reply(tok)), tok, max_model_len=4096) as gw:
-        session = gw.open_session(sample_id=0, params=SamplingParams(max_tokens=128), max_response_tokens=1024)
+        session = gw.open_session(
+            sample_id=0, params=SamplingParams(max_tokens=128), max_response_tokens=1024
+        )
         result = run_harness(name, session.base_url, session.api_key)
         records = gw.close_session(session.id)
         metrics = gw.metrics()
