@@ -57,6 +57,7 @@ from rollout_backends import cpu_name  # noqa: E402
 from posttrain.agents.builtin_envs import CalculatorEnv, calculator  # noqa: E402
 from posttrain.agents.driver import Generation, MultiTurnSettings, engine_generate, run_trajectories  # noqa: E402
 from posttrain.config.schema.agents import MultiTurnConfig  # noqa: E402
+from posttrain.gateway import server as server_module  # noqa: E402
 from posttrain.gateway.assemble import assemble  # noqa: E402
 from posttrain.gateway.server import Gateway  # noqa: E402
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
@@ -64,7 +65,9 @@ from posttrain.rollout.base import SamplingParams, TurnRequest  # noqa: E402
 from posttrain.rollout.native.engine import NativeEngine  # noqa: E402
 
 NULL_TEXT = " The quick brown fox jumps over the lazy dog and runs home."
-CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+CALL_TEXT = (
+    '<tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>'  # 64 tiny tokens
+)
 PARAMS = SamplingParams(max_tokens=1, temperature=1.0, seed=7)
 
 
@@ -152,7 +155,9 @@ def http_caller(url: str, key: str, tokens: int):
     return call, conn.close
 
 
-def session_worker(gw: Gateway, ids: Any, rounds: int, args: argparse.Namespace, client: str, out: list) -> None:
+def session_worker(
+    gw: Gateway, ids: Any, rounds: int, args: argparse.Namespace, client: str, out: list
+) -> None:
     """``rounds`` sessions in a row, each ``calls_per_session`` calls; appends (sample id, latencies)."""
     make = openai_caller if client == "openai" else http_caller
     for _ in range(rounds):
@@ -177,7 +182,8 @@ def overhead_run(gw: Gateway, timed: Timed, sessions: int, args: argparse.Namesp
     rounds = max(1, -(-calls // (sessions * args.calls_per_session)))
     ids, out = itertools.count(len(timed.served) + 10_000), []
     threads = [
-        threading.Thread(target=session_worker, args=(gw, ids, rounds, args, client, out)) for _ in range(sessions)
+        threading.Thread(target=session_worker, args=(gw, ids, rounds, args, client, out))
+        for _ in range(sessions)
     ]
     start = time.perf_counter()
     for t in threads:
@@ -198,15 +204,20 @@ def overhead_run(gw: Gateway, timed: Timed, sessions: int, args: argparse.Namesp
 def part1(tok: Any, engine: NativeEngine, args: argparse.Namespace) -> list[dict[str, str]]:
     rows = []
     for backend_name in args.backends.split(","):
-        inner = NullBackend(tok, args.null_tokens) if backend_name == "null" else engine_generate_backend(engine)
+        inner = (
+            NullBackend(tok, args.null_tokens) if backend_name == "null" else engine_generate_backend(engine)
+        )
         timed = Timed(inner)
         with Gateway(timed, tok, max_model_len=engine.max_model_len) as gw:
             for client in args.clients.split(","):
                 for sessions in args.sessions:
                     engine.release_memory()
                     engine.wake_up()
-                    overhead_run(gw, timed, sessions, args, client, sessions * args.calls_per_session)  # warm-up
-                    ov, lat, eng, wall = overhead_run(gw, timed, sessions, args, client, args.calls)
+                    overhead_run(
+                        gw, timed, sessions, args, client, sessions * args.calls_per_session
+                    )  # warm-up
+                    calls = args.calls if backend_name == "null" else args.native_calls
+                    ov, lat, eng, wall = overhead_run(gw, timed, sessions, args, client, calls)
                     rows.append({
                         "backend": backend_name, "client": client, "sessions": str(sessions),
                         "calls": str(len(ov)),
@@ -230,7 +241,10 @@ def engine_generate_backend(engine: NativeEngine):
 
 # ---------------------------------------------------------------------------------------------- part 2
 def calc_rows(n: int) -> list[dict[str, Any]]:
-    return [{"prompt": f"Problem {i}: what is {12 + i % 7} times {34 + i % 5}? Use the calculator."} for i in range(n)]
+    return [
+        {"prompt": f"Problem {i}: what is {12 + i % 7} times {34 + i % 5}? Use the calculator."}
+        for i in range(n)
+    ]
 
 
 def native_run(backend: FirstTurnCalls, tok: Any, rows: list[dict], length: int) -> tuple[float, int, int]:
@@ -299,12 +313,13 @@ def part2(tok: Any, engine: NativeEngine, args: argparse.Namespace) -> list[dict
     with Gateway(backend, tok, max_model_len=engine.max_model_len) as gw:
         for length in args.lengths:
             runs = {
-                "native": lambda: native_run(backend, tok, rows, length),
-                "gateway": lambda: gateway_run(gw, rows, length),
+                "native": lambda n=length: native_run(backend, tok, rows, n),
+                "gateway": lambda n=length: gateway_run(gw, rows, n),
             }
             times: dict[str, list[float]] = {name: [] for name in runs}
             counts = {}
-            for repeat in range(args.repeats + 1):  # the first round warms up
+            first = 0 if length == args.lengths[0] else 1  # one warm-up round, before the first length
+            for repeat in range(first, args.repeats + 1):
                 for name, fn in runs.items():
                     engine.release_memory()
                     engine.wake_up()
@@ -312,7 +327,7 @@ def part2(tok: Any, engine: NativeEngine, args: argparse.Namespace) -> list[dict
                     counts[name] = (tokens, calls)
                     if repeat:
                         times[name].append(seconds)
-                print(f"  part 2, length {length}, round {repeat}: {counts}", file=sys.stderr)
+                print(f"  part 2, length {length}, round {repeat}: {counts} {times}", file=sys.stderr)
             med = {name: statistics.median(t) for name, t in times.items()}
             table.append({
                 "max_response_length": str(length),
@@ -343,30 +358,51 @@ def ints(text: str) -> list[int]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a small run: fewer calls, 16 trajectories, one length")
+    p.add_argument(
+        "--quick", action="store_true", help="a small run: fewer calls, 16 trajectories, one length"
+    )
     p.add_argument("--sessions", type=ints, default=[1, 16, 64], help="concurrent sessions of part 1")
     p.add_argument("--calls", type=int, default=320, help="timed calls per part-1 setting (at least)")
     p.add_argument("--calls-per-session", type=int, default=10, help="calls in a row per session")
-    p.add_argument("--null-tokens", type=int, default=16, help="tokens per call (the null backend returns these)")
+    p.add_argument(
+        "--null-tokens", type=int, default=16, help="tokens per call (the null backend returns these)"
+    )
+    p.add_argument("--native-calls", type=int, default=60, help="timed calls per setting, native backend")
+    p.add_argument(
+        "--nodelay",
+        action="store_true",
+        help="experiment: the server's sockets with TCP_NODELAY (no Nagle delay)",
+    )
     p.add_argument("--backends", default="null,native", help="part-1 backends: null and/or native")
-    p.add_argument("--clients", default="openai,http", help="part-1 clients: openai and/or http (http.client)")
+    p.add_argument(
+        "--clients", default="openai,http", help="part-1 clients: openai and/or http (http.client)"
+    )
     p.add_argument("--trajectories", type=int, default=64, help="part-2 trajectories at once")
-    p.add_argument("--lengths", type=ints, default=[64, 128], help="part-2 max_response_length values")
+    p.add_argument("--lengths", type=ints, default=[128, 256], help="part-2 max_response_length values")
     p.add_argument("--repeats", type=int, default=3, help="part-2 timed runs of each path (alternated)")
     p.add_argument("--parts", default="1,2", help="which parts to run")
     args = p.parse_args()
     if args.quick:
-        args.sessions, args.calls, args.trajectories, args.lengths, args.repeats = [1, 16], 40, 16, [64], 1
+        args.sessions, args.calls, args.native_calls = [1, 16], 40, 20
+        args.trajectories, args.lengths, args.repeats = 16, [128], 1
     return args
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    if (
+        args.nodelay
+    ):  # the experiment of --nodelay: every answer leaves at once instead of after a delayed ACK
+        server_module._Handler.disable_nagle_algorithm = True
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, seed=0).eval()
     engine = NativeEngine(
-        model, [tok.eos_token_id], tok.pad_token_id, max_num_seqs=max(64, args.trajectories), max_model_len=2048
+        model,
+        [tok.eos_token_id],
+        tok.pad_token_id,
+        max_num_seqs=max(64, args.trajectories),
+        max_model_len=2048,
     )
     parts = args.parts.split(",")
     if "1" in parts:
@@ -380,7 +416,8 @@ def main() -> None:
             part2(tok, engine, args),
         )
     print(
-        f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; load average "
+        f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; server TCP_NODELAY {args.nodelay}; "
+        f"load average "
         f"{os.getloadavg()[0]:.1f} at the end."
     )
 
