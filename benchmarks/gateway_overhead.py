@@ -369,9 +369,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--native-calls", type=int, default=60, help="timed calls per setting, native backend")
     p.add_argument(
-        "--nodelay",
+        "--nagle",
         action="store_true",
-        help="experiment: the server's sockets with TCP_NODELAY (no Nagle delay)",
+        help="experiment: the server's sockets with Nagle's algorithm on (as before TCP_NODELAY was set)",
     )
     p.add_argument("--backends", default="null,native", help="part-1 backends: null and/or native")
     p.add_argument(
@@ -391,10 +391,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    if (
-        args.nodelay
-    ):  # the experiment of --nodelay: every answer leaves at once instead of after a delayed ACK
-        server_module._Handler.disable_nagle_algorithm = True
+    if args.nagle:  # the experiment of --nagle: an answer's body waits for the client's delayed ACK
+        server_module._Handler.disable_nagle_algorithm = False
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, seed=0).eval()
     engine = NativeEngine(
@@ -416,7 +414,7 @@ def main() -> None:
             part2(tok, engine, args),
         )
     print(
-        f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; server TCP_NODELAY {args.nodelay}; "
+        f"\nMachine: {cpu_name()}, {os.cpu_count()} logical CPUs, torch threads 1; server TCP_NODELAY {not args.nagle}; "
         f"load average "
         f"{os.getloadavg()[0]:.1f} at the end."
     )

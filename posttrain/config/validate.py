@@ -54,11 +54,12 @@ def check_value(key: str, value: Any) -> None:
 
 def resolve_task_environment(cfg: PostTrainConfig, explicit: set[str]) -> None:
     """A multi-turn task (data.task) implies rollout.multi_turn.enable=true and, when env.path is empty, plays in
-    its environment; ``explicit`` are the keys the user set (an explicit enable=false is an error)."""
+    its environment (unless a harness plays it); ``explicit`` are the keys the user set (an explicit enable=false
+    is an error)."""
     environment = TASK_ENVIRONMENTS.get(cfg.data.task)
     mt = cfg.rollout.multi_turn
-    if environment is None:
-        return
+    if environment is None or harness_enabled(cfg.harness):
+        return  # with a harness the task gives its rows and its reward; the harness plays them, not the environment
     if not mt.enable and "rollout.multi_turn.enable" in explicit:
         raise ConfigError(
             f"rollout.multi_turn.enable=false, but data.task={cfg.data.task} is a multi-turn task (played in the "
@@ -208,8 +209,7 @@ def _check_harness(cfg: PostTrainConfig) -> None:
     if env.path:
         raise ConfigError(
             f"{key}={value!r} with env.path={env.path!r}: a harness runs its own agent loop and environment, so "
-            "posttrain's environment would never be called; drop env.path (or the harness). A multi-turn "
-            f"data.task (now {cfg.data.task!r}) sets env.path itself: pick a single-turn task or data files"
+            "posttrain's environment would never be called; drop env.path (or the harness)"
         )
     if env.kwargs:
         raise ConfigError(

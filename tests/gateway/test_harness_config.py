@@ -26,6 +26,12 @@ def test_a_harness_loads_with_defaults(here):
     assert cfg.harness.on_prefix_break == "last" and cfg.harness.host == "127.0.0.1" and cfg.harness.port == 0
 
 
+@pytest.mark.parametrize("task", ["calculator", "guess_number"])
+def test_a_multi_turn_task_gives_a_harness_its_rows_and_not_its_environment(here, task):
+    cfg = build_config(overrides=["harness.path=h.py:agent", f"data.task={task}"])
+    assert cfg.env.path == "" and not cfg.rollout.multi_turn.enable
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -37,7 +43,6 @@ def test_a_harness_loads_with_defaults(here):
             ["env.path=guess_number"],
             "harness.path='h.py:agent' with env.path='guess_number': .* drop env.path",
         ),
-        (["data.task=guess_number"], "with env.path='guess_number'.* A multi-turn data.task"),
         (["rollout.multi_turn.enable=true"], "with rollout.multi_turn.enable=true: a harness is its own"),
         (["env.kwargs.level=2"], r"with env.kwargs=\{'level': 2\}: a harness has no posttrain environment"),
         (
