@@ -135,7 +135,8 @@ def calculator_rows(path):
 
 def tool_calls_on_even_samples(monkeypatch):
     """The native engine, with the first turn of every even sample replaced by a calculator call (see the module
-    docstring); each scripted id's log-prob is -0.5."""
+    docstring); each scripted id's log-prob is -0.5. Every other call ends without eos (finish "stop", as a stop
+    token other than eos ends a turn): both loops then close the turn with the eos the template ends it with."""
     tok = build_tiny_tokenizer()
     real = NativeEngine.generate_turns
 
@@ -144,9 +145,10 @@ def tool_calls_on_even_samples(monkeypatch):
         for k, r in enumerate(requests):
             if r.position == 0 and r.sample_id % 2 == 0:
                 text = tool_call_text("calculator", {"expression": f"{r.sample_id + 3} * 7"})
-                ids = (tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[: r.max_tokens]
+                eos = [tok.eos_token_id] if r.sample_id % 4 == 0 else []
+                ids = (tok(text, add_special_tokens=False)["input_ids"] + eos)[: r.max_tokens]
                 out.response_ids[k], out.response_logprobs[k] = ids, [-0.5] * len(ids)
-                out.finish_reasons[k] = "eos" if len(ids) < r.max_tokens else "length"
+                out.finish_reasons[k] = ("eos" if eos else "stop") if len(ids) < r.max_tokens else "length"
         return out
 
     monkeypatch.setattr(NativeEngine, "generate_turns", generate_turns)
@@ -199,7 +201,8 @@ def test_a_harness_trains_exactly_what_the_native_loop_trains(tiny_model_dir, tm
 
     a, b = samples(native_results), samples(harness_results)
     assert len(a) == len(b) == 16
-    assert any(turns > 1 for *_, turns in a), "no trajectory called the tool"
+    called = {sample: turns for sample, *_, turns in a if turns > 1}
+    assert {s % 4 for s in called} == {0, 2}, "no trajectory called the tool, with and without eos"
     for (*x, x_logprobs, x_turns), (*y, y_logprobs, y_turns) in zip(a, b):
         assert x == y and x_turns == y_turns  # sample id, prompt, response ids, mask: exactly
         assert x_logprobs == pytest.approx(
