@@ -11,9 +11,24 @@ from posttrain.gateway.assemble import (
     assemble,
     segments,
 )
-from tests.gateway.records import record
+from posttrain.gateway.capture import CallRecord
 
 USER = [{"role": "user", "content": "hi"}]
+
+
+def record(prompt, completion, extends=False, finish_reason="eos", messages=(), text="", overridden=()):
+    """A CallRecord whose log-probs are -0.1 * (k + 1) per completion id k."""
+    logprobs = [-0.1 * (k + 1) for k in range(len(completion))]
+    return CallRecord(
+        list(prompt),
+        list(completion),
+        logprobs,
+        finish_reason,
+        extends,
+        list(messages),
+        text,
+        list(overridden),
+    )
 
 
 def test_an_appending_chain_is_one_trajectory_in_the_native_layout():

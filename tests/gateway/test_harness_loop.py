@@ -1,25 +1,19 @@
-"""HarnessLoop: harness rollouts with the real openai client and the real native engine, behind the agent loop's
-interface. The server here is StandInGateway, a small stand-in that follows the gateway's contract (server.py's
-Gateway, which replaces it at merge): prompts rendered whole, one engine call per request."""
+"""HarnessLoop: harness rollouts with the real openai client, the real gateway (posttrain.gateway.server.Gateway)
+and the real native engine, behind the agent loop's interface."""
 
-import json
-import secrets
 import sys
-import threading
 import time
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
 
-from posttrain.agents.render import Renderer
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.schema.harness import HarnessConfig
 from posttrain.data.records import PromptRecord
 from posttrain.gateway.assemble import PREFIX_BREAKS
 from posttrain.gateway.harness import CallableHarness, CommandHarness, HarnessFailure
+from posttrain.gateway.server import Gateway
 from posttrain.models.tiny import build_tiny_model
 from posttrain.parallel.shares import MEAN, SUM, ShareMetrics
 from posttrain.rewards.runner import RewardRunner
@@ -29,110 +23,9 @@ from posttrain.rl.collect.multi_turn import env_rewards, episode_metrics, score_
 from posttrain.rl.collect.validation import _generate_and_score
 from posttrain.rl.eval_command import run_eval_command
 from posttrain.rl.train_command import run_training
-from posttrain.rollout.base import SamplingParams, TurnRequest
+from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
-from tests.gateway.records import StandInCallRecord
 from tests.helpers import read_metrics, small_config
-
-
-@dataclass
-class SessionHandle:
-    id: str
-    base_url: str
-    api_key: str
-
-
-class StandInGateway:
-    """Stand-in for posttrain.gateway.server.Gateway (same constructor, context manager, sessions, records):
-    POST /s/<id>/v1/chat/completions only, no streaming, a prompt rendered whole each call."""
-
-    def __init__(self, backend, tokenizer, *, host="127.0.0.1", port=0, api_key=None, **_contract_rest):
-        self.backend, self.tokenizer, self.api_key = backend, tokenizer, api_key or secrets.token_urlsafe(8)
-        self.sessions, self.closed, self.lock, self.address = {}, set(), threading.Lock(), (host, port)
-
-    def __enter__(self):
-        gateway = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                status, answer = gateway.answer(
-                    self.path, self.headers.get("Authorization"), json.loads(body)
-                )
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(self.address, Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-
-    def open_session(self, *, sample_id, params, max_response_tokens, max_tokens_per_turn=0, deadline=None):
-        sid = f"t{sample_id}-{secrets.token_hex(2)}"
-        self.sessions[sid] = dict(sample_id=sample_id, params=params, budget=max_response_tokens, records=[])
-        host, port = self.server.server_address[:2]
-        return SessionHandle(sid, f"http://{host}:{port}/s/{sid}/v1", self.api_key)
-
-    def close_session(self, session_id):
-        self.closed.add(session_id)
-        return self.sessions[session_id]["records"]
-
-    def metrics(self):
-        return {}
-
-    def prompt(self, records, messages):
-        """The contract's rule: the previous call's messages, the answer it got, then new messages -> the chain,
-        the eos the template closes the turn with, the new messages' ids; anything else is rendered whole."""
-        renderer, prev = Renderer(self.tokenizer), (records or [None])[-1]
-        k = len(prev.messages) if prev else 0
-        if (
-            prev
-            and messages[:k] == prev.messages
-            and messages[k : k + 1] == [{"role": "assistant", "content": prev.text}]
-        ):
-            eos = [] if prev.completion_ids[-1:] == [renderer.eos_id] else [renderer.eos_id]
-            return prev.prompt_ids + prev.completion_ids + eos + renderer.new_message_ids(messages[k + 1 :])
-        return renderer.prompt_ids(messages)
-
-    def answer(self, path, auth, body):
-        if auth != f"Bearer {self.api_key}":
-            return 401, {"error": {"message": "bad key", "type": "auth", "param": None, "code": None}}
-        sid = path.split("/")[2]
-        if sid in self.closed:
-            return 400, {
-                "error": {"message": "session closed", "type": "invalid", "param": None, "code": None}
-            }
-        s, messages = self.sessions[sid], body["messages"]
-        prompt, prev = self.prompt(s["records"], messages), (s["records"] or [None])[-1]
-        chain = prev.prompt_ids + prev.completion_ids if prev else []
-        extends = bool(prev) and prompt[: len(chain)] == chain
-        position = len(prompt) - len(s["records"][0].prompt_ids) if extends else 0
-        limit = min(body.get("max_tokens") or 10**9, s["budget"] - position)
-        request = TurnRequest(prompt, limit, s["sample_id"], position, s["sample_id"])
-        with self.lock:
-            gen = self.backend([request], s["params"])[0]
-        text = self.tokenizer.decode(gen.ids, skip_special_tokens=True)
-        s["records"].append(
-            StandInCallRecord(prompt, gen.ids, gen.logprobs, gen.finish_reason, extends, messages, text)
-        )
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-        return 200, {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "policy",
-            "choices": [choice],
-        }
 
 
 def chat(base_url, api_key, messages):
@@ -165,7 +58,7 @@ def engine(tok):
 
 def loop(tok, fn, **settings) -> HarnessLoop:
     harness = fn if isinstance(fn, CommandHarness) else CallableHarness(fn, fn.__name__)
-    gateway = lambda backend: StandInGateway(backend, tok)  # noqa: E731
+    gateway = lambda backend: Gateway(backend, tok)  # noqa: E731
     return HarnessLoop(harness, HarnessConfig(**settings), tok, 64, 0, gateway, {tok.eos_token_id})
 
 
@@ -264,7 +157,7 @@ def test_a_closed_loop_starts_a_new_gateway_and_a_finished_session_refuses_calls
 
     agents = loop(tok, remember)
     agents.generate(engine, RECORDS[:1], ONE)
-    with pytest.raises(openai.BadRequestError, match="session closed"):
+    with pytest.raises(openai.BadRequestError, match="is closed; open a new one"):
         chat(*urls[0], [{"role": "user", "content": "late"}])
     agents.close()
     assert agents._gateway is None
@@ -275,9 +168,6 @@ def test_a_closed_loop_starts_a_new_gateway_and_a_finished_session_refuses_calls
 def test_the_builder_picks_the_harness_loop(tok, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "h.py").write_text("def agent(row, base_url, api_key):\n    return None\n")
-    monkeypatch.setattr(
-        harness_loop, "Gateway", StandInGateway
-    )  # the real one arrives with the server module
     cfg = build_config(overrides=["harness.path=h.py:agent", "rollout.multi_turn.max_tokens_per_turn=8"])
     built = build_rollout_loop(cfg, tok)
     assert isinstance(built, HarnessLoop) and built.max_tokens_per_turn == 8
@@ -312,17 +202,17 @@ def agent(row, base_url, api_key):
     messages = [{"role": "user", "content": row["prompt"]}]
     for _ in range(2):
         reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
-        messages += [{"role": "user", "content": "Go on."}]
-    return {"reward": float(len(reply.choices[0].message.content) % 2), "metrics": {"calls": 2}}
+        text = reply.choices[0].message.content or ""  # None when the model sampled no text (as vLLM's)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+    return {"reward": float(len(text) % 2), "metrics": {"calls": 2}}
 """
 
 
 def counted_gateway(monkeypatch) -> list[str]:
-    """The stand-in as the run's gateway; returns the list its starts and stops are written to."""
+    """The run's gateway, counted; returns the list its starts and stops are written to."""
     served = []
 
-    class Counted(StandInGateway):
+    class Counted(Gateway):
         def __enter__(self):
             served.append("open")
             return super().__enter__()
