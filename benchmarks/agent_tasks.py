@@ -129,6 +129,15 @@ def run(cmd: list[str], log: Path) -> float:
     return time.monotonic() - start
 
 
+def through_harness(grpo: list[str], harness: str) -> list[str]:
+    """The GRPO options with the agent loop replaced by ``harness`` (file.py:function) behind the gateway. Its
+    tools' schemas stay out of the prompt (harness.render_tools=false), as the task's environment leaves them
+    out: the warm start never saw them."""
+    own_loop = ("rollout.multi_turn.enable=", "rollout.multi_turn.max_assistant_turns=", "env.")
+    kept = [o for o in grpo if not o.startswith(own_loop)]
+    return [*kept, f"harness.path={harness}", "harness.render_tools=false", "harness.max_concurrent=128"]
+
+
 def commands(task: str, out: Path, args) -> list[tuple[str, list[str]]]:
     py = sys.executable
     demos = out / "demos.jsonl"
@@ -136,6 +145,9 @@ def commands(task: str, out: Path, args) -> list[tuple[str, list[str]]]:
     rate = [] if DEMO_RATE[task] is None else [f"--rate={DEMO_RATE[task]}"]
     demo_options = [f"--option={k}={v}" for k, v in TASK_OPTIONS[task].items()]
     grpo_options = [f"data.task_options.{k}={v}" for k, v in TASK_OPTIONS[task].items()]
+    grpo = [*COMMON_GRPO, *GRPO[task]]
+    if args.harness:
+        grpo = through_harness(grpo, args.harness)
     return [
         ("demos", [py, "examples/agents/make_demos.py", task, str(demos), f"--n={sft_steps * 32}", *rate,
                    *demo_options, f"--n-train={N_TRAIN[task]}", f"--seed={args.seed}"]),
@@ -146,7 +158,7 @@ def commands(task: str, out: Path, args) -> list[tuple[str, list[str]]]:
         ),
         (
             "grpo",
-            [py, "-m", "posttrain", "train", *COMMON_GRPO, *GRPO[task], f"data.task={task}", *grpo_options,
+            [py, "-m", "posttrain", "train", *grpo, f"data.task={task}", *grpo_options,
              f"data.num_train_examples={N_TRAIN[task]}",
              f"model.path={out / 'sft' / 'sft_model'}", f"trainer.total_steps={args.grpo_steps or GRPO_STEPS[task]}",
              f"trainer.test_freq={args.test_freq}", f"trainer.seed={args.seed}", f"trainer.run_dir={out / 'grpo'}"],
@@ -188,12 +200,29 @@ def main() -> None:
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--harness",
+        default="",
+        help="roll out GRPO through this harness (file.py:function) behind the gateway instead of posttrain's agent "
+        "loop, e.g. examples/agents/openai_calculator_agent.py:run",
+    )
+    parser.add_argument(
+        "--sft-from",
+        type=Path,
+        default=None,
+        help="reuse this run directory's SFT warm start (skip demos and SFT)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="run directory (default: a new one under /tmp)"
     )
     args = parser.parse_args()
     out = args.out or Path(f"/tmp/agent_tasks_{args.task}_{os.getpid()}")
     out.mkdir(parents=True, exist_ok=True)
-    for name, cmd in commands(args.task, out, args):
+    steps = commands(args.task, out, args)
+    if args.sft_from:  # the same warm start for a side-by-side run: link it instead of training it again
+        if not (out / "sft").exists():
+            (out / "sft").symlink_to(args.sft_from.resolve() / "sft")
+        steps = steps[2:]
+    for name, cmd in steps:
         print(f"{name}: {' '.join(cmd)}", flush=True)
         print(f"  {run(cmd, out / f'{name}.log'):.0f} s", flush=True)
     points = curve(out / "grpo" / "metrics.jsonl")

@@ -125,5 +125,7 @@ def assemble(
         PREFIX_BREAKS: float(breaks),
         DROPPED_TOKENS: float(dropped),
         OVERRIDDEN: float(sum(len(r.overridden) for r in records)),
+        # the tool calls the gateway returned (all segments): the native loop's count, for tool-call rates
+        "tool_calls": float(sum(r.tool_calls for r in records)),
     }
     return Assembled(traj, breaks, dropped)

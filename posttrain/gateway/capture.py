@@ -64,6 +64,7 @@ class CallRecord:
     messages: list[dict]  # the request's messages as received
     text: str  # the completion's text as returned to the client (before tool-call parsing)
     overridden: list[str] = field(default_factory=list)  # request sampling params the run overrode
+    tool_calls: int = 0  # the tool calls the answer returned (parsed out of ``text``)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Session:
         max_response_tokens: int,
         max_tokens_per_turn: int = 0,
         deadline: float | None = None,
+        render_tools: bool = True,
     ) -> None:
         self.id = session_id
         self.sample_id = sample_id
@@ -122,6 +124,7 @@ class Session:
         self.max_response_tokens = max_response_tokens
         self.max_tokens_per_turn = max_tokens_per_turn
         self.deadline = deadline
+        self.render_tools = render_tools
         self.lock = threading.Lock()  # held for a whole call: a session's calls are served in turn
         self.records: list[CallRecord] = []
         self.closed = False
@@ -137,7 +140,9 @@ class Session:
             raise bad("session", f"session {self.id} is closed; open a new one", code="session_closed")
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise bad("session", f"session {self.id}'s deadline has passed", code="deadline_exceeded")
-        renderer = Renderer(tokenizer, tools=req.tools)
+        # render_tools=False: the declared tools are still read out of the answers (responses.py), but their
+        # schemas stay out of the prompt, for a model that learned its tools' format in training.
+        renderer = Renderer(tokenizer, tools=req.tools if self.render_tools else None)
         tools = json.dumps(req.tools, sort_keys=True)
         ids = self._extension(req, renderer, tools)
         extends = ids is not None

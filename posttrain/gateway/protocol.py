@@ -29,15 +29,34 @@ from typing import Any
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IGNORED = frozenset(
     {
-        "user", "metadata", "store", "parallel_tool_calls", "service_tier", "reasoning_effort", "modalities",
-        "prompt_cache_key", "safety_identifier", "verbosity", "return_token_ids",
+        "user",
+        "metadata",
+        "store",
+        "parallel_tool_calls",
+        "service_tier",
+        "reasoning_effort",
+        "modalities",
+        "prompt_cache_key",
+        "safety_identifier",
+        "verbosity",
+        "return_token_ids",
     }
-)  # fmt: skip
+)
 _ZERO_ONLY = ("presence_penalty", "frequency_penalty")
 _SAMPLING = (
-    "model", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "stop", "n", "logprobs",
-    "stream", "stream_options", "seed",
-)  # fmt: skip
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "n",
+    "logprobs",
+    "stream",
+    "stream_options",
+    "seed",
+)
 CHAT_FIELDS = frozenset({"messages", "tools", "tool_choice", "top_logprobs", "logit_bias", "response_format"})
 CHAT_FIELDS = CHAT_FIELDS | set(_SAMPLING) | set(_ZERO_ONLY) | IGNORED
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "suffix", "best_of", "logit_bias"}) | set(_SAMPLING)

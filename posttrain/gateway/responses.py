@@ -107,9 +107,14 @@ def chat_response(c: Completion, tokenizer: Any, sampling: Sampling) -> dict[str
         "token_ids": c.ids,
     }
     return {
-        "id": c.id, "object": "chat.completion", "created": c.created, "model": c.model,
-        "choices": [choice], "usage": c.usage(), "prompt_token_ids": c.prompt_ids,
-    }  # fmt: skip
+        "id": c.id,
+        "object": "chat.completion",
+        "created": c.created,
+        "model": c.model,
+        "choices": [choice],
+        "usage": c.usage(),
+        "prompt_token_ids": c.prompt_ids,
+    }
 
 
 def chat_chunks(c: Completion, tokenizer: Any, sampling: Sampling) -> list[dict[str, Any]]:
@@ -153,12 +158,22 @@ def completion_response(c: Completion, tokenizer: Any, count: int | None) -> dic
             "text_offset": offsets,
         }
     choice = {
-        "index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-        "prompt_token_ids": c.prompt_ids, "token_ids": c.ids,
-    }  # fmt: skip
+        "index": 0,
+        "text": c.text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "prompt_token_ids": c.prompt_ids,
+        "token_ids": c.ids,
+    }
     cid = c.id.replace("chatcmpl-", "cmpl-")
-    return {"id": cid, "object": "text_completion", "created": c.created, "model": c.model,
-            "choices": [choice], "usage": c.usage()}  # fmt: skip
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": c.created,
+        "model": c.model,
+        "choices": [choice],
+        "usage": c.usage(),
+    }
 
 
 def completion_chunks(c: Completion, tokenizer: Any, req: CompletionRequest) -> list[dict[str, Any]]:
@@ -172,8 +187,9 @@ def completion_chunks(c: Completion, tokenizer: Any, req: CompletionRequest) -> 
     }
     out = [first, last]
     if req.sampling.include_usage:
-        out.append({**{k: first[k] for k in ("id", "object", "created", "model")}, "choices": [],
-                    "usage": c.usage()})  # fmt: skip
+        out.append(
+            {**{k: first[k] for k in ("id", "object", "created", "model")}, "choices": [], "usage": c.usage()}
+        )
     return out
 
 

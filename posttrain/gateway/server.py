@@ -160,9 +160,11 @@ class Gateway:
         max_response_tokens: int,
         max_tokens_per_turn: int = 0,
         deadline: float | None = None,
+        render_tools: bool = True,
     ) -> SessionHandle:
         """A session for one trajectory (see ``posttrain.gateway.capture``); ``deadline``: a ``time.monotonic()``
-        after which its calls are refused."""
+        after which its calls are refused; ``render_tools=False``: the requests' tool schemas are not rendered
+        into the prompt (their calls are still parsed)."""
         for name, value, low in (
             ("max_response_tokens", max_response_tokens, 1),
             ("max_tokens_per_turn", max_tokens_per_turn, 0),
@@ -172,9 +174,14 @@ class Gateway:
                 raise ValueError(f"open_session: {name}={value!r} must be an integer >= {low}")
         sid = secrets.token_hex(8)
         session = Session(
-            sid, sample_id=sample_id, params=params, max_response_tokens=max_response_tokens,
-            max_tokens_per_turn=max_tokens_per_turn, deadline=deadline,
-        )  # fmt: skip
+            sid,
+            sample_id=sample_id,
+            params=params,
+            max_response_tokens=max_response_tokens,
+            max_tokens_per_turn=max_tokens_per_turn,
+            deadline=deadline,
+            render_tools=render_tools,
+        )
         with self._lock:
             self._sessions[sid] = session
         return SessionHandle(sid, f"{self.root_url}/s/{sid}/v1", self.api_key)
@@ -230,9 +237,12 @@ class Gateway:
             with template_errors():
                 plan = session.plan(req, self.tokenizer, self.max_model_len)
             turn = TurnRequest(
-                ids=plan.prompt_ids, max_tokens=plan.max_tokens, sample_id=session.sample_id,
-                position=plan.noise_position, session=session.sample_id,
-            )  # fmt: skip
+                ids=plan.prompt_ids,
+                max_tokens=plan.max_tokens,
+                sample_id=session.sample_id,
+                position=plan.noise_position,
+                session=session.sample_id,
+            )
             completion, record = self._finish(
                 req, plan.prompt_ids, (turn, session.params), req.tool_names, req.tool_choice
             )
@@ -284,9 +294,13 @@ class Gateway:
             )
 
     def _finish(
-        self, req: Any, prompt_ids: list[int], turn: tuple[TurnRequest, SamplingParams], names: list[str],
+        self,
+        req: Any,
+        prompt_ids: list[int],
+        turn: tuple[TurnRequest, SamplingParams],
+        names: list[str],
         tool_choice: Any,
-    ) -> tuple[R.Completion, CallRecord]:  # fmt: skip
+    ) -> tuple[R.Completion, CallRecord]:
         request, params = turn
         gen = self.batcher.submit(request, params)
         ids, logprobs = list(gen.ids[: request.max_tokens]), list(gen.logprobs[: request.max_tokens])
@@ -296,7 +310,7 @@ class Gateway:
         content, calls = R.split_tool_calls(text, names, tool_choice)
         finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
         completion = R.Completion(self.model_name, prompt_ids, ids, logprobs, text, finish, content, calls)
-        record = CallRecord(prompt_ids, ids, logprobs, reason, False, [], text)
+        record = CallRecord(prompt_ids, ids, logprobs, reason, False, [], text, tool_calls=len(calls))
         return completion, record
 
 
@@ -376,8 +390,13 @@ class _Handler(BaseHTTPRequestHandler):
         gw.count("requests")
         sent = str(self.headers.get("Authorization", "")).encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(sent, f"Bearer {gw.api_key}".encode()):
-            self._error(P.ProtocolError(401, "send the header `Authorization: Bearer <api key>` with this "
-                                        "gateway's key", code="invalid_api_key"))  # fmt: skip
+            self._error(
+                P.ProtocolError(
+                    401,
+                    "send the header `Authorization: Bearer <api key>` with this gateway's key",
+                    code="invalid_api_key",
+                )
+            )
             return None
         match = _PATH.fullmatch(self.path.split("?", 1)[0])
         if match is None:

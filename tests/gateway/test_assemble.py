@@ -102,3 +102,9 @@ def test_a_trajectory_past_the_budget_is_cut():
 def test_overridden_params_are_counted():
     calls = [record([1], [2], overridden=["temperature", "top_p"]), record([1, 2, 3], [4], True)]
     assert assemble(calls, "last", 100).trajectory.metrics[OVERRIDDEN] == 2.0
+
+
+def test_the_tool_calls_the_gateway_returned_are_the_trajectorys_tool_call_count():
+    first, second = record([1], [2]), record([1, 2, 3], [4], True)
+    first.tool_calls, second.tool_calls = 2, 0
+    assert assemble([first, second], "last", 100).trajectory.metrics["tool_calls"] == 2.0

@@ -173,3 +173,18 @@ def test_a_repeated_call_draws_fresh_noise(gateway):
     a, b = gateway.close_session(handle.id)
     assert a.prompt_ids == b.prompt_ids and not b.extends_previous
     assert a.completion_ids != b.completion_ids
+
+
+def test_render_tools_false_keeps_the_schemas_out_of_the_prompt_and_still_reads_the_calls(tok):
+    """harness.render_tools=false: the prompt is the messages alone (as the built-in calculator environment's
+    show_schemas=False renders it), and the declared tool's call still comes back as a tool call."""
+    reply = lambda request: tool_call_text("add", {"a": 1, "b": 2})  # noqa: E731
+    params = SamplingParams(max_tokens=64)
+    with Gateway(scripted_backend(tok, reply), tok) as gw:
+        handle = gw.open_session(sample_id=0, params=params, max_response_tokens=256, render_tools=False)
+        with client_for(handle.base_url, handle.api_key) as c:
+            r = c.chat.completions.create(model="policy", messages=USER, tools=TOOLS)
+        (record,) = gw.close_session(handle.id)
+    assert record.prompt_ids == Renderer(tok).prompt_ids(USER)
+    assert len(record.prompt_ids) < len(Renderer(tok, tools=TOOLS).prompt_ids(USER))
+    assert r.choices[0].message.tool_calls[0].function.name == "add" and record.tool_calls == 1

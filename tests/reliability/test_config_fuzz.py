@@ -74,8 +74,8 @@ def _explain(argv: list[str]) -> tuple[int, str]:
         warnings.simplefilter("ignore")
         try:
             code = main(["explain", "--json", *argv])
-        except SystemExit as exc:  # argparse's own refusal (e.g. `-=x` reads as an option): exit 2, one message
-            code = exc.code
+        except SystemExit as exc:
+            code = exc.code  # argparse's own refusal (e.g. `-=x` reads as an option): exit 2, one message
     return code, err.getvalue()
 
 

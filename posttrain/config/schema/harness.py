@@ -51,6 +51,13 @@ class HarnessConfig:
         "prefix_break.",
         choices=PREFIX_BREAK_POLICIES,
     )
+    render_tools: bool = knob(
+        True,
+        "Render the tools a request declares into the prompt with the chat template (as an OpenAI server "
+        "does). false: their calls are still read out of the answers, but the schemas stay out of the prompt, "
+        "for a model that learned its tools' format in training (the built-in calculator warm start: the "
+        "schema block is over 500 tokens of the tiny tokenizer).",
+    )
     host: str = knob("127.0.0.1", "Interface the endpoint listens on (loopback by default).")
     port: int = knob(0, "Port the endpoint listens on; 0: a free port chosen at start.", min=0, max=65535)
     max_request_bytes: int = knob(

@@ -182,6 +182,7 @@ class HarnessLoop:
             max_response_tokens=self.max_response_length,
             max_tokens_per_turn=self.max_tokens_per_turn,
             deadline=time.monotonic() + timeout,
+            render_tools=self.settings.render_tools,
         )
         where = f"row {name} (sample {sample_id})"
         try:
