@@ -149,21 +149,54 @@ def commands(task: str, out: Path, args) -> list[tuple[str, list[str]]]:
     if args.harness:
         grpo = through_harness(grpo, args.harness)
     return [
-        ("demos", [py, "examples/agents/make_demos.py", task, str(demos), f"--n={sft_steps * 32}", *rate,
-                   *demo_options, f"--n-train={N_TRAIN[task]}", f"--seed={args.seed}"]),
+        (
+            "demos",
+            [
+                py,
+                "examples/agents/make_demos.py",
+                task,
+                str(demos),
+                f"--n={sft_steps * 32}",
+                *rate,
+                *demo_options,
+                f"--n-train={N_TRAIN[task]}",
+                f"--seed={args.seed}",
+            ],
+        ),
         (
             "sft",
-            [py, "-m", "posttrain", "sft", *COMMON_SFT, *SFT[task], f"sft.train_files=[{demos}]",
-             f"sft.max_steps={sft_steps}", f"trainer.seed={args.seed}", f"trainer.run_dir={out / 'sft'}"],
+            [
+                py,
+                "-m",
+                "posttrain",
+                "sft",
+                *COMMON_SFT,
+                *SFT[task],
+                f"sft.train_files=[{demos}]",
+                f"sft.max_steps={sft_steps}",
+                f"trainer.seed={args.seed}",
+                f"trainer.run_dir={out / 'sft'}",
+            ],
         ),
         (
             "grpo",
-            [py, "-m", "posttrain", "train", *grpo, f"data.task={task}", *grpo_options,
-             f"data.num_train_examples={N_TRAIN[task]}",
-             f"model.path={out / 'sft' / 'sft_model'}", f"trainer.total_steps={args.grpo_steps or GRPO_STEPS[task]}",
-             f"trainer.test_freq={args.test_freq}", f"trainer.seed={args.seed}", f"trainer.run_dir={out / 'grpo'}"],
+            [
+                py,
+                "-m",
+                "posttrain",
+                "train",
+                *grpo,
+                f"data.task={task}",
+                *grpo_options,
+                f"data.num_train_examples={N_TRAIN[task]}",
+                f"model.path={out / 'sft' / 'sft_model'}",
+                f"trainer.total_steps={args.grpo_steps or GRPO_STEPS[task]}",
+                f"trainer.test_freq={args.test_freq}",
+                f"trainer.seed={args.seed}",
+                f"trainer.run_dir={out / 'grpo'}",
+            ],
         ),
-    ]  # fmt: skip
+    ]
 
 
 def _first(row: dict, *names: str) -> float | None:

@@ -80,8 +80,10 @@ class NullBackend:
         self.ids = list(itertools.islice(itertools.cycle(base), n))
 
     def __call__(self, requests: list[TurnRequest], params: SamplingParams) -> list[Generation]:
-        return [Generation(self.ids[: r.max_tokens], [-1.0] * min(len(self.ids), r.max_tokens), "length")
-                for r in requests]  # fmt: skip
+        return [
+            Generation(self.ids[: r.max_tokens], [-1.0] * min(len(self.ids), r.max_tokens), "length")
+            for r in requests
+        ]
 
 
 class Timed:
@@ -170,8 +172,10 @@ def session_worker(
             start = time.perf_counter()
             reply = call(messages)
             latencies.append(time.perf_counter() - start)
-            messages += [{"role": "assistant", "content": reply.get("content") or ""},
-                         {"role": "user", "content": f"Go on ({k})."}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": reply.get("content") or ""},
+                {"role": "user", "content": f"Go on ({k})."},
+            ]
         close()
         gw.close_session(handle.id)
         out.append((sample_id, latencies))
@@ -218,16 +222,20 @@ def part1(tok: Any, engine: NativeEngine, args: argparse.Namespace) -> list[dict
                     )  # warm-up
                     calls = args.calls if backend_name == "null" else args.native_calls
                     ov, lat, eng, wall = overhead_run(gw, timed, sessions, args, client, calls)
-                    rows.append({
-                        "backend": backend_name, "client": client, "sessions": str(sessions),
-                        "calls": str(len(ov)),
-                        "overhead p50 ms": f"{percentile(ov, 0.5) * 1e3:.2f}",
-                        "overhead p95 ms": f"{percentile(ov, 0.95) * 1e3:.2f}",
-                        "latency p50 ms": f"{percentile(lat, 0.5) * 1e3:.2f}",
-                        "engine p50 ms": f"{percentile(eng, 0.5) * 1e3:.2f}",
-                        "overhead share": f"{sum(ov) / sum(lat):.0%}",
-                        "calls/s": f"{len(ov) / wall:.0f}",
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "backend": backend_name,
+                            "client": client,
+                            "sessions": str(sessions),
+                            "calls": str(len(ov)),
+                            "overhead p50 ms": f"{percentile(ov, 0.5) * 1e3:.2f}",
+                            "overhead p95 ms": f"{percentile(ov, 0.95) * 1e3:.2f}",
+                            "latency p50 ms": f"{percentile(lat, 0.5) * 1e3:.2f}",
+                            "engine p50 ms": f"{percentile(eng, 0.5) * 1e3:.2f}",
+                            "overhead share": f"{sum(ov) / sum(lat):.0%}",
+                            "calls/s": f"{len(ov) / wall:.0f}",
+                        }
+                    )
                     print(f"  part 1: {rows[-1]}", file=sys.stderr)
     return rows
 
@@ -329,16 +337,18 @@ def part2(tok: Any, engine: NativeEngine, args: argparse.Namespace) -> list[dict
                         times[name].append(seconds)
                 print(f"  part 2, length {length}, round {repeat}: {counts} {times}", file=sys.stderr)
             med = {name: statistics.median(t) for name, t in times.items()}
-            table.append({
-                "max_response_length": str(length),
-                "response tokens native / gateway": f"{counts['native'][0]} / {counts['gateway'][0]}",
-                "model calls native / gateway": f"{counts['native'][1]} / {counts['gateway'][1]}",
-                "native traj/s": f"{len(rows) / med['native']:.1f}",
-                "gateway traj/s": f"{len(rows) / med['gateway']:.1f}",
-                "gateway time / native": f"{med['gateway'] / med['native']:.2f}",
-                "runs (s) native": " ".join(f"{t:.2f}" for t in times["native"]),
-                "runs (s) gateway": " ".join(f"{t:.2f}" for t in times["gateway"]),
-            })  # fmt: skip
+            table.append(
+                {
+                    "max_response_length": str(length),
+                    "response tokens native / gateway": f"{counts['native'][0]} / {counts['gateway'][0]}",
+                    "model calls native / gateway": f"{counts['native'][1]} / {counts['gateway'][1]}",
+                    "native traj/s": f"{len(rows) / med['native']:.1f}",
+                    "gateway traj/s": f"{len(rows) / med['gateway']:.1f}",
+                    "gateway time / native": f"{med['gateway'] / med['native']:.2f}",
+                    "runs (s) native": " ".join(f"{t:.2f}" for t in times["native"]),
+                    "runs (s) gateway": " ".join(f"{t:.2f}" for t in times["gateway"]),
+                }
+            )
     return table
 
 

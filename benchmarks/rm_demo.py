@@ -72,9 +72,10 @@ def reward_model_start(args, run_dir: Path) -> str:
         return args.model
     seconds = run(["sft", *SFT, f"trainer.run_dir={run_dir / 'sft'}", "trainer.loggers=[jsonl]"])
     val = [r for r in read_metrics(run_dir / "sft" / "metrics.jsonl") if "val/accuracy" in r]
-    print(f"SFT start: {seconds:.0f} s, held-out greedy accuracy " + " / ".join(
-        f"{r['val/accuracy']:.3f} (step {r['step']})" for r in val
-    ))  # fmt: skip
+    print(
+        f"SFT start: {seconds:.0f} s, held-out greedy accuracy "
+        + " / ".join(f"{r['val/accuracy']:.3f} (step {r['step']})" for r in val)
+    )
     return str(run_dir / "sft" / "sft_model")
 
 
@@ -83,11 +84,17 @@ def train_reward_model(args, run_dir: Path) -> Path:
     write_pairs([str(pairs), "--kind", args.kind, "--per-problem", str(args.per_problem)])
     start = reward_model_start(args, run_dir)
     argv = [
-        "rm", f"model.path={start}", f"trainer.run_dir={run_dir / 'rm'}",
-        f"data.train_files=[{pairs / 'train.jsonl'}]", f"data.val_files=[{pairs / 'val.jsonl'}]",
-        *RM, f"rm.max_steps={args.steps}", f"rm.optim.lr={args.lr}", f"trainer.test_freq={args.rm_test_freq}",
+        "rm",
+        f"model.path={start}",
+        f"trainer.run_dir={run_dir / 'rm'}",
+        f"data.train_files=[{pairs / 'train.jsonl'}]",
+        f"data.val_files=[{pairs / 'val.jsonl'}]",
+        *RM,
+        f"rm.max_steps={args.steps}",
+        f"rm.optim.lr={args.lr}",
+        f"trainer.test_freq={args.rm_test_freq}",
         "trainer.loggers=[jsonl]",
-    ]  # fmt: skip
+    ]
     seconds = run(argv)
     print(f"{'step':>5} {'val acc':>8} {'margin':>8} {'mean':>8} {'std':>8}")
     for row in read_metrics(run_dir / "rm" / "metrics.jsonl"):
@@ -103,9 +110,12 @@ def train_reward_model(args, run_dir: Path) -> Path:
 def grpo(args, run_dir: Path, reward_model: Path | None) -> list[dict]:
     """GRPO on builtin:tiny, on the reward model alone (or on the rule when ``reward_model`` is None)."""
     argv = [
-        "train", f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.grpo_steps}",
-        f"trainer.test_freq={args.test_freq}", "trainer.loggers=[jsonl]",
-    ]  # fmt: skip
+        "train",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.total_steps={args.grpo_steps}",
+        f"trainer.test_freq={args.test_freq}",
+        "trainer.loggers=[jsonl]",
+    ]
     if reward_model is not None:
         argv += ["reward.model.enable=true", f"reward.model.path={reward_model}", "reward.rule_weight=0"]
     print(f"{args.grpo_steps} GRPO steps in {run(argv):.0f} s")

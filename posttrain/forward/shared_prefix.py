@@ -155,18 +155,29 @@ def shared_prefix_attention(
         response_mask = response_mask & (_response_distance(plan) < sliding_window)[:, None]
     outs = [
         F.scaled_dot_product_attention(
-            _gather(q, p), _gather(k, p), _gather(v, p), attn_mask=prompt_mask,
-            is_causal=prompt_mask is None, scale=scaling, dropout_p=dropout, enable_gqa=gqa,
+            _gather(q, p),
+            _gather(k, p),
+            _gather(v, p),
+            attn_mask=prompt_mask,
+            is_causal=prompt_mask is None,
+            scale=scaling,
+            dropout_p=dropout,
+            enable_gqa=gqa,
         )
-    ]  # fmt: skip
+    ]
     if plan.response_tokens.shape[0]:
         keys = plan.response_keys
         outs.append(
             F.scaled_dot_product_attention(
-                _gather(q, plan.response_tokens), _gather(k, keys), _gather(v, keys),
-                attn_mask=response_mask, scale=scaling, dropout_p=dropout, enable_gqa=gqa,
+                _gather(q, plan.response_tokens),
+                _gather(k, keys),
+                _gather(v, keys),
+                attn_mask=response_mask,
+                scale=scaling,
+                dropout_p=dropout,
+                enable_gqa=gqa,
             )
-        )  # fmt: skip
+        )
     out = torch.cat([_flat(o) for o in outs]).index_select(0, plan.output_index)
     return out[None]
 

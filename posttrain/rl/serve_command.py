@@ -173,16 +173,26 @@ def run_serve(cfg: PostTrainConfig, s: ServeSettings) -> None:
     max_model_len = context_length(cfg, s.model_dir)
     cfg = apply_values(cfg, {"rollout.max_model_len": max_model_len})  # the vLLM engine's length too
     defaults = SamplingParams(
-        max_tokens=max_model_len, temperature=cfg.rollout.temperature or 1.0,
-        greedy=cfg.rollout.temperature == 0, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        max_tokens=max_model_len,
+        temperature=cfg.rollout.temperature or 1.0,
+        greedy=cfg.rollout.temperature == 0,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
         seed=cfg.trainer.seed,
-    )  # fmt: skip
+    )
     backend = _EngineBackend()
     try:
         gw = Gateway(
-            backend, s.tokenizer, model_name=s.model_name, host=s.host, port=s.port, api_key=s.api_key,
-            max_request_bytes=s.max_request_bytes, max_model_len=max_model_len, default_params=defaults,
-        )  # fmt: skip
+            backend,
+            s.tokenizer,
+            model_name=s.model_name,
+            host=s.host,
+            port=s.port,
+            api_key=s.api_key,
+            max_request_bytes=s.max_request_bytes,
+            max_model_len=max_model_len,
+            default_params=defaults,
+        )
     except OSError as exc:  # the port is taken, the host is not this machine's
         raise ConfigError(
             f"cannot listen on --host {s.host} --port {s.port}: {exc.strerror or exc}; choose a free --port "
