@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -126,6 +127,13 @@ class RunGroup:
             _remove(path)
 
 
+def _kill_members(path: Path) -> None:
+    """SIGKILL every process in the group at ``path`` (its owner is dead: nothing in it is anyone's run)."""
+    for pid in _read(path / "cgroup.procs").split():
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -149,7 +157,8 @@ def _remove(path: Path, timeout_s: float = 2.0) -> None:
 
 
 def sweep() -> int:
-    """Remove the groups of sandboxes whose process is gone (a caller killed mid-run); how many."""
+    """Remove the groups of sandboxes whose process is gone (a caller killed mid-run), killing what they still
+    hold first (a caller killed while bwrap was starting left bwrap waiting for a child that was gone); how many."""
     parents = _parents()
     if parents is None:
         return 0
@@ -158,6 +167,7 @@ def sweep() -> int:
         for path in parent.glob(PREFIX + "*"):
             owner = path.name[len(PREFIX) :].split("-", 1)[0]
             if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-                _remove(path, timeout_s=0.1)
+                _kill_members(path)
+                _remove(path, timeout_s=0.5)
                 removed += not path.exists()
     return removed

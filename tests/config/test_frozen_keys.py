@@ -78,7 +78,7 @@ rollout.multi_turn.max_tool_response_length rollout.multi_turn.tool_response_tru
 rollout.multi_turn.tool_config_path rollout.multi_turn.format rollout.multi_turn.turn_rewards
 rollout.multi_turn.env_timeout_s rollout.multi_turn.max_env_failures env.path env.kwargs
 harness.path harness.command harness.timeout_s harness.max_failures harness.max_concurrent
-harness.on_prefix_break harness.host harness.port harness.max_request_bytes
+harness.on_prefix_break harness.render_tools harness.host harness.port harness.max_request_bytes
 """.split()
 
 

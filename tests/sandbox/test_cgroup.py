@@ -140,3 +140,23 @@ def test_a_group_left_by_a_killed_caller_is_swept(box, tmp_path):
     assert any(f"{cgroup.PREFIX}{pid}-" in g for g in _our_groups())
     assert cgroup.sweep() >= 1
     assert not any(f"{cgroup.PREFIX}{pid}-" in g for g in _our_groups())
+
+
+def test_a_dead_callers_group_that_still_holds_a_process_is_emptied_and_removed():
+    """A caller killed while bwrap was starting left bwrap waiting forever for a child that was gone, in the
+    caller's group: the sweep kills what such a group holds, then removes it."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now: the group's owner is dead
+    parent = next(iter(cgroup._parents().values()))
+    group = parent / f"{cgroup.PREFIX}{gone.pid}-0"
+    group.mkdir()
+    stray = subprocess.Popen(["sleep", "300"])
+    try:
+        (group / "cgroup.procs").write_text(str(stray.pid))
+        assert cgroup.sweep() >= 1
+        assert stray.wait(timeout=10) == -9 and not group.exists()
+    finally:
+        stray.kill()
+        stray.wait()
+        if group.exists():  # a group whose processes are dead can be removed
+            group.rmdir()
