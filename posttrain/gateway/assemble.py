@@ -34,10 +34,7 @@ class AssemblyFailure(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind
-
-    def __reduce__(self):  # pickled whole (a rank's failure crossing processes), kind included
-        return type(self), (self.kind, str(self))
+        self.kind = kind  # caught where it is raised (harness_loop makes it a HarnessFailure): never pickled
 
 
 @dataclass
