@@ -10,13 +10,17 @@ from transformers import Qwen2Config
 
 from posttrain.agents.demos import demonstrations, write_jsonl
 from posttrain.agents.driver import Generation, MultiTurnSettings
+from posttrain.algorithms.aggregation import LossNormalizer
 from posttrain.config.load import build_config
+from posttrain.config.schema import ActorConfig
 from posttrain.config.schema.agents import MultiTurnConfig
 from posttrain.data.records import PromptRecord
 from posttrain.rl import train_command as rl
+from posttrain.rl.collect.generation import Scored, scored_batch
 from posttrain.rl.train_command import run_training
 from posttrain.sft.command import run_sft_command
 from posttrain.train.checkpoint import list_checkpoints
+from posttrain.train.losses import actor_loss_fn
 
 
 def tiny_qwen2_config(vocab_size: int, **overrides) -> Qwen2Config:
@@ -340,3 +344,35 @@ def vowels(prompt, response, ground_truth, extra):
     return sum(ch in "aeiou" for ch in response) / max(len(response), 1)
 """
 """A reward a tiny random model learns within ten GRPO steps (more vowels), for end-to-end engine tests."""
+
+
+def response_logit_grads(model, result, pad_token_id: int):
+    """The gradient of a random-advantage actor loss (KL and entropy on) on ``model``'s logits at each response
+    position of ``result``'s samples: (batch, grad [B, R, V], tokens the loss normaliser counted). The proof that
+    tokens with response_mask 0 (environment or template tokens) get exactly zero gradient."""
+    batch = scored_batch(Scored(result, torch.ones(len(result))), [], pad_token_id, None, True)
+    mask = batch.response_mask
+    batch.old_log_probs = batch.ref_log_probs = batch.rollout_log_probs
+    batch.advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    captured = {}
+
+    def keep_logits(module, inputs, output):
+        output.retain_grad()
+        captured["logits"] = output
+
+    handle = model.lm_head.register_forward_hook(keep_logits)
+    cfg = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+    tokens = float(mask.sum())
+    loss_fn = actor_loss_fn(model, cfg, temperature=1.0)
+    loss, _ = loss_fn(batch, LossNormalizer(tokens, float((mask.sum(-1) > 0).sum()), float(mask.shape[1])))
+    loss.backward()
+    handle.remove()
+    width_p = batch.input_ids.shape[1] - mask.shape[1]
+    grad = captured["logits"].grad
+    if grad.dim() == 3:  # [B, T, V]: keep the rows that predict response tokens
+        grad = grad[:, width_p - 1 : -1]
+    return (
+        batch,
+        grad.reshape(*mask.shape, -1),
+        tokens,
+    )  # the policy forward may narrow the head to the response

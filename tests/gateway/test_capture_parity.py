@@ -10,8 +10,6 @@ import openai
 import torch
 
 from posttrain.agents.render import Renderer
-from posttrain.algorithms.aggregation import LossNormalizer
-from posttrain.config.schema import ActorConfig
 from posttrain.config.schema.harness import HarnessConfig
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
@@ -22,8 +20,8 @@ from posttrain.models.hf import load_causal_lm
 from posttrain.rl.collect.generation import Scored, scored_batch
 from posttrain.rl.collect.harness_loop import HarnessLoop
 from posttrain.rollout.base import SamplingParams
-from posttrain.train.losses import actor_loss_fn
 from tests.gateway.support import make_engine
+from tests.helpers import response_logit_grads
 
 RECORDS = [PromptRecord("What is 2+2?", "4"), PromptRecord("Name a colour.", "red")]
 PARAMS = SamplingParams(max_tokens=40, n=3, seed=11)
@@ -119,28 +117,10 @@ def test_trainer_log_probs_match_the_engine_on_every_captured_call(model, tok):
 def test_template_tokens_get_zero_gradient(tiny_model_dir, tok):
     model = load_causal_lm(tiny_model_dir).float()  # its own copy: a hook is added to it
     result, _ = harness_run(model, tok, three_turns)
-    batch = scored_batch(Scored(result, torch.ones(len(result))), [], tok.pad_token_id, None, True)
+    batch, grad, _ = response_logit_grads(model, result, tok.pad_token_id)
     mask = batch.response_mask
     assert (mask == 0).any()
-    batch.old_log_probs = batch.ref_log_probs = batch.rollout_log_probs
-    batch.advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
-    captured = {}
-
-    def keep_logits(module, inputs, output):
-        output.retain_grad()
-        captured["logits"] = output
-
-    model.lm_head.register_forward_hook(keep_logits)
-    cfg = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
-    loss_fn = actor_loss_fn(model, cfg, temperature=1.0)
-    tokens = float(mask.sum())
-    loss, _ = loss_fn(batch, LossNormalizer(tokens, float((mask.sum(-1) > 0).sum()), float(mask.shape[1])))
-    loss.backward()
     width_p = batch.input_ids.shape[1] - mask.shape[1]
-    grad = captured["logits"].grad
-    if grad.dim() == 3:  # [B, T, V]: keep the rows that predict response tokens
-        grad = grad[:, width_p - 1 : -1]
-    grad = grad.reshape(*mask.shape, -1)
     template = (mask == 0) & (batch.attention_mask[:, width_p:] == 1)
     assert template.any() and torch.all(grad[template] == 0)
     assert grad[mask == 1].abs().sum() > 0

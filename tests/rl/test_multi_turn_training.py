@@ -14,8 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.agents.builtin_envs import GuessNumberEnv
-from posttrain.algorithms.aggregation import LossNormalizer
-from posttrain.config.schema import ActorConfig
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
 from posttrain.models.hf import load_causal_lm
@@ -25,8 +23,7 @@ from posttrain.rl.collect.multi_turn import AgentLoop, episode_metrics
 from posttrain.rl.train_command import run_training
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native.engine import NativeEngine
-from posttrain.train.losses import actor_loss_fn
-from tests.helpers import multi_turn_settings, read_metrics, small_config
+from tests.helpers import multi_turn_settings, read_metrics, response_logit_grads, small_config
 
 MULTI_TURN = ["rollout.multi_turn.enable=true"]
 GUESS = [*MULTI_TURN, "env.path=guess_number", "env.kwargs.max_turns=3", "data.max_response_length=24"]
@@ -72,28 +69,9 @@ def test_environment_tokens_are_context_with_zero_gradient(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir).float()
     result = guess_trajectories(model, tokenizer)
     assert any(0 in m for m in result.trainable_mask), "no trajectory got an environment reply"
-    batch = scored_batch(Scored(result, torch.ones(len(result))), [], tokenizer.pad_token_id, None, True)
+    batch, grad, tokens = response_logit_grads(model, result, tokenizer.pad_token_id)
     mask = batch.response_mask
-    batch.old_log_probs = batch.rollout_log_probs
-    batch.advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
-    batch.ref_log_probs = batch.rollout_log_probs
-    captured = {}
-
-    def keep_logits(module, inputs, output):
-        output.retain_grad()
-        captured["logits"] = output
-
-    model.lm_head.register_forward_hook(keep_logits)
-    cfg = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
-    tokens = float(mask.sum())
-    loss_fn = actor_loss_fn(model, cfg, temperature=1.0)
-    loss, _ = loss_fn(batch, LossNormalizer(tokens, float((mask.sum(-1) > 0).sum()), float(mask.shape[1])))
-    loss.backward()
     width_p = batch.input_ids.shape[1] - mask.shape[1]
-    grad = captured["logits"].grad
-    if grad.dim() == 3:  # [B, T, V]: keep the rows that predict response tokens
-        grad = grad[:, width_p - 1 : -1]
-    grad = grad.reshape(*mask.shape, -1)  # the policy forward may narrow the head to the response rows
     env = (mask == 0) & (batch.attention_mask[:, width_p:] == 1)
     assert env.any() and torch.all(grad[env] == 0)
     assert grad[mask == 1].abs().sum() > 0
