@@ -176,7 +176,8 @@ async def run_harness(
         return await _run_command(harness, row, base_url, api_key, timeout_s, where)
     try:
         if inspect.iscoroutinefunction(harness.fn):
-            value = await asyncio.wait_for(harness.fn(dict(row), base_url, api_key), timeout_s)
+            with _signal_handlers_kept():  # it runs on this (the main) thread, where signal.signal works
+                value = await asyncio.wait_for(harness.fn(dict(row), base_url, api_key), timeout_s)
         else:
             value = await asyncio.wait_for(_in_thread(harness.fn, dict(row), base_url, api_key), timeout_s)
             if inspect.isawaitable(value):  # a sync function that returned a coroutine
@@ -186,6 +187,23 @@ async def run_harness(
     except Exception as exc:
         raise HarnessFailure("raised", f"{where} raised {exc!r}") from exc
     return parse_result(value, where)
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """Puts back the run's SIGINT and SIGTERM handlers after a harness call. Agent libraries may install their own
+    (a verifiers environment does, in its constructor: teardown, then exit), which would replace posttrain's
+    (stop the run, saying what it left) and, under pytest-xdist, a worker's; only the main thread can set them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if signal.getsignal(sig) is not handler and handler is not None:
+                signal.signal(sig, handler)
 
 
 def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:

@@ -3,6 +3,7 @@ with its message; loading a harness names the key on a missing file, function or
 
 import asyncio
 import pickle
+import signal
 import sys
 import time
 
@@ -82,6 +83,20 @@ def test_an_async_callable_is_awaited():
         return 0.25
 
     assert run(CallableHarness(fn, "f")).reward == 0.25
+
+
+def test_an_async_callable_that_installs_signal_handlers_does_not_keep_them():
+    """An agent library may set SIGINT/SIGTERM handlers when it builds its environment (verifiers does): the run's
+    own are back after the call, so a signal still stops the run as posttrain says (and an xdist worker stops)."""
+
+    async def fn(row, base_url, api_key):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return 1.0
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    assert run(CallableHarness(fn, "f")).reward == 1.0
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_callable_failures():

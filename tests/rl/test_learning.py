@@ -4,6 +4,8 @@ These run the real default (`posttrain train` with no arguments) with fewer step
 also builds and caches the warm-started built-in model, so this file takes a few minutes.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -14,8 +16,10 @@ from posttrain.utils.metrics import read_metrics
 
 @pytest.fixture
 def two_threads():
+    """Both cores for the run, unless pytest-xdist runs another test beside it on the other one: two processes of
+    two threads each on two busy cores spin-wait (README: OMP_NUM_THREADS=1)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     yield
     torch.set_num_threads(before)
 
