@@ -28,6 +28,15 @@ EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
 SAID = {signal.SIGTERM: "terminated (SIGTERM); ", signal.SIGINT: "interrupted; "}
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_in_a_shell():
+    """Ctrl-C's handler as a command started from a shell has it (KeyboardInterrupt): a pytest-xdist worker starts
+    with SIGINT ignored, which posttrain leaves as it finds it (a process started ignoring SIGINT keeps ignoring it)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _signal_self(signum: int = signal.SIGTERM):
     def send(*args, **kwargs):
         os.kill(os.getpid(), signum)
