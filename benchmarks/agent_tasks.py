@@ -260,7 +260,9 @@ def main() -> None:
         if not (out / "sft").exists():
             (out / "sft").symlink_to(warm)
         elif (out / "sft").resolve() != warm:
-            raise SystemExit(f"--out {out} holds another warm start (sft/) than --sft-from's; name a new directory")
+            raise SystemExit(
+                f"--out {out} holds another warm start (sft/) than --sft-from's; name a new directory"
+            )
         steps = steps[2:]
     for name, cmd in steps:
         print(f"{name}: {' '.join(cmd)}", flush=True)
