@@ -178,6 +178,33 @@ def check_schema_matches(fn: Callable[..., Any], schema: Any, where: str) -> Non
         raise ConfigError(
             f"{where}: 'required' names {undeclared}, which 'properties' does not declare; {fix}"
         )
+    _check_types_match(fn, props, where, fix)
+
+
+def _check_types_match(fn: Callable[..., Any], props: dict[str, Any], where: str, fix: str) -> None:
+    """A schema type the function's hint contradicts (``integer`` for a ``str``) makes every call fail: the
+    arguments are checked against the schema, then the function gets a value of a type it does not expect."""
+    hints = typing.get_type_hints(fn)
+    for name, prop in props.items():
+        declared = prop.get("type") if isinstance(prop, dict) else None
+        if name not in hints or declared is None:
+            continue
+        try:
+            expected = _json_type(hints[name], where).get("type")
+        except ConfigError:  # a hint without a JSON type (a class of the user's): nothing to compare
+            continue
+        declared_types = declared if isinstance(declared, list) else [declared]
+        fits = {expected, "integer"} if expected == "number" else {expected}  # an int is a valid float
+        if expected is not None and not fits & set(declared_types) - {"null"}:
+            raise ConfigError(
+                f"{where}: the schema declares parameter {name!r} as type {declared!r} but the function's hint is "
+                f"{_hint_name(hints[name])} (JSON type {expected!r}); the model's arguments follow the schema, so "
+                f"every call would pass the function a value of the wrong type; {fix}, or change the hint"
+            )
+
+
+def _hint_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else repr(hint)
 
 
 def make_tool(
