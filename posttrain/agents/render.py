@@ -129,7 +129,9 @@ def truncate_text_to_tokens(
         budget -= 1  # a cut inside a character re-encodes to more tokens: give one up and retry
 
 
-def truncate_tool_output(tokenizer: Any, text: str, max_tokens: int, side: str = "middle") -> tuple[str, str | None]:
+def truncate_tool_output(
+    tokenizer: Any, text: str, max_tokens: int, side: str = "middle"
+) -> tuple[str, str | None]:
     """A tool's output within ``max_tokens`` tokens, and a note of what was cut (None: kept whole).
 
     The text is first cut in characters to what ``max_tokens`` tokens can possibly cover (each token covers at most

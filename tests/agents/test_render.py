@@ -2,7 +2,12 @@
 
 import pytest
 
-from posttrain.agents.render import Renderer, TemplateDriftError, truncate_text_to_tokens, truncate_tool_output
+from posttrain.agents.render import (
+    Renderer,
+    TemplateDriftError,
+    truncate_text_to_tokens,
+    truncate_tool_output,
+)
 from posttrain.models.tiny import build_tiny_tokenizer
 
 TOOLS = [

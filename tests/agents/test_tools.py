@@ -154,6 +154,9 @@ def test_a_schema_type_the_hint_accepts_is_kept(prop):
 
     schema = {
         "type": "function",
-        "function": {"name": "scale", "parameters": {"type": "object", "properties": {"x": prop}, "required": ["x"]}},
+        "function": {
+            "name": "scale",
+            "parameters": {"type": "object", "properties": {"x": prop}, "required": ["x"]},
+        },
     }
     assert make_tool(scale, schema=schema).schema == schema
