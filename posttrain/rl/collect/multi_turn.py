@@ -15,6 +15,7 @@ from typing import Any
 from posttrain.agents.build import EnvFactory, environment_factory
 from posttrain.agents.check import sample_environment
 from posttrain.agents.driver import MultiTurnSettings, engine_generate, run_trajectories
+from posttrain.agents.env_call import EnvironmentFailure
 from posttrain.agents.hermes import FAILURE_KINDS
 from posttrain.agents.render import Renderer
 from posttrain.agents.trajectory import STEP_METRIC_PREFIX, Trajectory, trajectory_metrics
@@ -95,6 +96,21 @@ class AgentLoop:
             return False
         renderer = Renderer(self.tokenizer, tools=traj.tools)
         return renderer.drift(traj.messages, traj.prompt_ids + traj.response_ids).drifted
+
+
+def check_not_all_failed(episodes: list[Trajectory], max_env_failures: int) -> None:
+    """EnvironmentFailure when every trajectory of the step failed in its environment: each is kept untrained
+    (within ``rollout.multi_turn.max_env_failures``), so no token is left to train on (the update failed later
+    with "response_mask selects no token")."""
+    failed = [e for e in episodes if e.metrics.get("env_failures")]
+    if not episodes or len(failed) < len(episodes):
+        return
+    first = next((t for t in failed[0].truncations if t.startswith("environment failure: ")), "")
+    raise EnvironmentFailure(
+        f"every trajectory of the step ({len(episodes)}) failed in its environment, so no token is left to train "
+        f"on (rollout.multi_turn.max_env_failures={max_env_failures} kept them untrained); the first: "
+        f"{first.removeprefix('environment failure: ')}"
+    )
 
 
 def record_row(record: PromptRecord) -> dict[str, Any]:
