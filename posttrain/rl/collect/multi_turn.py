@@ -173,7 +173,7 @@ def build_agent_loop(
     settings = MultiTurnSettings(mt, cfg.data.max_response_length)
     # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
     sample = sample_environment(cfg, sandbox)
-    tools = tuple(t["function"]["name"] for t in sample.tool_schemas() or [])
+    tools = tuple(sample.tool_names())  # listed in the prompt or not
     sample.close()
     eos = {tokenizer.eos_token_id}
     return AgentLoop(environment_factory(cfg, sandbox), tokenizer, settings, mt.turn_rewards, eos, tools)
@@ -201,6 +201,20 @@ def step_metric_keys(
     if gather is not None:
         keys = sorted({key for part in gather(keys) for key in part})
     return tuple(keys)
+
+
+def logged_tool_names(
+    known: tuple[str, ...],
+    episodes: list[Trajectory],
+    gather: Callable[[list[str]], list[list[str]]] | None = None,
+) -> tuple[str, ...]:
+    """The tools whose call counts a step logs: the loop's ``known`` ones and any other a trajectory called (a
+    SkyRL environment's tools are known only once a row has made it), on any rank (``gather``, as
+    :func:`step_metric_keys`)."""
+    called = sorted({k.split("/", 1)[1] for e in episodes for k in e.metrics if k.startswith("tool_calls/")})
+    if gather is not None:
+        called = sorted({name for part in gather(called) for name in part})
+    return known + tuple(name for name in called if name not in known)
 
 
 def episode_metrics(
