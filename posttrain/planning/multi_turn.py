@@ -13,6 +13,7 @@ from posttrain.agents.build import SKYRL, load_tools, resolve_env
 from posttrain.agents.check import sample_environment
 from posttrain.agents.render import Renderer
 from posttrain.agents.tools import ToolSet
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.schema.harness import harness_enabled
 from posttrain.config.schema.names import TASK_ENVIRONMENTS
@@ -41,7 +42,9 @@ def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
     return {
         "implied_by_task": cfg.data.task if cfg.data.task in TASK_ENVIRONMENTS else None,
         "tool_block_tokens": block,
-        "max_sequence_tokens": cfg.data.max_prompt_length + block + cfg.data.max_response_length,
+        "max_sequence_tokens": None
+        if block is None
+        else cfg.data.max_prompt_length + block + cfg.data.max_response_length,
         "warnings": budget_warnings(cfg),
         "max_assistant_turns": mt.max_assistant_turns,
         "max_user_turns": mt.max_user_turns,
@@ -55,12 +58,16 @@ def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
     }
 
 
-def tool_block_tokens(cfg: PostTrainConfig, schemas: list[dict[str, Any]]) -> int:
-    """How many tokens the chat template's tool schema block adds to every prompt (0: no tools listed). The
-    data's prompt length limit does not see it: the block is rendered with the prompt, per trajectory."""
+def tool_block_tokens(cfg: PostTrainConfig, schemas: list[dict[str, Any]]) -> int | None:
+    """How many tokens the chat template's tool schema block adds to every prompt (0: no tools listed; None:
+    unknown, the model's tokenizer is not here, as with `explain --model-config`). The data's prompt length
+    limit does not see it: the block is rendered with the prompt, per trajectory."""
     if not schemas:
         return 0
-    tokenizer = run_tokenizer(cfg)
+    try:
+        tokenizer = run_tokenizer(cfg)
+    except (ConfigError, OSError):  # no model directory here: explain plans without it
+        return None
     if not getattr(tokenizer, "chat_template", None):
         return 0
     probe = [{"role": "user", "content": "hi"}]
@@ -126,6 +133,11 @@ def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
             f"prompt: the tool schema block adds {plan['tool_block_tokens']} tokens to every prompt, beyond "
             f"data.max_prompt_length={p}: sequences reach {plan['max_sequence_tokens']} tokens ({p} prompt + "
             f"{plan['tool_block_tokens']} tool schemas + {r} response)"
+        )
+    elif plan["tool_block_tokens"] is None:
+        budget.add(
+            "prompt: the tool schema block adds tokens to every prompt, beyond data.max_prompt_length (how many "
+            "needs the model's tokenizer, which is not here)"
         )
     for warning in plan["warnings"]:
         budget.add(f"[bold yellow]warning[/]: {warning}")

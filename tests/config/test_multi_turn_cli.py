@@ -204,3 +204,14 @@ def test_explain_counts_the_tool_block_in_the_prompt_and_warns_of_a_tool_limit_o
     assert "warning: rollout.multi_turn.max_tool_response_length=256 exceeds" in out
     assert cli.main(["explain", "--json", *args[:-1], "rollout.multi_turn.max_tool_response_length=100"]) == 0
     assert json.loads(capsys.readouterr().out)["multi_turn"]["warnings"] == []
+
+
+def test_explain_without_the_model_says_the_tool_block_is_not_counted(here, capsys):
+    """`explain --model-config` plans without the model directory: no tokenizer to count the block with."""
+    from pathlib import Path
+
+    config = Path(__file__).parents[2] / "examples" / "model_configs" / "qwen2.5-7b"
+    args = [ON, "rollout.multi_turn.tool_config_path=tools.yaml", f"model.path={here / 'absent'}"]
+    assert cli.main(["explain", "--json", *args, "--model-config", str(config)]) == 0
+    data = json.loads(capsys.readouterr().out)["multi_turn"]
+    assert data["tool_block_tokens"] is None and data["max_sequence_tokens"] is None
