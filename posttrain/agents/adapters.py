@@ -54,6 +54,9 @@ class TRLStyleEnvironment(Environment):
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         return self.inner.tool_schemas()
 
+    def tool_names(self) -> list[str]:
+        return self.inner.tool_names()
+
     async def reset(self, row: dict[str, Any]) -> list[Message] | None:
         if not hasattr(self.obj, "reset"):
             return None
@@ -91,6 +94,9 @@ class WithTools(Environment):
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         return (self.env.tool_schemas() or []) + self.tools.tools.schemas()
 
+    def tool_names(self) -> list[str]:
+        return self.env.tool_names() + self.tools.tool_names()
+
     async def reset(self, row: dict[str, Any]) -> list[Message] | None:
         return await maybe_await(self.env.reset(row))
 
@@ -119,6 +125,7 @@ class SkyRLEnvironment(Environment):
         self.env_class = env_class
         self.env_config = env_config or {}
         self.env: Any = None
+        self.calls: dict[str, int] = {}
 
     def reset(self, row: dict[str, Any]) -> list[Message] | None:
         try:
@@ -141,6 +148,7 @@ class SkyRLEnvironment(Environment):
             raise ConfigError(
                 f"skyrl-gym cannot make env_class={env_class!r}: {exc}; registered: {known}"
             ) from exc
+        self._count_tool_calls(self.env)
         prompt = list(row.get("prompt") or [])
         messages, _info = self.env.init(prompt)
         messages = list(messages)
@@ -159,10 +167,31 @@ class SkyRLEnvironment(Environment):
             done=bool(out["done"]),
         )
 
+    def _count_tool_calls(self, env: Any) -> None:
+        """Count the environment's tool calls per tool: skyrl-gym environments run their tools through
+        ``_execute_tool(group, name, input)`` (BaseTextEnv's), which is wrapped on this instance."""
+        execute = getattr(env, "_execute_tool", None)
+        if execute is None:
+            return
+
+        def counted(group: str, name: str, tool_input: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return execute(group, name, tool_input)
+
+        env._execute_tool = counted
+
+    def tool_names(self) -> list[str]:
+        """The tools of the environment made for the row (none before ``reset``: env_class is the row's)."""
+        groups = getattr(self.env, "tool_to_toolgroup", None) or {}
+        return sorted(groups)
+
     def metrics(self) -> dict[str, float]:
         get = getattr(self.env, "get_metrics", None)
         values = get() if get else {}
-        return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+        out = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+        out["tool_calls"] = float(sum(self.calls.values()))
+        out.update({f"tool_calls/{name}": float(n) for name, n in self.calls.items()})
+        return out
 
     def close(self) -> None:
         if self.env is not None:

@@ -10,7 +10,9 @@
 - a built-in name (:func:`builtin_environments`), made with `env.kwargs`;
 - ``path/to/file.py:ClassName``: a subclass of :class:`~posttrain.agents.env.Environment` (made with
   `env.kwargs`), or a TRL-style class (no ``step`` method; its public methods are the tools, ``reset(**row)``
-  starts an episode), wrapped in :class:`~posttrain.agents.adapters.TRLStyleEnvironment`;
+  starts an episode), wrapped in :class:`~posttrain.agents.adapters.TRLStyleEnvironment`; or one's own skyrl-gym
+  environment class (a subclass of skyrl-gym's ``BaseTextEnv``), registered with skyrl-gym under its `env.path`
+  and run as ``skyrl:<env_class>`` is;
 - ``skyrl`` or ``skyrl:<env_class>``: a ``skyrl-gym`` environment per row, the row's ``env_class`` first, then
   the one named here; `env.kwargs` is SkyRL's ``env_config``.
 
@@ -75,6 +77,8 @@ def resolve_env(path: str) -> EnvSpec:
     if path in builtin:
         return EnvSpec("builtin", builtin[path])
     cls = _class_from_path(path, builtin)
+    if isinstance(cls, type) and any(c.__module__.startswith("skyrl_gym.") for c in cls.__mro__[1:]):
+        return EnvSpec(SKYRL, skyrl_class=_register_skyrl_class(cls, path))
     if isinstance(cls, type) and issubclass(cls, Environment):
         return EnvSpec("environment", cls)
     if isinstance(cls, type) and not callable(getattr(cls, "step", None)):
@@ -84,6 +88,17 @@ def resolve_env(path: str) -> EnvSpec:
         "class (one without a step method, whose public methods are its tools); subclass "
         "posttrain.agents.env.Environment, or drop step() and expose tools as methods"
     )
+
+
+def _register_skyrl_class(cls: type, path: str) -> str:
+    """Register one's own skyrl-gym environment class with skyrl-gym under its `env.path` (its id: rows' own
+    ``env_class`` still win), as SkyRL's ``skyrl_gym.register(id, entry_point)`` does in the package's envs."""
+    import skyrl_gym  # the class subclasses one of its classes: installed
+
+    registry = skyrl_gym.envs.registration.registry
+    if path not in registry:
+        skyrl_gym.register(id=path, entry_point=cls)
+    return path
 
 
 def _class_from_path(spec: str, builtin: dict[str, Any]) -> Any:

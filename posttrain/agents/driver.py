@@ -22,7 +22,7 @@ from typing import Any
 
 from posttrain.agents.env import Environment, Message, maybe_await
 from posttrain.agents.env_call import EnvironmentFailure, call_environment
-from posttrain.agents.render import Renderer, truncate_text_to_tokens
+from posttrain.agents.render import Renderer, truncate_tool_output
 from posttrain.agents.trajectory import Trajectory, add_step_metrics
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema.agents import MultiTurnConfig
@@ -114,16 +114,14 @@ def _truncate_messages(traj: Trajectory, messages: list[Message], renderer: Rend
     out = []
     for m in messages:
         if m.get("role") == "tool":
-            text, dropped = truncate_text_to_tokens(
+            text, note = truncate_tool_output(
                 renderer.tokenizer,
                 str(m.get("content", "")),
                 mt.max_tool_response_length,
                 mt.tool_response_truncate_side,
             )
-            if dropped:
-                traj.truncations.append(
-                    f"tool output: {dropped} tokens dropped ({mt.tool_response_truncate_side})"
-                )
+            if note:
+                traj.truncations.append(note)
             m = {**m, "content": text}
         out.append(m)
     return out

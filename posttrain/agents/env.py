@@ -8,7 +8,8 @@ An environment is made per trajectory. The driver calls:
   name, summed over the episode's steps and logged per trajectory as ``env/<name>``);
 - ``metrics()`` for per-episode numbers, and ``close()`` at the end (also after a failure).
 
-Any of them may be ``async def``. ``tool_schemas()`` lists the tools to render in the prompt (None: no tools).
+Any of them may be ``async def``. ``tool_schemas()`` lists the tools to render in the prompt (None: no tools);
+``tool_names()`` every tool the environment answers (its schema listed or not), whose calls are counted per tool.
 A single-turn task is the one-step case: an environment whose first ``step`` says done.
 """
 
@@ -41,6 +42,11 @@ class Environment:
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         return None
+
+    def tool_names(self) -> list[str]:
+        """Every tool the environment answers, listed in the prompt or not (their calls are logged per tool as
+        ``tool_call_counts/<name>``, reported by :meth:`metrics` as ``tool_calls/<name>``)."""
+        return [s["function"]["name"] for s in self.tool_schemas() or []]
 
     def reset(self, row: dict[str, Any]) -> list[Message] | None:
         return None
@@ -79,6 +85,9 @@ class ToolEnvironment(Environment):
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         return self.tools.schemas() if len(self.tools) else None
+
+    def tool_names(self) -> list[str]:
+        return list(self.tools.tools)  # also those a subclass keeps out of the prompt
 
     async def step(self, text: str) -> StepResult:
         calls = parse_tool_calls(text)

@@ -15,7 +15,7 @@ in one message.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import inspect
 import threading
 import traceback
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.agents.env import Environment, StepResult, maybe_await
+from posttrain.agents.tools import in_daemon_thread
 from posttrain.config.errors import ConfigError
 
 _OURS = (str(Path(__file__).parents[1]), str(Path(asyncio.__file__).parent), threading.__file__)
@@ -45,7 +46,7 @@ async def call_environment(
         elif inspect.iscoroutinefunction(fn):
             value = await asyncio.wait_for(fn(arg), timeout_s)
         else:
-            value = await asyncio.wait_for(_in_thread(fn, arg, name), timeout_s)
+            value = await asyncio.wait_for(in_daemon_thread(functools.partial(fn, arg), name), timeout_s)
             value = await asyncio.wait_for(maybe_await(value), timeout_s)
     except asyncio.TimeoutError:
         raise EnvironmentFailure(
@@ -61,31 +62,6 @@ async def call_environment(
         ) from None
     _check_result(name, method, value, index)
     return value
-
-
-def _in_thread(fn: Any, arg: Any, name: str) -> asyncio.Future:
-    """``fn(arg)`` in a daemon thread of its own, as a future of this loop (a hung call keeps only its thread)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # timed out and cancelled meanwhile
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(arg), None
-        except BaseException as exc:  # handed to the loop, which reports it
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for this call any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
 
 
 def _check_result(name: str, method: str, value: Any, index: int) -> None:

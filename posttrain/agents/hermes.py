@@ -18,7 +18,7 @@ from typing import Any
 
 from posttrain.agents.tools import ToolOutput, ToolSet, argument_error, call_tool
 
-FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
+FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "unserializable")
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -78,15 +78,17 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-def _output_text(value: Any) -> tuple[str, float, dict[str, float]]:
+def _output_text(value: Any) -> tuple[str, float, dict[str, float], str | None]:
+    """(text, reward, metrics, failure kind): a value JSON cannot encode is sent as its ``str()``, and counted
+    (``unserializable``) since the model then reads a Python repr the author probably did not mean to send."""
     if isinstance(value, ToolOutput):
-        return value.text, float(value.reward), dict(value.metrics)
+        return value.text, float(value.reward), dict(value.metrics), None
     if isinstance(value, str):
-        return value, 0.0, {}
+        return value, 0.0, {}, None
     try:
-        return json.dumps(value), 0.0, {}
+        return json.dumps(value), 0.0, {}, None
     except (TypeError, ValueError):
-        return str(value), 0.0, {}
+        return str(value), 0.0, {}, "unserializable"
 
 
 async def run_call(call: ParsedCall, tools: ToolSet, timeout_s: float) -> CallResult:
@@ -114,8 +116,9 @@ async def run_call(call: ParsedCall, tools: ToolSet, timeout_s: float) -> CallRe
     except Exception as exc:  # the tool's own error is the model's feedback, not ours
         text = f"Error: {call.name} raised {type(exc).__name__}: {exc}"
         return CallResult(call.name, text, failure="raised", latency_s=time.perf_counter() - start)
-    text, reward, metrics = _output_text(value)
-    return CallResult(call.name, text, reward=reward, latency_s=time.perf_counter() - start, metrics=metrics)
+    text, reward, metrics, failure = _output_text(value)
+    latency = time.perf_counter() - start
+    return CallResult(call.name, text, reward=reward, failure=failure, latency_s=latency, metrics=metrics)
 
 
 async def run_calls(

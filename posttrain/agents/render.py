@@ -10,6 +10,7 @@ header of the next turn.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,3 +127,38 @@ def truncate_text_to_tokens(
         if budget == 0 or len(tokenizer(out, add_special_tokens=False)["input_ids"]) <= max_tokens:
             return out, len(ids) - budget
         budget -= 1  # a cut inside a character re-encodes to more tokens: give one up and retry
+
+
+def truncate_tool_output(
+    tokenizer: Any, text: str, max_tokens: int, side: str = "middle"
+) -> tuple[str, str | None]:
+    """A tool's output within ``max_tokens`` tokens, and a note of what was cut (None: kept whole).
+
+    The text is first cut in characters to what ``max_tokens`` tokens can possibly cover (each token covers at most
+    as many characters as the tokenizer's longest token), on the side(s) kept, so the work is bounded whatever the
+    tool returned (a 5 MB result took 9-13 s to tokenize whole); then :func:`truncate_text_to_tokens` cuts in
+    tokens as before. The margin keeps the kept tokens those of the whole text.
+    """
+    kept, cut_chars = _cut_characters(text, (max_tokens + 16) * 2 * _longest_token_chars(tokenizer), side)
+    out, dropped = truncate_text_to_tokens(tokenizer, kept, max_tokens, side)
+    if not cut_chars and not dropped:
+        return out, None
+    before = f"{cut_chars} characters dropped before tokenizing, then " if cut_chars else ""
+    return out, f"tool output: {before}{dropped} tokens dropped ({side})"
+
+
+def _cut_characters(text: str, keep: int, side: str) -> tuple[str, int]:
+    """``text`` cut to ``keep`` characters on each side kept ("middle": both ends), and the characters dropped."""
+    if side == "middle":
+        if len(text) <= 2 * keep:
+            return text, 0
+        return text[:keep] + text[-keep:], len(text) - 2 * keep
+    if len(text) <= keep:
+        return text, 0
+    return (text[:keep] if side == "left" else text[-keep:]), len(text) - keep
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token_chars(tokenizer: Any) -> int:
+    """How many characters one token covers at most (the longest vocabulary entry; at least 16)."""
+    return max(16, max((len(t) for t in tokenizer.get_vocab()), default=0))

@@ -5,19 +5,21 @@ A schema is generated from the signature and the docstring (the first paragraph 
 verl's tool YAML does. An explicit schema is checked against the signature when the config loads.
 
 A tool returns a string (the tool message the model reads), any JSON-able value (sent as JSON), or a
-:class:`ToolOutput` to also credit a reward contribution to the trajectory.
+:class:`ToolOutput` to also credit a reward contribution to the trajectory. Any other value is sent as its
+``str()`` and counted as an ``unserializable`` tool failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import re
+import threading
 import types
 import typing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -178,6 +180,33 @@ def check_schema_matches(fn: Callable[..., Any], schema: Any, where: str) -> Non
         raise ConfigError(
             f"{where}: 'required' names {undeclared}, which 'properties' does not declare; {fix}"
         )
+    _check_types_match(fn, props, where, fix)
+
+
+def _check_types_match(fn: Callable[..., Any], props: dict[str, Any], where: str, fix: str) -> None:
+    """A schema type the function's hint contradicts (``integer`` for a ``str``) makes every call fail: the
+    arguments are checked against the schema, then the function gets a value of a type it does not expect."""
+    hints = typing.get_type_hints(fn)
+    for name, prop in props.items():
+        declared = prop.get("type") if isinstance(prop, dict) else None
+        if name not in hints or declared is None:
+            continue
+        try:
+            expected = _json_type(hints[name], where).get("type")
+        except ConfigError:  # a hint without a JSON type (a class of the user's): nothing to compare
+            continue
+        declared_types = declared if isinstance(declared, list) else [declared]
+        fits = {expected, "integer"} if expected == "number" else {expected}  # an int is a valid float
+        if expected is not None and not fits & set(declared_types) - {"null"}:
+            raise ConfigError(
+                f"{where}: the schema declares parameter {name!r} as type {declared!r} but the function's hint is "
+                f"{_hint_name(hints[name])} (JSON type {expected!r}); the model's arguments follow the schema, so "
+                f"every call would pass the function a value of the wrong type; {fix}, or change the hint"
+            )
+
+
+def _hint_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else repr(hint)
 
 
 def make_tool(
@@ -244,18 +273,39 @@ def _is_json_type(value: Any, expected: str) -> bool:
     return python is None or isinstance(value, python)
 
 
-SYNC_TOOL_THREADS = 64
-_POOL: list[ThreadPoolExecutor] = []
-
-
 async def call_tool(tool: Tool, arguments: dict[str, Any]) -> Any:
-    """Run the tool: an async function is awaited, a sync one runs on one of ``SYNC_TOOL_THREADS`` threads.
+    """Run the tool: an async function is awaited, a sync one runs in a daemon thread of its own.
 
-    A sync tool that times out cannot be stopped: its thread runs to the end and its result is dropped.
+    A sync tool that times out cannot be stopped: its thread runs to the end and its result is dropped. Being a
+    daemon, the thread never holds up the end of the process (a pool's worker threads are joined at exit, so a
+    hung tool delayed it by as long as the tool hung).
     """
     if tool.is_async:
         return await tool.fn(**arguments)
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(SYNC_TOOL_THREADS, thread_name_prefix="posttrain-tool"))
+    return await in_daemon_thread(functools.partial(tool.fn, **arguments), f"posttrain-tool-{tool.name}")
+
+
+def in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """``fn()`` in a daemon thread of its own, as a future of the running loop (a hung call keeps only its
+    thread, and that thread does not keep the process alive)."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_POOL[0], functools.partial(tool.fn, **arguments))
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # timed out and cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the loop, which reports it
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for this call any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -104,6 +104,29 @@ class Trajectory:
     def environment_tokens(self) -> int:
         return len(self.mask) - sum(self.mask)
 
+    def mask_spans(self) -> list[tuple[int, int, bool]]:
+        """[(start, end, trained)] the runs of ``response_ids`` with one mask value, in order."""
+        spans: list[tuple[int, int, bool]] = []
+        for i, m in enumerate(self.mask):
+            if spans and spans[-1][2] == bool(m):
+                spans[-1] = (spans[-1][0], i + 1, bool(m))
+            else:
+                spans.append((i, i + 1, bool(m)))
+        return spans
+
+    def trained_spans(self, tokenizer: Any) -> list[dict[str, Any]]:
+        """The response as the loss sees it: each run of tokens with its text (special tokens kept, so the
+        template's end-of-turn tokens show), its token count and whether it is trained on (the sampled
+        assistant tokens) or masked out (tool results, user replies, the template's text between turns)."""
+        return [
+            {
+                "trained": trained,
+                "tokens": end - start,
+                "text": tokenizer.decode(self.response_ids[start:end], skip_special_tokens=False),
+            }
+            for start, end, trained in self.mask_spans()
+        ]
+
     def turn_end_rewards(self) -> list[float]:
         """[R] each turn's reward on the last token of its assistant turn, 0.0 elsewhere (for per-turn credit)."""
         out = [0.0] * len(self.response_ids)

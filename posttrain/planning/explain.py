@@ -108,6 +108,11 @@ def plan_tree(cfg: PostTrainConfig, plan: BatchPlan) -> Tree:
         f"[bold]rollout[/] ({cfg.rollout.name} engine): {plan.rollout_chunks_per_step} engine call(s) of "
         f"≤ {plan.rollout_chunk_prompts} prompts (rollout.chunk_size) × n {plan.n}; sequences ≤ {plan.max_seq_len} "
         f"tokens ({cfg.data.max_prompt_length} prompt + {cfg.data.max_response_length} response)"
+        + (
+            " (the multi-turn plan below counts a tool schema block on top)"
+            if cfg.rollout.multi_turn.enable
+            else ""
+        )
     )
     rollout.add(weight_sync_line(cfg, plan))
     if cfg.trainer.ray_ranks:

@@ -11,10 +11,13 @@ from rich.tree import Tree
 
 from posttrain.agents.build import SKYRL, load_tools, resolve_env
 from posttrain.agents.check import sample_environment
+from posttrain.agents.render import Renderer
 from posttrain.agents.tools import ToolSet
+from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.schema.harness import harness_enabled
 from posttrain.config.schema.names import TASK_ENVIRONMENTS
+from posttrain.planning.rm_plan import run_tokenizer
 
 
 def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
@@ -35,8 +38,14 @@ def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
         if isinstance(tools, ToolSet):
             unlisted = [name for name in tools.tools if name not in listed]
         made.close()
+    block = tool_block_tokens(cfg, schemas)
     return {
         "implied_by_task": cfg.data.task if cfg.data.task in TASK_ENVIRONMENTS else None,
+        "tool_block_tokens": block,
+        "max_sequence_tokens": None
+        if block is None
+        else cfg.data.max_prompt_length + block + cfg.data.max_response_length,
+        "warnings": budget_warnings(cfg),
         "max_assistant_turns": mt.max_assistant_turns,
         "max_user_turns": mt.max_user_turns,
         "trajectory_budget_tokens": cfg.data.max_response_length,
@@ -47,6 +56,35 @@ def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
         "tools": schemas,
         "tools_not_in_prompt": unlisted,
     }
+
+
+def tool_block_tokens(cfg: PostTrainConfig, schemas: list[dict[str, Any]]) -> int | None:
+    """How many tokens the chat template's tool schema block adds to every prompt (0: no tools listed; None:
+    unknown, the model's tokenizer is not here, as with `explain --model-config`). The data's prompt length
+    limit does not see it: the block is rendered with the prompt, per trajectory."""
+    if not schemas:
+        return 0
+    try:
+        tokenizer = run_tokenizer(cfg)
+    except (ConfigError, OSError):  # no model directory here: explain plans without it
+        return None
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    probe = [{"role": "user", "content": "hi"}]
+    with_tools = Renderer(tokenizer, tools=schemas).prompt_ids(probe)
+    return len(with_tools) - len(Renderer(tokenizer).prompt_ids(probe))
+
+
+def budget_warnings(cfg: PostTrainConfig) -> list[str]:
+    """Limits that cannot all hold: a tool result allowed more tokens than the whole trajectory has."""
+    mt, budget = cfg.rollout.multi_turn, cfg.data.max_response_length
+    if mt.max_tool_response_length <= budget:
+        return []
+    return [
+        f"rollout.multi_turn.max_tool_response_length={mt.max_tool_response_length} exceeds the trajectory's "
+        f"budget data.max_response_length={budget}: one long tool result ends the trajectory (its tokens count "
+        f"against the budget); lower max_tool_response_length below {budget} or raise data.max_response_length"
+    ]
 
 
 def _kwargs_with_defaults(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +127,20 @@ def multi_turn_tree(cfg: PostTrainConfig) -> Tree | None:
         f"one tool result keeps at most {mt.max_tool_response_length} tokens "
         f"(rollout.multi_turn.max_tool_response_length; tool_response_truncate_side={mt.tool_response_truncate_side})"
     )
+    if plan["tool_block_tokens"]:
+        p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
+        budget.add(
+            f"prompt: the tool schema block adds {plan['tool_block_tokens']} tokens to every prompt, beyond "
+            f"data.max_prompt_length={p}: sequences reach {plan['max_sequence_tokens']} tokens ({p} prompt + "
+            f"{plan['tool_block_tokens']} tool schemas + {r} response)"
+        )
+    elif plan["tool_block_tokens"] is None:
+        budget.add(
+            "prompt: the tool schema block adds tokens to every prompt, beyond data.max_prompt_length (how many "
+            "needs the model's tokenizer, which is not here)"
+        )
+    for warning in plan["warnings"]:
+        budget.add(f"[bold yellow]warning[/]: {warning}")
     budget.add(
         "assistant tokens count against the budget and are trained on; environment tokens (tool results, user "
         "replies and the chat template's text between turns) count against the budget but are masked out of "

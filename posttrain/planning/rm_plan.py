@@ -71,7 +71,7 @@ class RMMemory:
         return self.weights + self.optimizer + update_step_bytes(self.activations, self.gradients)
 
 
-def _tokenizer(cfg: PostTrainConfig):
+def run_tokenizer(cfg: PostTrainConfig):
     """The run's tokenizer without building a model: the built-in models share builtin:base's tokenizer (so
     builtin:tiny's warm start is not trained here)."""
     if cfg.model.path in BUILTIN_NAMES:
@@ -175,7 +175,7 @@ def rm_plan(cfg: PostTrainConfig, model_config: str | None = None, world_size: i
         )
     load_pairs(cfg, cfg.data.train_files)  # bad rows are reported before the tokenizer loads
     load_pairs(cfg, cfg.data.val_files)
-    tokenizer = _tokenizer(cfg)
+    tokenizer = run_tokenizer(cfg)
     train, kept = count_pairs(cfg, cfg.data.train_files, tokenizer, training=True)
     val, _ = count_pairs(cfg, cfg.data.val_files, tokenizer)
     plan = batch_plan(cfg, train.kept, world_size)

@@ -4,7 +4,8 @@ A command is a step function (train step s, return its metrics) plus what it val
 of it holds; this module orders them::
 
     validate (a fresh run) → [crash hook → step → validate every test_freq and at the end → log → skipped-step
-    guard → progress line → checkpoint every save_freq and at the end → SIGTERM check] → last metrics
+    guard → progress line → checkpoint every save_freq and at the end → SIGTERM check → collapse watch] → last
+    metrics
 
 It owns every setting of the loop (trainer.test_freq, save_freq, max_skipped_steps, save_on_terminate,
 resume, max_ckpt_to_keep), so the three commands cannot disagree about them; the checkpoint layout, integrity
@@ -32,6 +33,7 @@ from posttrain.train.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
+from posttrain.train.collapse import CollapseWatch
 from posttrain.train.guards import SkippedStepGuard, check_finite_weights
 from posttrain.utils.console import TrainingDisplay
 from posttrain.utils.crash_hook import crash_if_asked
@@ -179,8 +181,13 @@ class TrainLoop:
             first = self._first_validation() if start == 0 else {}
             last = first
             guard = SkippedStepGuard(self.settings.max_skipped_steps, self.roles)
+            watch = CollapseWatch()
             for step in range(start + 1, self.settings.total_steps + 1):
                 last = self._one_step(step, guard, signals)
+                if (
+                    self.dist.rank == 0
+                ):  # every rank holds the same reduced metrics: one warning, not one per rank
+                    watch.observe(step, last)
         finally:
             signals.restore()
             self.display.stop()

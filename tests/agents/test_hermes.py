@@ -87,3 +87,54 @@ def test_max_parallel_calls_bounds_one_turn():
     start = time.perf_counter()
     asyncio.run(run_calls(calls, TOOLS, max_parallel_calls=1, timeout_s=5))
     assert time.perf_counter() - start >= 0.4
+
+
+_HANGING_TOOL_SCRIPT = """
+import asyncio, time
+from posttrain.agents.hermes import parse_tool_calls, run_calls, tool_call_text
+from posttrain.agents.tools import ToolSet, make_tool
+
+def hang(seconds: float) -> str:
+    '''Blocks its thread (no await point: it cannot be cancelled).'''
+    time.sleep(seconds)
+    return "late"
+
+calls = parse_tool_calls(tool_call_text("hang", {"seconds": 60}))
+results = asyncio.run(run_calls(calls, ToolSet([make_tool(hang)]), 1, timeout_s=0.2))
+print(results[0].failure, flush=True)
+"""
+
+
+def test_a_timed_out_sync_tool_does_not_delay_the_exit(tmp_path):
+    """The tool still sleeps 60 s when the script ends: its thread must not keep the process alive."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(_HANGING_TOOL_SCRIPT)
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+    )
+    elapsed = time.perf_counter() - start
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "timeout"
+    assert elapsed < 20, f"the process took {elapsed:.1f} s to exit (the hung tool sleeps 60 s)"
+
+
+class _Opaque:
+    def __repr__(self) -> str:
+        return "<Opaque object>"
+
+
+def opaque() -> object:
+    """Returns an object that JSON cannot encode."""
+    return _Opaque()
+
+
+def test_a_tool_result_json_cannot_encode_is_counted_and_sent_as_its_str():
+    tools = ToolSet([make_tool(opaque)])
+    results = asyncio.run(run_calls(parse_tool_calls(tool_call_text("opaque", {})), tools, 1, 5.0))
+    assert results[0].failure == "unserializable"
+    assert results[0].text == "<Opaque object>"  # what the model reads: the object's str()

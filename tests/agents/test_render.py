@@ -2,7 +2,12 @@
 
 import pytest
 
-from posttrain.agents.render import Renderer, TemplateDriftError, truncate_text_to_tokens
+from posttrain.agents.render import (
+    Renderer,
+    TemplateDriftError,
+    truncate_text_to_tokens,
+    truncate_tool_output,
+)
 from posttrain.models.tiny import build_tiny_tokenizer
 
 TOOLS = [
@@ -78,3 +83,48 @@ def test_truncation_counts_tokens_and_keeps_an_exact_fit(tok, side):
 def test_a_bad_side_is_a_config_error(tok):
     with pytest.raises(ValueError, match="tool_response_truncate_side='top'"):
         truncate_text_to_tokens(tok, "x " * 50, 5, "top")
+
+
+class _CountingTokenizer:
+    """The real tokenizer, counting the characters it is given to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.encoded_chars = tok, 0
+
+    def __call__(self, text, **kwargs):
+        self.encoded_chars += len(text)
+        return self.tok(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+def test_a_huge_tool_output_is_cut_in_characters_before_tokenizing(tok, side):
+    """A 5 MB result took 9-13 s per call when tokenized whole; the work is now bounded by the token limit."""
+    import time
+
+    huge = "lorem ipsum 12345, " * 270_000  # 5.1 MB
+    counting = _CountingTokenizer(tok)
+    start = time.perf_counter()
+    out, note = truncate_tool_output(counting, huge, 256, side)
+    elapsed = time.perf_counter() - start
+    assert counting.encoded_chars < 200_000, counting.encoded_chars  # not the 5.1 M characters
+    assert elapsed < 2.0
+    assert len(tok(out, add_special_tokens=False)["input_ids"]) <= 256 and "...(truncated)..." in out
+    assert "characters dropped before tokenizing" in note and "tokens dropped" in note
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+@pytest.mark.parametrize("words", [30, 3_000, 12_000])
+def test_the_character_cut_leaves_the_token_truncation_unchanged(tok, side, words):
+    """On/off equivalence: cutting characters first gives the text token truncation alone gives."""
+    text = " ".join(f"w{i % 97}:{i}" for i in range(words))
+    alone, dropped = truncate_text_to_tokens(tok, text, 64, side)
+    out, note = truncate_tool_output(tok, text, 64, side)
+    assert out == alone
+    assert (note is None) == (dropped == 0)
+
+
+def test_no_note_when_the_output_fits(tok):
+    assert truncate_tool_output(tok, "408", 64, "middle") == ("408", None)

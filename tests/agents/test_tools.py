@@ -120,3 +120,43 @@ def test_make_tool_checks_an_explicit_schema():
     bad = {"type": "function", "function": {"name": "s", "parameters": {"type": "object", "properties": {}}}}
     with pytest.raises(ConfigError, match="requires \\['query'\\]"):
         make_tool(search, schema=bad)
+
+
+def test_a_schema_type_that_contradicts_the_type_hint_is_a_config_error(tmp_path):
+    (tmp_path / "codes.py").write_text(
+        "def lookup(word: str, n: int = 1) -> str:\n    '''The code of a word.'''\n    return word\n"
+    )
+    text = (
+        "tools: [{path: codes.py:lookup, schema: {type: function, function: {name: lookup, parameters: "
+        "{type: object, properties: {word: {type: integer}}, required: [word]}}}}]"
+    )
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_tool_config(path)
+    message = str(info.value)
+    assert str(path) in message and "tools[0]" in message  # the file and the entry
+    assert "'word'" in message and "integer" in message and "str" in message  # the values
+    assert "every call" in message and "fix" in message  # the rule and the fix
+
+
+@pytest.mark.parametrize(
+    "prop",
+    [
+        {"type": "integer"},  # an int is a valid float: an `integer` schema for a `float` hint fits
+        {"type": ["number", "null"]},
+        {"description": "no type: nothing to compare"},
+    ],
+)
+def test_a_schema_type_the_hint_accepts_is_kept(prop):
+    def scale(x: float | None) -> str:
+        """Scale."""
+        return str(x)
+
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "scale",
+            "parameters": {"type": "object", "properties": {"x": prop}, "required": ["x"]},
+        },
+    }
+    assert make_tool(scale, schema=schema).schema == schema

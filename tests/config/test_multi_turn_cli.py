@@ -170,3 +170,48 @@ def test_explain_names_the_tools_an_environment_keeps_out_of_the_prompt(capsys):
     assert cli.main(["explain", "--json", "data.task=calculator"]) == 0
     data = json.loads(capsys.readouterr().out)["multi_turn"]
     assert data["tools"] == [] and data["tools_not_in_prompt"] == ["calculator"]
+
+
+def test_explain_counts_the_tool_block_in_the_prompt_and_warns_of_a_tool_limit_over_the_budget(here, capsys):
+    """A tool config's schemas are rendered into every prompt: the plan said "sequences <= 224 tokens (64 prompt
+    + 160 response)" for a 471-token prompt, and kept quiet about a tool limit (256) over the budget (160)."""
+    from posttrain.agents.render import Renderer
+    from posttrain.agents.tool_config import load_tool_config
+    from posttrain.models.tiny import build_tiny_tokenizer
+
+    args = [
+        ON,
+        "rollout.multi_turn.tool_config_path=tools.yaml",
+        "data.max_prompt_length=64",
+        "data.max_response_length=160",
+        "rollout.multi_turn.max_tool_response_length=256",
+    ]
+    assert cli.main(["explain", "--json", *args]) == 0
+    data = json.loads(capsys.readouterr().out)["multi_turn"]
+    tok, probe = build_tiny_tokenizer(), [{"role": "user", "content": "hi"}]
+    schemas = load_tool_config(here / "tools.yaml").schemas()
+    block = len(Renderer(tok, tools=schemas).prompt_ids(probe)) - len(Renderer(tok).prompt_ids(probe))
+    assert block > 50 and data["tool_block_tokens"] == block
+    assert data["max_sequence_tokens"] == 64 + block + 160
+    assert len(data["warnings"]) == 1 and "max_tool_response_length=256 exceeds" in data["warnings"][0]
+    assert cli.main(["explain", *args]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the tree's guides cut wrapped lines
+    assert "(the multi-turn plan below counts a tool schema block on top)" in out
+    assert f"the tool schema block adds {block} tokens to every prompt" in out
+    assert (
+        f"sequences reach {64 + block + 160} tokens (64 prompt + {block} tool schemas + 160 response)" in out
+    )
+    assert "warning: rollout.multi_turn.max_tool_response_length=256 exceeds" in out
+    assert cli.main(["explain", "--json", *args[:-1], "rollout.multi_turn.max_tool_response_length=100"]) == 0
+    assert json.loads(capsys.readouterr().out)["multi_turn"]["warnings"] == []
+
+
+def test_explain_without_the_model_says_the_tool_block_is_not_counted(here, capsys):
+    """`explain --model-config` plans without the model directory: no tokenizer to count the block with."""
+    from pathlib import Path
+
+    config = Path(__file__).parents[2] / "examples" / "model_configs" / "qwen2.5-7b"
+    args = [ON, "rollout.multi_turn.tool_config_path=tools.yaml", f"model.path={here / 'absent'}"]
+    assert cli.main(["explain", "--json", *args, "--model-config", str(config)]) == 0
+    data = json.loads(capsys.readouterr().out)["multi_turn"]
+    assert data["tool_block_tokens"] is None and data["max_sequence_tokens"] is None

@@ -144,3 +144,46 @@ def test_env_kwargs_a_task_overrides_are_refused_by_explain_and_train(
         messages.append(err.split("error: ", 1)[1])
     assert messages[0] == messages[1]
     assert "has no effect with data.task=guess_number" in messages[0] and "data.task_options." in messages[0]
+
+
+RAISING_ENV = """
+from posttrain.agents.env import Environment
+
+
+def _deep(text):
+    raise ValueError("the board is full")
+
+
+class Raises(Environment):
+    def step(self, text):
+        return _deep(text)
+"""
+
+
+@pytest.mark.parametrize("max_env_failures", [0, 1000])
+def test_train_with_a_raising_environment_ends_with_one_message(
+    tiny_model_dir, tmp_path, capsys, max_env_failures
+):
+    """Exit 2 and one message naming class, method and row with the environment's own frame once; when every
+    trajectory failed within max_env_failures, a clear error instead of the update's "response_mask selects no
+    token"."""
+    (tmp_path / "envs.py").write_text(RAISING_ENV)
+    overrides = [
+        *small_overrides(tiny_model_dir, tmp_path / "run"),
+        "trainer.total_steps=1",
+        "data.train_batch_size=2",
+        "rollout.n=2",
+        "data.max_response_length=16",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.max_tokens_per_turn=2",  # a turn cut at 2 tokens still gets its environment step
+        f"rollout.multi_turn.max_env_failures={max_env_failures}",
+        f"env.path={tmp_path / 'envs.py'}:Raises",
+    ]
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "response_mask" not in err
+    assert "environment Raises.step failed on row " in err and "ValueError: the board is full" in err
+    assert err.count('envs.py", line 6, in _deep') == 1  # the user's own frame, once
+    if max_env_failures:
+        assert "every trajectory of the step (4) failed in its environment" in err
+        assert "rollout.multi_turn.max_env_failures=1000" in err

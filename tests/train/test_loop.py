@@ -97,3 +97,16 @@ def test_stops_at_the_limit_th_consecutive_skipped_step(tmp_path):
     with pytest.raises(NonFiniteError, match=r"steps 3-4: .*toy.optim.lr"):
         loop.run(0)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")][-1] == 4
+
+
+def test_the_loop_warns_once_when_the_steps_metrics_show_a_collapse(tmp_path, caplog):
+    loop, _, _, _ = _toy(tmp_path, total=5, test_freq=0)
+    toy_step = loop.step
+    loop.step = lambda s: {**toy_step(s), "reward/mean": 0.0}  # no reward at any step: fires at step 3
+    with caplog.at_level("WARNING", logger="posttrain"):
+        loop.run(0)
+    warnings = [r.getMessage() for r in caplog.records if "collapsing" in r.getMessage()]
+    assert warnings == [
+        "step 3: the run may be collapsing: reward/mean was 0 for 3 steps in a row; see docs/reliability.md, "
+        "'A collapsing run' (lower actor.optim.lr, raise the KL coefficient, or warm-start with more SFT steps)"
+    ]

@@ -15,6 +15,7 @@ from typing import Any
 from posttrain.agents.build import EnvFactory, environment_factory
 from posttrain.agents.check import sample_environment
 from posttrain.agents.driver import MultiTurnSettings, engine_generate, run_trajectories
+from posttrain.agents.env_call import EnvironmentFailure
 from posttrain.agents.hermes import FAILURE_KINDS
 from posttrain.agents.render import Renderer
 from posttrain.agents.trajectory import STEP_METRIC_PREFIX, Trajectory, trajectory_metrics
@@ -97,6 +98,21 @@ class AgentLoop:
         return renderer.drift(traj.messages, traj.prompt_ids + traj.response_ids).drifted
 
 
+def check_not_all_failed(episodes: list[Trajectory], max_env_failures: int) -> None:
+    """EnvironmentFailure when every trajectory of the step failed in its environment: each is kept untrained
+    (within ``rollout.multi_turn.max_env_failures``), so no token is left to train on (the update failed later
+    with "response_mask selects no token")."""
+    failed = [e for e in episodes if e.metrics.get("env_failures")]
+    if not episodes or len(failed) < len(episodes):
+        return
+    first = next((t for t in failed[0].truncations if t.startswith("environment failure: ")), "")
+    raise EnvironmentFailure(
+        f"every trajectory of the step ({len(episodes)}) failed in its environment, so no token is left to train "
+        f"on (rollout.multi_turn.max_env_failures={max_env_failures} kept them untrained); the first: "
+        f"{first.removeprefix('environment failure: ')}"
+    )
+
+
 def record_row(record: PromptRecord) -> dict[str, Any]:
     """The row an environment sees: the record's extra fields, its prompt and its ground truth."""
     return {**record.extra, "prompt": record.prompt, "ground_truth": record.ground_truth}
@@ -157,7 +173,7 @@ def build_agent_loop(
     settings = MultiTurnSettings(mt, cfg.data.max_response_length)
     # The engines stop on the tokenizer's eos (posttrain.rl.build.build_engine): the same set here.
     sample = sample_environment(cfg, sandbox)
-    tools = tuple(t["function"]["name"] for t in sample.tool_schemas() or [])
+    tools = tuple(sample.tool_names())  # listed in the prompt or not
     sample.close()
     eos = {tokenizer.eos_token_id}
     return AgentLoop(environment_factory(cfg, sandbox), tokenizer, settings, mt.turn_rewards, eos, tools)
@@ -185,6 +201,20 @@ def step_metric_keys(
     if gather is not None:
         keys = sorted({key for part in gather(keys) for key in part})
     return tuple(keys)
+
+
+def logged_tool_names(
+    known: tuple[str, ...],
+    episodes: list[Trajectory],
+    gather: Callable[[list[str]], list[list[str]]] | None = None,
+) -> tuple[str, ...]:
+    """The tools whose call counts a step logs: the loop's ``known`` ones and any other a trajectory called (a
+    SkyRL environment's tools are known only once a row has made it), on any rank (``gather``, as
+    :func:`step_metric_keys`)."""
+    called = sorted({k.split("/", 1)[1] for e in episodes for k in e.metrics if k.startswith("tool_calls/")})
+    if gather is not None:
+        called = sorted({name for part in gather(called) for name in part})
+    return known + tuple(name for name in called if name not in known)
 
 
 def episode_metrics(

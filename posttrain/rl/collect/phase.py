@@ -27,7 +27,12 @@ from posttrain.rl.collect.generation import (
     training_params,
 )
 from posttrain.rl.collect.group_filter import ScoredGroups, draw_groups, generation_salt, group_filter
-from posttrain.rl.collect.multi_turn import episode_metrics, step_metric_keys
+from posttrain.rl.collect.multi_turn import (
+    check_not_all_failed,
+    episode_metrics,
+    logged_tool_names,
+    step_metric_keys,
+)
 from posttrain.rl.collect.truncation import mask_truncated
 from posttrain.rl.collect.validation import validate
 from posttrain.rollout.base import SamplingParams
@@ -152,14 +157,16 @@ def assemble_rollout(
     else:
         rollout_metrics(result, drawn.rewards, local, unshaped, accuracy)
     if context.agent is not None:  # every rank adds the same names, also one that drew no sample
+        check_not_all_failed(result.episodes or [], cfg.rollout.multi_turn.max_env_failures)
         gather = context.dist.all_gather_object if context.share.distributed else None
         keys = step_metric_keys(result.episodes or [], gather)  # a collective in a distributed run
+        tools = logged_tool_names(context.agent.tool_names, result.episodes or [], gather)  # one more
         episode_metrics(
             result.episodes or [],
             local,
             how,
             weight,
-            context.agent.tool_names,
+            tools,
             keys,
             context.agent.summed_metrics,
         )

@@ -95,7 +95,7 @@ def validate(
         )
         episodes = result.episodes or [None] * len(inputs)
         if samples is not None:
-            samples.extend(sample_row(i, s, e) for i, s, e in zip(inputs, scores, episodes))
+            samples.extend(sample_row(i, s, e, tokenizer) for i, s, e in zip(inputs, scores, episodes))
         rewards.extend(scores)
         lengths.extend(len(r) for r in result.response_ids)
         turns.extend(episode_counts(e) for e in episodes if e is not None)
@@ -139,8 +139,9 @@ def episode_counts(episode) -> tuple[int, float]:
     return episode.num_assistant_turns + episode.num_user_turns, episode.metrics.get("tool_calls", 0.0)
 
 
-def sample_row(given: RewardInput, reward: float, episode) -> dict:
-    """One validation sample for the sample logs and `posttrain eval`; a trajectory adds its conversation."""
+def sample_row(given: RewardInput, reward: float, episode, tokenizer=None) -> dict:
+    """One validation sample for the sample logs and `posttrain eval`; a trajectory adds its conversation and,
+    with ``tokenizer``, its response as the loss sees it (``spans``: the trained and masked-out runs)."""
     row = {
         "prompt": given.prompt,
         "response": given.response,
@@ -152,4 +153,6 @@ def sample_row(given: RewardInput, reward: float, episode) -> dict:
         row["turns"] = episode.num_assistant_turns + episode.num_user_turns
         row["finish_reason"] = episode.finish_reason
         row["env_reward"] = episode.reward
+        if tokenizer is not None:
+            row["spans"] = episode.trained_spans(tokenizer)
     return row
