@@ -2,7 +2,8 @@
 only: a timeout per request, retries with exponential backoff, and a failure budget for the run.
 
 A request fails when it cannot connect, times out, gets an HTTP error status, or gets a body that is not a chat
-completion (no ``choices[0].message.content`` string). A failed request is tried again ``max_retries`` times,
+completion (no ``choices[0].message.content`` string; a null content is an empty answer, read as an unparsed
+verdict). A failed request is tried again ``max_retries`` times,
 waiting ``backoff_s * 2**attempt`` seconds before each retry; a call whose tries all fail is a failed call.
 After more than ``max_failures`` failed calls in the run, :class:`JudgeUnavailable` stops it, naming the
 endpoint and the last error.
@@ -119,6 +120,8 @@ def _answer(raw: bytes) -> Answer:
         text = data["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise JudgeCallFailed(f"the reply is not a chat completion: {raw[:200]!r}") from None
+    if text is None:  # a valid completion with no text (e.g. only tool calls): an empty, unreadable verdict
+        text = ""
     if not isinstance(text, str):
         raise JudgeCallFailed(f"the reply's message content is {type(text).__name__}, not text")
     usage = data.get("usage") if isinstance(data, dict) else None

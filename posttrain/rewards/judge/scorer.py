@@ -18,6 +18,8 @@ Metrics of each :meth:`JudgeScorer.score` call (summed over ranks unless said):
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from posttrain.rewards.judge.client import Answer, ChatEndpoint, JudgeCallFailed
 from posttrain.rewards.judge.rubric import Criterion, Rubric, render, suspicious
 from posttrain.rewards.judge.verdict import parse_verdict
 from posttrain.rewards.runner import RewardInput
+
+logger = logging.getLogger("posttrain.rewards.judge")
 
 #: The judge's metrics that are counts (summed over ranks), and its time (the maximum over ranks).
 SUMMED = tuple(
@@ -69,6 +73,8 @@ class JudgeScorer:
         self.max_concurrency = max_concurrency
         self.use_cache = cache
         self._cache: dict[str, Verdict] = {}
+        self._logged: set[str] = set()  # the kinds of failed call already logged (each is logged once)
+        self._log_lock = threading.Lock()
 
     def score(self, samples: list[RewardInput]) -> tuple[list[float], dict[str, float]]:
         """The judge score of each sample (weighted mean over the criteria, in [0, 1]) and the call's metrics."""
@@ -103,10 +109,26 @@ class JudgeScorer:
         )
         try:
             answer: Answer = self.endpoint.chat(messages)
-        except JudgeCallFailed:
+        except JudgeCallFailed as exc:
+            self._log_failure(str(exc))
             return Verdict(None, failed=True)
         score = parse_verdict(answer.text, criterion.verdict, criterion.low, criterion.high)
         return Verdict(score, answer.tokens)
+
+    def _log_failure(self, error: str) -> None:
+        kind = error.split(":")[0][:40]
+        with self._log_lock:
+            if kind in self._logged:
+                return
+            self._logged.add(kind)
+        logger.warning(
+            "a judge call to %s failed after %d tries (%s); the criterion scores reward.judge.unparsed_score=%s. "
+            "Only the first failure of each kind is logged; all are counted in reward/judge/failures.",
+            self.endpoint.url,
+            self.endpoint.max_retries + 1,
+            error,
+            self.unparsed_score,
+        )
 
     def _combine(self, verdicts: list[Verdict]) -> float:
         total = self.rubric.total_weight()
