@@ -154,3 +154,11 @@ def test_a_down_endpoint_stops_the_run_naming_it(tmp_path):
         JudgeUnavailable, match=rf"127\.0\.0\.1:{port}/v1/chat/completions.*Connection refused"
     ):
         s.score(samples("a"))
+
+
+def test_after_the_budget_runs_out_nothing_more_is_asked(tmp_path):
+    with ScriptedJudge(lambda request: (500, b"{}")) as judge:
+        s = scorer(tmp_path, judge.base_url, max_retries=0, max_failures=0, max_concurrency=1)
+        with pytest.raises(JudgeUnavailable):
+            s.score(samples(*[f"r{i}" for i in range(10)]))
+        assert len(judge.requests) <= 2  # the failing call, and at most one already started

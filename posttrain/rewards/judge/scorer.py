@@ -99,9 +99,17 @@ class JudgeScorer:
     def _ask(self, jobs: dict[str, tuple[Criterion, RewardInput]]) -> dict[str, Verdict]:
         if not jobs:
             return {}
-        with ThreadPoolExecutor(min(self.max_concurrency, len(jobs)), thread_name_prefix="judge") as pool:
+        pool = ThreadPoolExecutor(min(self.max_concurrency, len(jobs)), thread_name_prefix="judge")
+        try:
             futures = {key: pool.submit(self._judge, c, s) for key, (c, s) in jobs.items()}
-            return {key: future.result() for key, future in futures.items()}
+            answered = {key: future.result() for key, future in futures.items()}
+        except BaseException:
+            # The failure budget ran out, or Ctrl-C / SIGTERM: ask nothing more; the requests in flight end
+            # within their timeout on their own rather than holding up the stop.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return answered
 
     def _judge(self, criterion: Criterion, sample: RewardInput) -> Verdict:
         messages = render(
