@@ -8,6 +8,7 @@ config. Both raise ConfigError naming the key, its value, the rule and a fix, be
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from posttrain.algorithms.advantages import GROUP_ESTIMATORS
@@ -142,20 +143,52 @@ def _check_overlong_buffer(cfg: PostTrainConfig) -> None:
 
 
 def _check_reward_weights(cfg: PostTrainConfig) -> None:
-    """reward.rule_weight weighs the rule against a reward model; with none, or with both weights 0, it is a
-    mistake (posttrain.rewards.combine)."""
+    """reward.rule_weight weighs the rule against a reward model or a judge; with neither, or with every weight
+    0, it is a mistake (posttrain.rewards.combine)."""
     rw = cfg.reward
-    if not rw.model.enable and (rw.rule_weight != 1.0 or rw.model.normalize):
-        key = (
-            f"reward.rule_weight={rw.rule_weight}" if rw.rule_weight != 1.0 else "reward.model.normalize=true"
-        )
+    if not rw.model.enable and rw.model.normalize:
         raise ConfigError(
-            f"{key} applies when a reward model scores the samples, but reward.model.enable=false; enable one "
-            "(reward.model.enable=true reward.model.path=DIR) or drop the key"
+            "reward.model.normalize=true applies when a reward model scores the samples, but "
+            "reward.model.enable=false; enable one (reward.model.enable=true reward.model.path=DIR) or drop the key"
         )
-    if rw.model.enable and rw.rule_weight == 0 and rw.model.weight == 0:
+    if not (rw.model.enable or rw.judge.enable) and rw.rule_weight != 1.0:
         raise ConfigError(
-            "reward.rule_weight=0 and reward.model.weight=0 leave nothing to train on; give one a nonzero weight"
+            f"reward.rule_weight={rw.rule_weight} applies when a reward model or a judge scores the samples, but "
+            "reward.model.enable=false and reward.judge.enable=false; enable one (reward.model.enable=true "
+            "reward.model.path=DIR, or reward.judge.enable=true ...) or drop the key"
+        )
+    weights = [rw.rule_weight] + [
+        w for on, w in ((rw.model.enable, rw.model.weight), (rw.judge.enable, rw.judge.weight)) if on
+    ]
+    if len(weights) > 1 and all(w == 0 for w in weights):
+        raise ConfigError(
+            "reward.rule_weight, reward.model.weight and reward.judge.weight are all 0 (of the parts enabled), "
+            "which leaves nothing to train on; give one a nonzero weight"
+        )
+    _check_judge(cfg)
+
+
+def _check_judge(cfg: PostTrainConfig) -> None:
+    """reward.judge: an endpoint, a model, a rubric, and the API key's variable set (read here, before any model
+    loads; the key itself never sits in the config)."""
+    j = cfg.reward.judge
+    if not j.enable:
+        return
+    for key in ("base_url", "model", "rubric"):
+        if not getattr(j, key):
+            raise ConfigError(
+                f"reward.judge.enable=true needs reward.judge.{key} (base_url: the endpoint, e.g. "
+                "http://127.0.0.1:8000/v1; model: the name it serves; rubric: a YAML rubric file; docs/judges.md)"
+            )
+    if not j.base_url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"reward.judge.base_url={j.base_url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1"
+        )
+    if j.api_key_env and not os.environ.get(j.api_key_env):
+        raise ConfigError(
+            f"reward.judge.api_key_env={j.api_key_env}: the environment variable {j.api_key_env} is not set (or "
+            f"empty); export it with the judge endpoint's API key (export {j.api_key_env}=...), or set "
+            "reward.judge.api_key_env='' for an endpoint that needs no key"
         )
 
 

@@ -44,6 +44,7 @@ from posttrain.parallel.runtime import DistContext, select_device
 from posttrain.parallel.shares import data_share
 from posttrain.rewards.combine import RewardWeights
 from posttrain.rewards.functions import resolve_reward_function
+from posttrain.rewards.judge import build_judge
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
@@ -360,6 +361,7 @@ def build_components(
     sandbox = RunSandbox(cfg.sandbox)  # the run's one sandbox: the code reward's and the python tool's
     # the user's reward is imported (and the sandbox built, for a code reward) before any model loads
     runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
+    judge = build_judge(cfg)  # its rubric read and checked before any model loads
     model_path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(model_path)
     policy = build_policy(cfg, plan, dist, model_path, quiet)
@@ -387,6 +389,7 @@ def build_components(
         sampler=sampler,
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, dist.device),
+        judge=judge,
         generation_device=dist.device.type,
         agent=build_rollout_loop(cfg, tokenizer, sandbox),
         kl_ctrl=build_kl_controller(cfg),
@@ -443,6 +446,7 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
     plan, splits = check_run(cfg, 1, device)
     sandbox = RunSandbox(cfg.sandbox)  # the rollout worker's: its reward and its python tool share it
     runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
+    judge = build_judge(cfg)
     tokenizer = load_tokenizer(model_path)
     train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
     # vLLM loads the weights itself; the native engine decodes with a plain module of its own.
@@ -460,6 +464,7 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
         sampler=sampler,
         reward_runner=runner,
         reward_model=build_reward_model(cfg, plan, device),
+        judge=judge,
         agent=build_rollout_loop(cfg, tokenizer, sandbox),
         generation_device=device.type,
     )

@@ -25,6 +25,7 @@ from posttrain.forward.options import PassOptions
 from posttrain.forward.passes import critic_values, policy_logprobs
 from posttrain.parallel.data_parallel import DataParallel
 from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, DataShare, ShareMetrics
+from posttrain.rewards.judge import TIME as JUDGE_TIME
 from posttrain.rl.build import Components
 from posttrain.rl.collect.generation import (
     step_seed,
@@ -245,7 +246,8 @@ def train_step(
         metrics.update(source.push(step, run.actor.module))
     tokens = run.share.total([float(batch.attention_mask.sum())])[0]
     metrics.update(timer.pop())
-    step_time = sum(v for k, v in metrics.items() if k.startswith("timing/"))
+    # timing/judge is part of timing/rollout (the judge scores inside the rollout phase): not added twice
+    step_time = sum(v for k, v in metrics.items() if k.startswith("timing/") and k != JUDGE_TIME)
     metrics["timing/step"] = step_time
     metrics["perf/tokens_per_s"] = tokens / max(step_time, 1e-9)
     return metrics

@@ -38,6 +38,9 @@ critic.optim.min_lr_ratio critic.optim.grad_clip
 reward.function reward.timeout_s reward.failure_reward reward.fail_fast reward.rule_weight reward.score_during_generation
 reward.model.enable reward.model.path reward.model.weight reward.model.normalize reward.model.micro_batch_size_per_gpu reward.model.use_dynamic_bsz
 reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding reward.model.dtype reward.model.remove_padding_max_row_tokens
+reward.judge.enable reward.judge.base_url reward.judge.model reward.judge.api_key_env reward.judge.rubric reward.judge.weight
+reward.judge.unparsed_score reward.judge.max_concurrency reward.judge.timeout_s reward.judge.max_retries reward.judge.backoff_s
+reward.judge.max_failures reward.judge.max_tokens reward.judge.temperature reward.judge.cache
 algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo
 algorithm.use_kl_in_reward algorithm.kl_penalty
 algorithm.kl_ctrl.type algorithm.kl_ctrl.kl_coef algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.horizon

@@ -1,4 +1,4 @@
-"""Rule + reward model in one run: the weights, the normalisation, both parts logged (posttrain.rewards.combine)."""
+"""Rule + reward model (+ judge) in one run: the weights, the normalisation, both parts logged (posttrain.rewards.combine)."""
 
 import pytest
 import torch
@@ -28,6 +28,17 @@ def test_weights_and_normalisation_by_hand():
     assert torch.equal(alone, rule) and "reward/model_score_mean" not in metrics
     empty, metrics = combine_rewards(torch.zeros(0), torch.zeros(0), w)
     assert len(empty) == 0 and metrics["reward/model_score_mean"] == 0.0
+
+
+def test_a_judge_score_adds_with_its_weight():
+    rule = torch.tensor([1.0, 0.0])
+    model = torch.tensor([2.0, -1.0])
+    judge = torch.tensor([0.25, 1.0])
+    w = RewardWeights(rule=0.5, model=2.0, mean=1.0, std=2.0, judge=3.0)
+    total, _ = combine_rewards(rule, model, w, judge)
+    assert torch.equal(total, 0.5 * rule + 2.0 * (model - 1.0) / 2.0 + 3.0 * judge)
+    judge_only, _ = combine_rewards(rule, None, RewardWeights(rule=0.0, judge=2.0), judge)
+    assert torch.equal(judge_only, 2.0 * judge)
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,65 @@ class RewardModelConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM judge: an OpenAI-compatible chat endpoint grading each sample on a rubric's criteria
+    (docs/judges.md)."""
+
+    enable: bool = knob(False, "Score responses with the judge at `base_url` on the rubric's criteria.")
+    base_url: str = knob(
+        "",
+        "OpenAI-compatible API base URL, e.g. http://127.0.0.1:8000/v1 (a vLLM server, `posttrain serve`, a "
+        "hosted API); the judge posts to <base_url>/chat/completions.",
+    )
+    model: str = knob("", "The model name sent with each request (the endpoint's /v1/models lists them).")
+    api_key_env: str = knob(
+        "",
+        "Name of the environment variable holding the API key (sent as a Bearer token); the key itself is "
+        "never in the config. Empty: no key sent. A variable that is not set stops the run before any model "
+        "loads.",
+    )
+    rubric: str = knob(
+        "",
+        "YAML rubric file: weighted criteria, each a prompt template with {prompt}, {response}, {reference} "
+        "and {row[KEY]} and a verdict kind (score in a range, grade, yes_no); format in docs/judges.md.",
+    )
+    weight: float = knob(
+        1.0,
+        "Weight of the judge's score (in [0, 1], the criteria's weighted mean) in the reward trained on: "
+        "reward.rule_weight * rule + reward.model.weight * model score + reward.judge.weight * judge score; "
+        "logged apart as reward/judge/score_mean.",
+    )
+    unparsed_score: float = knob(
+        0.0,
+        "Score (in [0, 1]) of a criterion whose verdict cannot be read or whose call failed after its retries; "
+        "counted as reward/judge/unparsed and reward/judge/failures.",
+        min=0.0,
+        max=1.0,
+    )
+    max_concurrency: int = knob(8, "Judge requests in flight at once (per rank).", unit="requests", min=1)
+    timeout_s: float = knob(60.0, "Seconds one judge request may take before it is tried again.", min=0.001)
+    max_retries: int = knob(
+        3, "Tries after a failed request (connection, timeout, HTTP error, not a chat completion).", min=0
+    )
+    backoff_s: float = knob(
+        1.0, "Wait before the first retry; doubled before each further one.", unit="seconds", min=0.0
+    )
+    max_failures: int = knob(
+        32,
+        "Failed calls (all tries failed) the run tolerates; one more stops it with a message naming the "
+        "endpoint.",
+        min=0,
+    )
+    max_tokens: int = knob(512, "Most tokens the judge may write per verdict.", unit="tokens", min=1)
+    temperature: float = knob(0.0, "The judge's sampling temperature (0: greedy, reproducible).", min=0.0)
+    cache: bool = knob(
+        True,
+        "Judge each (criterion, prompt, response, reference) once per run and reuse the verdict "
+        "(reward/judge/cached counts the reuses).",
+    )
+
+
+@dataclass
 class OverlongBufferConfig:
     """DAPO's overlong reward shaping (verl's `overlong_buffer`): a length penalty over the last `len` tokens
     before data.max_response_length."""
@@ -102,8 +161,9 @@ class RewardConfig:
     )
     rule_weight: float = knob(
         1.0,
-        "Weight of the rule or function reward in the reward trained on when a reward model is enabled; 0 trains "
-        "on the reward model alone (the rule still runs: reward/rule_mean, reward/rule_accuracy, and validation).",
+        "Weight of the rule or function reward in the reward trained on when a reward model or a judge is "
+        "enabled; 0 trains on the reward model or judge alone (the rule still runs: reward/rule_mean, reward/rule_accuracy, and validation).",
     )
     model: RewardModelConfig = section(RewardModelConfig)
+    judge: JudgeConfig = section(JudgeConfig)
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig)

@@ -16,6 +16,7 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare
+from posttrain.rewards.judge import JudgeScorer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.collect.harness_loop import HarnessLoop
@@ -41,6 +42,7 @@ class RolloutContext:
     agent: AgentLoop | HarnessLoop | None = None  # multi-turn runs: how trajectories are rolled out
     # Where the engine generates, "cpu" or "cuda": reward.score_during_generation=auto reads it.
     generation_device: str = "cpu"
+    judge: JudgeScorer | None = None  # reward.judge: an LLM judge's rubric scores, weighed in with the rule's
 
     def close(self) -> None:
         self.reward_runner.close()

@@ -17,8 +17,10 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.parallel.shares import MAX, MEAN, SINGLE_SHARE, SUM, DataShare, ShareMetrics
 from posttrain.rewards import counts as reward_counts
+from posttrain.rewards import judge as judge_metrics
 from posttrain.rewards.background import WAIT_METRIC, BackgroundScoring
 from posttrain.rewards.combine import RewardWeights, combine_rewards
+from posttrain.rewards.judge import JudgeScorer
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -63,7 +65,7 @@ def overlong_shaping(cfg: PostTrainConfig) -> OverlongBuffer | None:
 @dataclass(frozen=True)
 class Scorer:
     """Turns responses into rewards: the rule or user function (behind its runner's guards), plus the reward
-    model's score when one is enabled. The overlong penalty (``overlong``) is separate: it depends on lengths
+    model's and the judge's scores when they are enabled. The overlong penalty (``overlong``) is separate: it depends on lengths
     only, so callers add :meth:`penalties` to the scores. ``during_generation``: the runner scores each sample
     as the engine finishes it (:mod:`posttrain.rewards.background`; ``reward.score_during_generation``)."""
 
@@ -73,6 +75,7 @@ class Scorer:
     overlong: OverlongBuffer | None = None
     weights: RewardWeights = RewardWeights()
     during_generation: bool = False
+    judge: JudgeScorer | None = None
 
     def penalties(self, result: RolloutResult) -> torch.Tensor:
         """[S] the overlong penalty of each of ``result``'s samples (zeros when the shaping is off)."""
@@ -114,7 +117,14 @@ class Scorer:
             inputs = reward_inputs(records, result, self.tokenizer) if inputs is None else inputs
             texts = [i.response for i in inputs]
             rm = torch.tensor(self.reward_model.score([i.prompt for i in inputs], texts) if inputs else [])
-        scores, parts = combine_rewards(torch.tensor(rewards, dtype=torch.float32), rm, self.weights)
+        judged = None  # the judge's scores, in [0, 1]
+        if self.judge is not None:
+            inputs = reward_inputs(records, result, self.tokenizer) if inputs is None else inputs
+            judge_scores, judge_parts = self.judge.score(inputs)
+            judged = torch.tensor(judge_scores, dtype=torch.float32)
+            metrics = {**metrics, **judge_parts}
+        rule = torch.tensor(rewards, dtype=torch.float32)
+        scores, parts = combine_rewards(rule, rm, self.weights, judged)
         # Multi-turn: the environment's reward adds to the score, or replaces it (a harness's reward).
         weights = torch.tensor(score_weights(result), dtype=torch.float32)
         scores = scores * weights + torch.tensor(env_rewards(result), dtype=torch.float32)
@@ -167,6 +177,8 @@ SCORER_REDUCTIONS = {
     WAIT_METRIC: MAX,
 }
 SCORER_REDUCTIONS.update(dict.fromkeys(reward_counts.SUMMED, SUM))  # the code reward's counts
+SCORER_REDUCTIONS.update(dict.fromkeys(judge_metrics.SUMMED, SUM))  # the judge's counts
+SCORER_REDUCTIONS[judge_metrics.TIME] = MAX
 
 
 def join_replicas(share: DataShare, lo: int, result: RolloutResult, scores: torch.Tensor) -> Scored:

@@ -79,7 +79,13 @@ def context_scorer(context: RolloutContext) -> Scorer:
     fn = getattr(context.reward_runner, "fn", None)  # a stand-in runner may have none
     during = scores_during_generation(context.cfg, fn, context.generation_device)
     return Scorer(
-        context.reward_runner, rm, context.tokenizer, overlong_shaping(context.cfg), weights, during
+        context.reward_runner,
+        rm,
+        context.tokenizer,
+        overlong_shaping(context.cfg),
+        weights,
+        during,
+        context.judge,
     )
 
 
@@ -149,7 +155,8 @@ def assemble_rollout(
     how = {"mean": MAX, "sum": MAX} if whole else {"mean": MEAN, "sum": SUM}
     weight = len(result)
     unshaped = drawn.scores if cfg.reward.overlong_buffer.enable else None
-    accuracy = not cfg.reward.model.enable  # with a model score summed in: reward/rule_accuracy says it
+    # with a model's or a judge's score summed in: reward/rule_accuracy says it
+    accuracy = not (cfg.reward.model.enable or cfg.reward.judge.enable)
     if whole:
         step_metrics = ShareMetrics()
         rollout_metrics(result, drawn.rewards, step_metrics, unshaped, accuracy)

@@ -128,6 +128,7 @@ def test_auto_scores_during_generation_where_the_cpus_are_free(device, backend, 
     context = types.SimpleNamespace(
         cfg=cfg,
         reward_model=None,
+        judge=None,
         reward_runner=types.SimpleNamespace(fn=fn),
         tokenizer=None,
         generation_device=device,
