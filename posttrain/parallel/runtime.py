@@ -165,7 +165,10 @@ def rendezvous_failure(exc: BaseException, rank: int, world: int, timeout_s: flo
     where = (
         f"MASTER_ADDR={os.environ.get('MASTER_ADDR', '?')} MASTER_PORT={os.environ.get('MASTER_PORT', '?')}"
     )
-    side = "waited for the other ranks" if rank == 0 else "could not reach rank 0"
+    # DistNetworkError: no connection to rank 0's store at all; otherwise the store answered but not every rank came.
+    side = (
+        "could not reach rank 0" if isinstance(exc, dist.DistNetworkError) else "waited for the other ranks"
+    )
     return ConfigError(
         f"rank {rank} of {world} (WORLD_SIZE={world}) {side} at {where} for trainer.dist_timeout_s={timeout_s:g} s "
         f"and gave up ({str(exc).splitlines()[0]}): start every node's ranks with the same MASTER_ADDR, "
