@@ -94,15 +94,27 @@ def _listening_fd(host: str, port: int) -> int:
 
 def local_rendezvous(rank: int, world: int, timeout: datetime.timedelta) -> dict[str, Any]:
     """``init_process_group``'s rendezvous arguments for a rank launched with MASTER_ADDR/MASTER_PORT: when
-    every rank runs on this machine (a loopback MASTER_ADDR, and LOCAL_WORLD_SIZE, where set, the whole
-    world), the store of :func:`loopback_store` and gloo bound to the loopback interface (a GLOO_SOCKET_IFNAME
+    every rank runs on this machine (a loopback MASTER_ADDR that every rank was given: :func:`one_master_address`),
+    the store of :func:`loopback_store` and gloo bound to the loopback interface (a GLOO_SOCKET_IFNAME
     the user set stays); empty otherwise (torch's env:// rendezvous, as torchrun or the user set it up)."""
     master_addr = os.environ.get("MASTER_ADDR", "")
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
-        # Ranks on other nodes, told another address for rank 0 (torchrun's --master_addr is per node).
+    if not one_master_address(world):
+        # Ranks on other nodes, maybe told another address for rank 0 (torchrun's --master_addr is per node).
         return {}
     for name, value in loopback_gloo_env(master_addr).items():
         os.environ.setdefault(name, value)
     port = os.environ.get("MASTER_PORT")
     store = loopback_store(master_addr, int(port), rank, world, timeout) if port else None
     return {} if store is None else {"store": store, "rank": rank, "world_size": world}
+
+
+def one_master_address(world: int) -> bool:
+    """Whether every rank was given this rank's MASTER_ADDR, so that a loopback one means every rank runs on this
+    machine: all ranks on one node (LOCAL_WORLD_SIZE, where set, the world), or ranks on several nodes started
+    by torchrun's dynamic (c10d) rendezvous without its shared store (TORCHELASTIC_USE_AGENT_STORE=False): there
+    rank 0's launcher publishes its own address to every node's launcher. (A static rendezvous always shares its
+    store, and each node's --master_addr is that node's own word.)"""
+    return (
+        int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+        or os.environ.get(AGENT_STORE_VARIABLE) == "False"
+    )

@@ -141,18 +141,40 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistContext:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            backend=backend,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-            **local_rendezvous(rank, world, timeout),
-        )
+        try:
+            dist.init_process_group(
+                backend=backend,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+                **local_rendezvous(rank, world, timeout),
+            )
+        except dist.DistError as exc:  # the store's timeouts: DistStoreError, DistNetworkError
+            raise rendezvous_failure(exc, rank, world, timeout_s) from None
     if dist.get_world_size() != world:
         raise RuntimeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")
     if rank != 0:
         # One voice per job: other ranks only report warnings and errors.
         logging.getLogger("posttrain").setLevel(logging.WARNING)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def rendezvous_failure(exc: BaseException, rank: int, world: int, timeout_s: float) -> ConfigError:
+    """The error for ranks that did not all meet: rank 0's store saw too few ranks, or a rank could not reach
+    rank 0's store, within the timeout. What the ranks were told is the usual cause (a node not started, another
+    MASTER_ADDR/MASTER_PORT/WORLD_SIZE on one node, an address the other nodes cannot reach), so it is named."""
+    where = (
+        f"MASTER_ADDR={os.environ.get('MASTER_ADDR', '?')} MASTER_PORT={os.environ.get('MASTER_PORT', '?')}"
+    )
+    # DistNetworkError: no connection to rank 0's store at all; otherwise the store answered but not every rank came.
+    side = (
+        "could not reach rank 0" if isinstance(exc, dist.DistNetworkError) else "waited for the other ranks"
+    )
+    return ConfigError(
+        f"rank {rank} of {world} (WORLD_SIZE={world}) {side} at {where} for trainer.dist_timeout_s={timeout_s:g} s "
+        f"and gave up ({str(exc).splitlines()[0]}): start every node's ranks with the same MASTER_ADDR, "
+        "MASTER_PORT and WORLD_SIZE, and make MASTER_ADDR an address of rank 0's node that every node reaches "
+        "(docs/distributed.md, Failures)"
+    )
 
 
 # What gloo raises (torch 2.13) when a peer is gone or silent: a plain RuntimeError, not a DistError, whose

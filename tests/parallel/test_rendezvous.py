@@ -14,7 +14,13 @@ import pytest
 from torch.distributed import TCPStore
 
 from posttrain.config.errors import ConfigError
-from posttrain.parallel.rendezvous import AGENT_STORE_VARIABLE, is_loopback, local_rendezvous, loopback_store
+from posttrain.parallel.rendezvous import (
+    AGENT_STORE_VARIABLE,
+    is_loopback,
+    local_rendezvous,
+    loopback_store,
+    one_master_address,
+)
 from tests.parallel.conftest import (
     REPO,
     end_group,
@@ -96,6 +102,21 @@ def test_ranks_on_other_nodes_keep_torchs_rendezvous(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert local_rendezvous(0, 4, TIMEOUT) == {}
     assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_which_launches_give_every_rank_one_master_address(monkeypatch):
+    """One node (LOCAL_WORLD_SIZE the world), or torchrun's c10d rendezvous without its shared store (rank 0's
+    launcher publishes its address to every node): a loopback MASTER_ADDR then means every rank is on this
+    machine. A static rendezvous (which always shares its store) or ranks started by hand on several nodes:
+    each node may have been told its own address for rank 0."""
+    monkeypatch.delenv(AGENT_STORE_VARIABLE, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert one_master_address(2)
+    assert not one_master_address(4)
+    monkeypatch.setenv(AGENT_STORE_VARIABLE, "True")
+    assert not one_master_address(4)
+    monkeypatch.setenv(AGENT_STORE_VARIABLE, "False")  # torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    assert one_master_address(4)
 
 
 def test_a_taken_port_is_a_config_error():

@@ -127,7 +127,32 @@ def ahead_shares(out: Path, options: dict[str, str]) -> None:
     dist.destroy_process_group()
 
 
+def mesh(out: Path, options: dict[str, str]) -> None:
+    """Each rank joins the group as the trainer does, builds the mesh a model is sharded on
+    (``fsdp_size`` from the options; ``timeout_s``, default 60, bounds the rendezvous) and writes ``mesh_<rank>.json``: its pid, node (torchrun's GROUP_RANK) and the
+    ranks of its shard and replicate groups, read from the mesh; it leaves once ``out/release`` exists."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    from posttrain.parallel.fsdp import sharding_mesh
+    from posttrain.parallel.runtime import init_distributed, shutdown_distributed
+
+    ctx = init_distributed(torch.device("cpu"), float(options.get("timeout_s", 60)))
+    grid = sharding_mesh(ctx, int(options["fsdp_size"]))
+    groups = {name: dist.get_process_group_ranks(grid.get_group(name)) for name in grid.mesh_dim_names}
+    node = int(os.environ["GROUP_RANK"])
+    said = {"pid": os.getpid(), "node": node, "nodes": ctx.all_gather_object(node), "groups": groups}
+    (out / f"mesh_{ctx.rank}.json").write_text(json.dumps(said))
+    while not (out / "release").exists():
+        time.sleep(0.1)
+    ctx.barrier()
+    shutdown_distributed(ctx)
+
+
 SCENARIOS = {
+    "mesh": mesh,
     "ahead_shares": ahead_shares,
     "update": update,
     "train": train,
