@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from posttrain.algorithms.advantages import GROUP_ESTIMATORS
+from posttrain.algorithms.names import GROUP_ESTIMATORS
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig, TrainerConfig
 from posttrain.config.schema.harness import harness_enabled
