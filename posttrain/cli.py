@@ -205,14 +205,18 @@ def _print_explain(cfg, plan, shape, estimate, advice, point) -> None:
 
 def _checked(args: argparse.Namespace, command: str):
     """The config, after the checks every command runs before any model loads (posttrain.planning.preflight)."""
-    cfg = _load(args)
+    return _preflight(_load(args), command)
+
+
+def _preflight(cfg, command: str, model: str | None = None):
+    """``cfg`` once it passed the checks ``command`` runs before any model loads; ``model``: eval's --model."""
     from posttrain.parallel.runtime import launched_world_size
     from posttrain.planning.preflight import preflight
     from posttrain.rl.ray_ranks import wants_ray_ranks
 
     on_ray = wants_ray_ranks(cfg)
     world = cfg.trainer.ray_ranks if on_ray else launched_world_size()
-    preflight(cfg, command, getattr(args, "model", None), world_size=world, ranks_elsewhere=on_ray)
+    preflight(cfg, command, model, world_size=world, ranks_elsewhere=on_ray)
     return cfg
 
 
@@ -261,10 +265,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    cfg = _checked(args, "eval")
-    from posttrain.rl.eval_command import run_eval_command
+    from posttrain.rl.eval_command import model_named_by_flag, run_eval_command
 
-    run_eval_command(cfg, model_path=args.model)
+    cfg, model = model_named_by_flag(_load(args), args.model)  # --model takes what model.path takes
+    run_eval_command(_preflight(cfg, "eval", model), model_path=model)
     return 0
 
 
@@ -303,7 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_command(
         sub, "eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task."
     )
-    p.add_argument("--model", default=None, help="Model directory or checkpoint (default: model.path)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="What model.path takes (a model directory, a Hub id, builtin:tiny, builtin:base), or a checkpoint "
+        "or exported adapter over model.path (default: model.path)",
+    )
     add_explain_args(
         _add_command(
             sub,
