@@ -19,6 +19,7 @@ from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
 from posttrain.planning.flags import add_explain_args, add_tune_args
+from posttrain.planning.input_checks import check_inputs
 from posttrain.planning.keys import key_lines
 from posttrain.rl.serve_flags import add_serve_parser
 from posttrain.sandbox.server import add_serve_arguments, serve, settings_from_arguments
@@ -51,10 +52,12 @@ def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
     return yamls, overrides
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, then_libraries: bool = True):
+    """The config; ``then_libraries``: the command's libraries load next (False: after more torch-free checks)."""
     yamls, overrides = _split_args(args.config)
     cfg = build_config(yamls, overrides)
-    quiet_library_progress_bars()  # the config is valid: the command's libraries load next
+    if then_libraries:
+        quiet_library_progress_bars()
     return cfg
 
 
@@ -205,18 +208,21 @@ def _print_explain(cfg, plan, shape, estimate, advice, point) -> None:
 
 def _checked(args: argparse.Namespace, command: str):
     """The config, after the checks every command runs before any model loads (posttrain.planning.preflight)."""
-    return _preflight(_load(args), command)
+    return _preflight(_load(args, then_libraries=False), command)
 
 
 def _preflight(cfg, command: str, model: str | None = None):
-    """``cfg`` once it passed the checks ``command`` runs before any model loads; ``model``: eval's --model."""
+    """``cfg`` once it passed the checks ``command`` runs before any model loads; ``model``: eval's --model.
+    The torch-free ones first, before the rest is imported: a misspelled file or function fails at once."""
+    check_inputs(cfg, command)
+    quiet_library_progress_bars()
     from posttrain.parallel.runtime import launched_world_size
     from posttrain.planning.preflight import preflight
     from posttrain.rl.ray_ranks import wants_ray_ranks
 
     on_ray = wants_ray_ranks(cfg)
     world = cfg.trainer.ray_ranks if on_ray else launched_world_size()
-    preflight(cfg, command, model, world_size=world, ranks_elsewhere=on_ray)
+    preflight(cfg, command, model, world_size=world, ranks_elsewhere=on_ray, inputs_checked=True)
     return cfg
 
 
@@ -265,9 +271,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    cfg = _load(args, then_libraries=False)
     from posttrain.rl.eval_command import model_named_by_flag, run_eval_command
 
-    cfg, model = model_named_by_flag(_load(args), args.model)  # --model takes what model.path takes
+    cfg, model = model_named_by_flag(cfg, args.model)  # --model takes what model.path takes
     run_eval_command(_preflight(cfg, "eval", model), model_path=model)
     return 0
 

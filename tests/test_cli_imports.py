@@ -41,3 +41,11 @@ def test_the_cli_and_the_config_load_without_torch(code):
 def test_a_misspelled_key_fails_without_importing_torch():
     code = "from posttrain.cli import main\nassert main(['train', 'trainer.totl_steps=3']) == 2"
     assert heavy_modules_after(code) == []
+
+
+def test_a_misspelled_reward_function_fails_without_importing_torch(tmp_path):
+    """docs/your-task.md: "a typo fails in a second" (the reward's file and name are checked before the rest)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward(prompt, response, ground_truth, extra):\n    return 1.0\n")
+    code = f"from posttrain.cli import main\nassert main(['train', 'reward.function={reward}:rewrd']) == 2"
+    assert heavy_modules_after(code) == []
