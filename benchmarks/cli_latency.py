@@ -1,4 +1,5 @@
-"""How fast the command line answers: `posttrain --help` and a misspelled key (a config error, exit 2).
+"""How fast the command line answers: `posttrain --help`, a misspelled key and a misspelled reward function name
+(config errors, exit 2).
 
 Run::
 
@@ -21,14 +22,24 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = {
-    "posttrain --help": (["--help"], 0),
-    "posttrain train trainer.totl_steps=3 (a typo)": (["train", "trainer.totl_steps=3"], 2),
-}
+REWARD = "def reward(prompt, response, ground_truth, extra):\n    return 1.0\n"
+
+
+def commands(reward_file: Path) -> dict[str, tuple[list[str], int]]:
+    """Each timed command: its arguments and the exit code it must end with."""
+    return {
+        "posttrain --help": (["--help"], 0),
+        "posttrain train trainer.totl_steps=3 (a typo)": (["train", "trainer.totl_steps=3"], 2),
+        "posttrain train reward.function=reward.py:rewrd": (
+            ["train", f"reward.function={reward_file}:rewrd"],
+            2,
+        ),
+    }
 
 
 def run_once(args: list[str], expected_code: int) -> tuple[float, float]:
@@ -52,16 +63,20 @@ def main() -> None:
     args = parser.parse_args()
     cache = "off (PYTHONDONTWRITEBYTECODE)" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "on"
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; bytecode cache {cache}")
-    for name, (cli_args, code) in COMMANDS.items():
+    folder = tempfile.TemporaryDirectory()
+    reward_file = Path(folder.name) / "reward.py"
+    reward_file.write_text(REWARD)
+    for name, (cli_args, code) in commands(reward_file).items():
         run_once(cli_args, code)  # warm-up: bytecode written, files in the page cache
         runs = [run_once(cli_args, code) for _ in range(args.runs)]
         wall = sorted(w for w, _ in runs)
         cpu = statistics.median(c for _, c in runs)
         print(
-            f"{name:48s} median {statistics.median(wall):.3f} s  (fastest {wall[0]:.3f}, slowest {wall[-1]:.3f}, "
+            f"{name:50s} median {statistics.median(wall):.3f} s  (fastest {wall[0]:.3f}, slowest {wall[-1]:.3f}, "
             f"{args.runs} runs; CPU time median {cpu:.3f} s)"
         )
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    folder.cleanup()
 
 
 if __name__ == "__main__":
