@@ -14,39 +14,21 @@ import os
 import sys
 from collections.abc import Callable
 
-import huggingface_hub.utils
-import transformers.utils.logging
-from rich.console import Console
-
 from posttrain import __version__
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
-from posttrain.config.plan import build_plan, fsdp_group_size
 from posttrain.config.verl_keys import LAST_TRANSLATED, translated_lines
-from posttrain.parallel.runtime import launched_world_size, select_device
-from posttrain.planning.advice import advise, starting_point
-from posttrain.planning.explain import advice_lines, estimate_table, explain_json, plan_tree
+from posttrain.planning.flags import add_explain_args, add_tune_args
+from posttrain.planning.input_checks import check_inputs
 from posttrain.planning.keys import key_lines
-from posttrain.planning.memory import Cluster, estimate_memory
-from posttrain.planning.memory_bytes import WhatIf
-from posttrain.planning.multi_turn import multi_turn_plan, multi_turn_tree
-from posttrain.planning.preflight import preflight, preflight_rm
-from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
-from posttrain.planning.sandbox_probe import harness_probe_line  # the code reward's harness, not a bare run
-from posttrain.planning.shape import ModelShape, shape_for_model_path
-from posttrain.planning.tune import run_tune
-from posttrain.rewards.code import CodeReward
-from posttrain.rl.collect.phase import scoring_line
-from posttrain.rl.eval_command import run_eval_command
-from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
-from posttrain.rl.serve_command import add_serve_parser, run_serve, serve_settings
-from posttrain.rl.train_command import run_training
-from posttrain.rm.command import run_rm_command
-from posttrain.sandbox.build import build_sandbox
+from posttrain.rl.serve_flags import add_serve_parser
 from posttrain.sandbox.server import add_serve_arguments, serve, settings_from_arguments
-from posttrain.sft.command import run_sft_command
 from posttrain.utils.signals import EXIT_TERMINATED, Interrupted, Terminated, sigterm_raises
 from posttrain.utils.storage import storage_problem
+
+# Only what parsing the command line and loading a config need is imported above: `posttrain --help` and a
+# misspelled key answer in a fraction of a second. Each command imports its own modules (torch, transformers,
+# the engines) when it runs, after its config loaded (tests/test_cli_imports.py keeps it so).
 
 EXIT_CONFIG_ERROR = 2
 KEYS_HINT = (
@@ -70,13 +52,20 @@ def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
     return yamls, overrides
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, then_libraries: bool = True):
+    """The config; ``then_libraries``: the command's libraries load next (False: after more torch-free checks)."""
     yamls, overrides = _split_args(args.config)
-    return build_config(yamls, overrides)
+    cfg = build_config(yamls, overrides)
+    if then_libraries:
+        quiet_library_progress_bars()
+    return cfg
 
 
 def _what_if(args: argparse.Namespace, world_size: int, cfg):
     """The estimate's what-ifs: each flag overrides the config; left out, the config's own value counts."""
+    from posttrain.config.plan import fsdp_group_size
+    from posttrain.planning.memory_bytes import WhatIf
+
     r = cfg.rollout
     fsdp = None if args.fsdp_size is None else fsdp_group_size(args.fsdp_size, world_size, "--fsdp-size")
     return WhatIf(
@@ -93,6 +82,8 @@ def _what_if(args: argparse.Namespace, world_size: int, cfg):
 
 
 def _model_shape(cfg, model_config: str | None):
+    from posttrain.planning.shape import ModelShape, shape_for_model_path
+
     if model_config:
         return ModelShape.from_path(model_config)
     return shape_for_model_path(cfg.model.path)
@@ -123,6 +114,9 @@ def _cluster_shape(args: argparse.Namespace, world: int) -> tuple[int, int]:
 
 def explain_rm(args: argparse.Namespace) -> int:
     """`posttrain explain rm [CONFIG ...]`: the plan of a `posttrain rm` run (posttrain.planning.rm_plan)."""
+    from posttrain.planning.preflight import preflight_rm
+    from posttrain.planning.rm_plan import rm_plan, rm_plan_lines
+
     args.config = args.config[1:]
     cfg = _load(args)
     preflight_rm(cfg, world := _world_size(args, cfg), check_model=not args.model_config)  # rm's checks
@@ -138,6 +132,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.config[:1] == ["rm"]:  # a reward-model run: pairs, not a task and a rollout
         return explain_rm(args)
     cfg = _load(args)
+    from posttrain.config.plan import build_plan
+    from posttrain.planning.advice import advise, starting_point
+    from posttrain.planning.explain import explain_json
+    from posttrain.planning.memory import Cluster, estimate_memory
+    from posttrain.planning.multi_turn import multi_turn_plan
+    from posttrain.planning.preflight import preflight
+
     if LAST_TRANSLATED and not args.json:  # verl's key names given: show what each became
         print(
             "verl keys translated (docs/migrating-from-verl.md):\n"
@@ -160,6 +161,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
         out["multi_turn"] = multi_turn_plan(cfg)
         print(json.dumps(out, indent=2, default=repr))
         return 0
+    _print_explain(cfg, plan, shape, estimate, advice, point)
+    return 0
+
+
+def _print_explain(cfg, plan, shape, estimate, advice, point) -> None:
+    """`posttrain explain`'s text: the plan, the multi-turn plan, the sandbox check, the memory estimate."""
+    from rich.console import Console
+
+    from posttrain.parallel.runtime import select_device
+    from posttrain.planning.explain import advice_lines, estimate_table, plan_tree
+    from posttrain.planning.multi_turn import multi_turn_tree
+    from posttrain.planning.sandbox_probe import (
+        harness_probe_line,  # the code reward's harness, not a bare run
+    )
+    from posttrain.rewards.code import CodeReward
+    from posttrain.rl.collect.phase import scoring_line
+
     # Piped output (CI logs, files) gets a fixed width instead of rich's 80-column default.
     console = Console()
     if not console.is_terminal:
@@ -176,7 +194,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         console.print(
             f"(no memory estimate: model.path={cfg.model.path!r} has no config.json; pass --model-config)"
         )
-        return 0
+        return
     console.print(f"Memory estimate for {shape.name} ({shape.num_params() / 1e6:,.1f}M parameters)")
     console.print(estimate_table(estimate, advice))
     for line in advice_lines(estimate, advice):
@@ -186,25 +204,40 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in point.overrides.items()
         )
         console.print(f"starting point for a {point.tier} model ({point.source}):\n  {args_text}")
-    return 0
 
 
 def _checked(args: argparse.Namespace, command: str):
     """The config, after the checks every command runs before any model loads (posttrain.planning.preflight)."""
-    cfg = _load(args)
+    return _preflight(_load(args, then_libraries=False), command)
+
+
+def _preflight(cfg, command: str, model: str | None = None):
+    """``cfg`` once it passed the checks ``command`` runs before any model loads; ``model``: eval's --model.
+    The torch-free ones first, before the rest is imported: a misspelled file or function fails at once."""
+    check_inputs(cfg, command)
+    quiet_library_progress_bars()
+    from posttrain.parallel.runtime import launched_world_size
+    from posttrain.planning.preflight import preflight
+    from posttrain.rl.ray_ranks import wants_ray_ranks
+
     on_ray = wants_ray_ranks(cfg)
     world = cfg.trainer.ray_ranks if on_ray else launched_world_size()
-    preflight(cfg, command, getattr(args, "model", None), world_size=world, ranks_elsewhere=on_ray)
+    preflight(cfg, command, model, world_size=world, ranks_elsewhere=on_ray, inputs_checked=True)
     return cfg
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from posttrain.planning.tune import run_tune
+
     yamls, overrides = _split_args(args.config)
     return run_tune(args, _load(args), overrides, yamls)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _checked(args, "train")
+    from posttrain.rl.ray_ranks import RanksFailed, run_on_ray, wants_ray_ranks
+    from posttrain.rl.train_command import run_training
+
     if not wants_ray_ranks(cfg):
         run_training(cfg)
         return 0
@@ -219,29 +252,45 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    run_sft_command(_checked(args, "sft"))
+    cfg = _checked(args, "sft")
+    from posttrain.sft.command import run_sft_command
+
+    run_sft_command(cfg)
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
     cfg = _load(args)  # no reward function to check: pairs carry the preference
+    from posttrain.parallel.runtime import launched_world_size
+    from posttrain.planning.preflight import preflight_rm
+    from posttrain.rm.command import run_rm_command
+
     preflight_rm(cfg, launched_world_size())  # explain rm runs the same checks
     run_rm_command(cfg)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    run_eval_command(_checked(args, "eval"), model_path=args.model)
+    cfg = _load(args, then_libraries=False)
+    from posttrain.rl.eval_command import model_named_by_flag, run_eval_command
+
+    cfg, model = model_named_by_flag(cfg, args.model)  # --model takes what model.path takes
+    run_eval_command(_preflight(cfg, "eval", model), model_path=model)
     return 0
 
 
 def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     settings = settings_from_arguments(args)  # checked before the sandbox is built: refuse at once
-    serve(build_sandbox(_load(args).sandbox), settings)
+    cfg = _load(args)
+    from posttrain.sandbox.build import build_sandbox
+
+    serve(build_sandbox(cfg.sandbox), settings)
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from posttrain.rl.serve_command import run_serve, serve_settings
+
     settings = serve_settings(args)  # flags, MODEL_DIR and its tokenizer checked before any weights load
     run_serve(_load(args), settings)
     return 0
@@ -265,8 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_command(
         sub, "eval", cmd_eval, "Validation accuracy of a model directory or checkpoint on the task."
     )
-    p.add_argument("--model", default=None, help="Model directory or checkpoint (default: model.path)")
-    _add_explain_args(
+    p.add_argument(
+        "--model",
+        default=None,
+        help="What model.path takes (a model directory, a Hub id, builtin:tiny, builtin:base), or a checkpoint "
+        "or exported adapter over model.path (default: model.path)",
+    )
+    add_explain_args(
         _add_command(
             sub,
             "explain",
@@ -275,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(`posttrain explain rm ...`: the plan of a reward-model run).",
         )
     )
-    _add_tune_args(
+    add_tune_args(
         _add_command(
             sub,
             "tune",
@@ -317,121 +371,13 @@ def _add_command(
     return p
 
 
-def _add_explain_args(p: argparse.ArgumentParser) -> None:
-    _add_world_size_arg(p)
-    p.add_argument("--json", action="store_true", help="Print the plan as JSON (stable keys)")
-    p.add_argument("--keys", action="store_true", help="List every config key with its unit and help")
-    p.add_argument(
-        "--suggest", action="store_true", help="Also print the seeds' starting point for this model size"
-    )
-    _add_cluster_args(p)
-
-
-def _add_tune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--memory-cap-gb",
-        type=float,
-        default=None,
-        help="Memory a trial may use, GiB (default: the GPU's memory; on CPU the available RAM)",
-    )
-    p.add_argument("--headroom", type=float, default=0.1, help="Fraction of the cap kept free (default 0.1)")
-    p.add_argument(
-        "--time-budget-s", type=float, default=300.0, help="Stop starting trials after this (0: no trials)"
-    )
-    p.add_argument("--max-trials", type=int, default=12, help="Most trials in total (default 12)")
-    p.add_argument(
-        "--roles", default=None, help="Comma list of actor,old_log_prob,critic,values (default: used ones)"
-    )
-    p.add_argument("--max-micro-batch", type=int, default=None, help="Largest micro-batch size to try")
-    p.add_argument(
-        "--rows", type=int, default=None, help="Samples per measured step (default: mini-batch per rank)"
-    )
-    p.add_argument(
-        "--repeats", type=int, default=2, help="Timed steps per trial; the fastest counts (default 2)"
-    )
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="Where to measure")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per trial (default 1)")
-    p.add_argument(
-        "--output", default=None, help="Overlay YAML to write (default <trainer.run_dir>/tuned.yaml)"
-    )
-    _add_world_size_arg(p)
-    _add_cluster_args(p)
-
-
-def _add_world_size_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="Number of GPUs/processes (default: nodes x gpus-per-node)",
-    )
-
-
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cluster and what-if inputs of the memory estimate (docs/tuning.md)")
-    g.add_argument("--nodes", type=int, default=1, help="Nodes (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
-    g.add_argument(
-        "--gpu-memory-gb", type=float, default=None, help="Memory per GPU in GiB (enables OOM warnings)"
-    )
-    g.add_argument(
-        "--model-config", default=None, help="config.json (or its directory) giving the architecture"
-    )
-    # The sharding what-ifs default to None: the config's <role>.fsdp_config keys, as the trainer applies them.
-    g.add_argument(
-        "--fsdp-size",
-        type=int,
-        default=None,
-        help="What if every role were sharded over this many GPUs (-1: all; default: <role>.fsdp_config)",
-    )
-    g.add_argument(
-        "--param-offload",
-        action="store_true",
-        default=None,
-        help="What if every role's parameters were offloaded to CPU (default: <role>.fsdp_config)",
-    )
-    g.add_argument(
-        "--optimizer-offload",
-        action="store_true",
-        default=None,
-        help="What if optimizer states were offloaded to CPU (default: <role>.fsdp_config)",
-    )
-    g.add_argument(
-        "--lora-rank", type=int, default=0, help="What if only LoRA adapters of this rank were trained"
-    )
-    g.add_argument(
-        "--master-weights-fp32",
-        action="store_true",
-        default=None,
-        help="What if fp32 master weights (default: as the trainer does, when sharded on several GPUs)",
-    )
-    g.add_argument(
-        "--rollout-engine",
-        default=None,
-        choices=("native", "vllm"),
-        help="Rollout engine to model (default: rollout.name)",
-    )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="vLLM's reserved fraction (default: rollout.gpu_memory_utilization)",
-    )
-    g.add_argument(
-        "--max-num-seqs", type=int, default=None, help="Concurrent sequences (default: rollout.max_num_seqs)"
-    )
-    g.add_argument(
-        "--rollout-tp",
-        type=int,
-        default=None,
-        help="vLLM's TP size (default: rollout.tensor_model_parallel_size)",
-    )
-
-
 def quiet_library_progress_bars() -> None:
     """Turn off transformers' own progress bars ("Loading weights", "Writing model shards"): they redraw over
     the training display and fill logs with carriage returns. Hub download bars stay (a download of a large
     model can take minutes) unless HF_HUB_DISABLE_PROGRESS_BARS is set."""
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
     transformers.utils.logging.disable_progress_bar()  # also turns the Hub's off
     if not os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"):
         huggingface_hub.utils.enable_progress_bars()
@@ -451,7 +397,6 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(argv)
-    quiet_library_progress_bars()
     try:
         with sigterm_raises():  # every phase, not only the training loop: one line, exit 143
             return args.fn(args)

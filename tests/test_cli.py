@@ -106,14 +106,14 @@ def test_invalid_config_exits_2_without_traceback(args, keys):
 def test_an_internal_bug_is_not_reported_as_a_config_error(monkeypatch, capsys):
     """Only ConfigError is a user error: a ValueError from deep inside (a bug, ours or a library's) keeps its
     traceback instead of becoming a one-line "error" with exit code 2."""
-    from posttrain import cli
     from posttrain.algorithms import advantages
     from posttrain.config.errors import ConfigError
+    from posttrain.rl import train_command
 
     def buggy(cfg, quiet=False):
         advantages.get_advantage_estimator("no-such-estimator")  # a ValueError from a pure function
 
-    monkeypatch.setattr(cli, "run_training", buggy)
+    monkeypatch.setattr(train_command, "run_training", buggy)
     with pytest.raises(ValueError, match="no-such-estimator") as info:
         main(["train"])
     assert not isinstance(info.value, ConfigError)
@@ -121,7 +121,7 @@ def test_an_internal_bug_is_not_reported_as_a_config_error(monkeypatch, capsys):
     def user_error(cfg, quiet=False):
         raise ConfigError("data.train_files: 'missing.jsonl' does not exist")
 
-    monkeypatch.setattr(cli, "run_training", user_error)
+    monkeypatch.setattr(train_command, "run_training", user_error)
     assert main(["train"]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
 

@@ -33,6 +33,7 @@ from typing import Any
 from posttrain.agents.adapters import SkyRLEnvironment, TRLStyleEnvironment, WithTools
 from posttrain.agents.builtin_envs import CalculatorEnv, GuessNumberEnv
 from posttrain.agents.env import Environment, ToolEnvironment
+from posttrain.agents.gsm8k_tool import bind_row
 from posttrain.agents.python_tool import PythonEnv, bind_python, uses_python
 from posttrain.agents.tool_config import load_tool_config
 from posttrain.agents.tools import ToolSet
@@ -195,7 +196,7 @@ def environment_factory(cfg: PostTrainConfig, sandbox: RunSandbox | None = None)
         if spec.cls is PythonEnv:  # the run's tool-call limits, unless env.kwargs sets its own
             kwargs = {"max_parallel_calls": calls, "timeout_s": timeout, **kwargs, "sandbox": box}
     if spec.kind == "none":
-        return lambda row: _plain_or_skyrl_row(row, tools, calls, timeout)
+        return lambda row: _plain_or_skyrl_row(row, bind_row(tools, row), calls, timeout)
     if spec.kind == SKYRL:
         if len(tools):
             raise ConfigError(
@@ -204,7 +205,7 @@ def environment_factory(cfg: PostTrainConfig, sandbox: RunSandbox | None = None)
             )
         return lambda row: SkyRLEnvironment(spec.skyrl_class, kwargs)
     if spec.kind == "trl":
-        return lambda row: TRLStyleEnvironment(spec.cls(**kwargs), timeout, extra_tools=tools)
+        return lambda row: TRLStyleEnvironment(spec.cls(**kwargs), timeout, extra_tools=bind_row(tools, row))
     if not len(tools):
         return lambda row: spec.cls(**kwargs)
-    return lambda row: WithTools(spec.cls(**kwargs), tools, calls, timeout)
+    return lambda row: WithTools(spec.cls(**kwargs), bind_row(tools, row), calls, timeout)

@@ -55,8 +55,10 @@ def python_tool(sandbox: Sandbox) -> Tool:
 
 
 def bind_python(tools: ToolSet, sandbox: Sandbox) -> ToolSet:
-    """``tools`` with the python tool (if it is one of them) running in ``sandbox``."""
-    return ToolSet([python_tool(sandbox) if t.fn is python else t for t in tools.tools.values()])
+    """``tools`` with the python tool (if it is one of them) running in ``sandbox``, under the name and schema its
+    tool config gave it (verl's SandboxFusionTool config calls it ``code_interpreter``)."""
+    bound = _BoundPython(sandbox)
+    return ToolSet([replace(t, fn=bound) if t.fn is python else t for t in tools.tools.values()])
 
 
 def uses_python(tools: ToolSet) -> bool:

@@ -10,9 +10,11 @@ tools:
       function: {name: web_search, description: ..., parameters: {...}}
 ```
 
-verl's tool YAML reads the same: ``class_name: pkg.module.function`` stands for ``path: pkg.module:function`` and
-``config: {type: native}`` is accepted (posttrain tools are plain functions: a verl ``BaseTool`` class, or any other
-``config`` setting, is a ConfigError saying so).
+verl's tool YAML reads the same: ``class_name: pkg.module.function`` stands for ``path: pkg.module:function``
+(``pkg/module.py`` beside the config file first, as a ``path:``) and ``config: {type: native}`` is accepted
+(posttrain tools are plain functions: a verl ``BaseTool`` class, or any other ``config`` setting, is a ConfigError
+saying so). verl's own tools by their class names are served by posttrain's implementations (:data:`VERL_TOOLS`):
+``Gsm8kTool`` by the GSM8K answer check, ``SandboxFusionTool`` by the python tool in the run's sandbox.
 
 Every mistake (a missing or unreadable file, a missing function, a schema that does not fit the signature) is a
 ConfigError naming the config file, the tool and the fix, raised before any model loads.
@@ -23,16 +25,36 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from posttrain.agents.gsm8k_tool import calc_gsm8k_reward
+from posttrain.agents.python_tool import python
 from posttrain.agents.tools import Tool, ToolSet, make_tool
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.utils.user_code import function_of, import_file
 
 _KEYS = {"path", "class_name", "config", "schema", "tool_schema", "timeout_s"}
+
+log = logging.getLogger("posttrain")
+
+# verl's tool classes (its current and its older module paths) and posttrain's own implementation of each.
+VERL_TOOLS = {
+    "verl.tools.gsm8k_tool.Gsm8kTool": calc_gsm8k_reward,
+    "verl.workers.tool.gsm8k_tool.Gsm8kTool": calc_gsm8k_reward,
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": python,
+}
+# verl's SandboxFusionTool settings that the run's sandbox (the `sandbox` section) decides instead.
+SANDBOX_FUSION_SETTINGS = (
+    "sandbox_fusion_url",
+    "num_workers",
+    "enable_global_rate_limit",
+    "rate_limit",
+    "memory_limit_mb",
+)
 
 
 def load_tool_config(path: str | Path) -> ToolSet:
@@ -67,10 +89,12 @@ def _one_line(exc: Exception) -> str:
 
 def _load_entry(entry: Any, index: int, config: Path) -> Tool:
     where = f"tool config {str(config)!r}, tools[{index}]"
+    if isinstance(entry, dict) and "path" not in entry and entry.get("class_name") in VERL_TOOLS:
+        return _verl_tool(entry, f"{where} ({entry['class_name']})")
     if isinstance(entry, dict) and "path" not in entry and isinstance(entry.get("class_name"), str):
         entry = {
             **{k: v for k, v in entry.items() if k != "class_name"},
-            "path": _verl_class_name(entry["class_name"]),
+            "path": _verl_class_name(entry["class_name"], config.parent),
         }
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
         raise ConfigError(f"{where}: each tool needs `path: file.py:function` (or `package.module:function`)")
@@ -98,12 +122,52 @@ def _load_entry(entry: Any, index: int, config: Path) -> Tool:
     return make_tool(fn, schema=schema, timeout_s=timeout, where=where)
 
 
-def _verl_class_name(name: str) -> str:
-    """verl writes ``pkg.module.Name``; we read ``pkg.module:Name`` (a ``file.py:name`` passes unchanged)."""
+def _verl_class_name(name: str, base: Path) -> str:
+    """verl writes ``pkg.module.Name``; we read ``pkg/module.py:Name`` when that file is beside the config (as a
+    ``path:`` is looked up), else ``pkg.module:Name`` (a ``file.py:name`` passes unchanged)."""
     if ":" in name or "." not in name:
         return name
     module, _, attr = name.rpartition(".")
-    return f"{module}:{attr}"
+    file = module.replace(".", "/") + ".py"
+    return f"{file}:{attr}" if (base / file).is_file() else f"{module}:{attr}"
+
+
+def _verl_tool(entry: dict[str, Any], where: str) -> Tool:
+    """verl's own tool by its class name, served by posttrain's implementation under the config's schema.
+    SandboxFusionTool's settings: ``default_timeout`` is the call's timeout, ``default_language`` must be
+    python, the others belong to the run's sandbox (said in one warning line)."""
+    unknown = sorted(set(entry) - _KEYS - {"path"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; allowed: {sorted(_KEYS)}")
+    fn = VERL_TOOLS[entry["class_name"]]
+    settings = dict(entry.get("config") or {})
+    settings.pop("type", None)  # verl's native tool type: posttrain's tools are all native
+    timeout = entry.get("timeout_s")
+    if fn is python:
+        timeout = timeout if timeout is not None else settings.pop("default_timeout", None)
+        language = str(settings.pop("default_language", "python")).lower()
+        if language != "python":
+            raise ConfigError(
+                f"{where}: default_language={language!r}: posttrain's code tool runs Python only"
+            )
+        ignored = sorted(k for k in settings if k in SANDBOX_FUSION_SETTINGS)
+        if ignored:
+            log.warning(
+                "%s: verl's %s ignored: the code runs in the run's sandbox (the `sandbox` section; a SandboxFusion "
+                "server: sandbox.backend=sandbox_fusion, sandbox.sandbox_fusion.url; sandbox.max_concurrent, "
+                "sandbox.memory_limit_mb)",
+                where,
+                ", ".join(ignored),
+            )
+        settings = {k: v for k, v in settings.items() if k not in SANDBOX_FUSION_SETTINGS}
+    if settings:
+        raise ConfigError(
+            f"{where}: config {settings!r} is not supported by posttrain's {fn.__name__} tool; drop it"
+        )
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"{where}: timeout={timeout!r} must be a positive number of seconds")
+    schema = entry.get("schema", entry.get("tool_schema"))
+    return make_tool(fn, schema=schema, timeout_s=timeout, where=where)
 
 
 def resolve_function(spec: str, base: Path, where: str) -> Any:

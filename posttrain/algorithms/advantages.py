@@ -38,17 +38,24 @@ import torch
 
 from posttrain.algorithms.estimator_registry import (
     ADVANTAGE_ESTIMATORS,
-    ESTIMATOR_NEEDS,
     AdvantageFn,
     AdvantageInputs,
-    EstimatorNeeds,
     register_advantage_estimator,
 )
 from posttrain.algorithms.groups import float_mask, group_index, group_stats
 from posttrain.algorithms.masked import masked_whiten
+from posttrain.algorithms.names import (  # noqa: F401 (the torch-free table, re-exported for the trainer)
+    ESTIMATOR_NEEDS,
+    ESTIMATORS_NEEDING_CRITIC,
+    GROUP_ESTIMATORS,
+    EstimatorNeeds,
+    check_implemented,
+    estimator_needs,
+    needs_critic,
+)
 
 
-@register_advantage_estimator("gae", critic=True)
+@register_advantage_estimator("gae")
 @torch.no_grad()
 def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (PPO with a critic), as verl's ``gae``.
@@ -86,7 +93,7 @@ def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch
     return advantages, returns
 
 
-@register_advantage_estimator("grpo", groups=True)
+@register_advantage_estimator("grpo")
 @torch.no_grad()
 def compute_grpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage, as verl's ``grpo``: ``(r_i - mean_g) / (std_g + epsilon)`` per group.
@@ -109,7 +116,7 @@ def compute_grpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torc
     return advantages, advantages
 
 
-@register_advantage_estimator("drgrpo", groups=True)
+@register_advantage_estimator("drgrpo")
 def compute_drgrpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO: :func:`compute_grpo_advantages` with ``norm_adv_by_std_in_grpo`` forced to False.
 
@@ -119,7 +126,7 @@ def compute_drgrpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, to
     return compute_grpo_advantages(dataclasses.replace(inputs, norm_adv_by_std_in_grpo=False))
 
 
-@register_advantage_estimator("rloo", groups=True)
+@register_advantage_estimator("rloo")
 @torch.no_grad()
 def compute_rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO, as verl's ``rloo``: ``r_i - mean(r_j, j != i)`` = ``n / (n - 1) * (r_i - mean_g)``.
@@ -166,7 +173,7 @@ def compute_reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[tor
     return advantages, returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline", groups=True)
+@register_advantage_estimator("reinforce_plus_plus_baseline")
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantages(
     inputs: AdvantageInputs,
@@ -189,7 +196,7 @@ def compute_reinforce_plus_plus_baseline_advantages(
     return advantages, advantages
 
 
-@register_advantage_estimator("remax", greedy_baseline=True)
+@register_advantage_estimator("remax")
 @torch.no_grad()
 def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax, as verl's ``remax``: undiscounted reward-to-go minus the greedy rollout's reward.
@@ -219,8 +226,7 @@ def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, tor
 # OPO, GPG and GRPO pass@k register themselves (after the estimators above: the names keep their order).
 from posttrain.algorithms import outcome_estimators  # noqa: E402, F401
 
-ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.critic)
-GROUP_ESTIMATORS: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.groups)
+check_implemented("advantage estimator", ESTIMATOR_NEEDS, ADVANTAGE_ESTIMATORS)
 
 RECOMMENDED_LOSS_AGG_MODE: dict[str, str] = {"drgrpo": "seq-mean-token-sum-norm"}
 """Loss aggregation an estimator's paper prescribes (a default for the config layer, not enforced here)."""
@@ -231,15 +237,3 @@ def get_advantage_estimator(name: str) -> AdvantageFn:
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"adv_estimator={name!r} is not supported; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name]
-
-
-def estimator_needs(name: str) -> EstimatorNeeds:
-    """What estimator ``name`` needs (critic, groups, a greedy baseline); ValueError if unknown."""
-    get_advantage_estimator(name)
-    return ESTIMATOR_NEEDS[name]
-
-
-def needs_critic(name: str) -> bool:
-    """Whether estimator ``name`` needs a value model (critic)."""
-    get_advantage_estimator(name)
-    return name in ESTIMATORS_NEEDING_CRITIC

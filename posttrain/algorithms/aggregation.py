@@ -30,13 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.masked import MEAN_EPS, masked_sum
-
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+from posttrain.algorithms.names import LOSS_AGG_MODES
 
 
 def check_loss_agg_mode(loss_agg_mode: str) -> None:

@@ -20,18 +20,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms.masked import masked_mean
-
-_BASE_ESTIMATORS: dict[str, str] = {
-    "k1": "k1",
-    "kl": "k1",
-    "abs": "abs",
-    "k2": "k2",
-    "mse": "k2",
-    "k3": "k3",
-    "low_var_kl": "k3",
-}
-KL_ESTIMATORS: list[str] = [*_BASE_ESTIMATORS, *(f"{name}+" for name in _BASE_ESTIMATORS)]
-"""Every accepted ``kl_penalty`` / ``kl_loss_type`` name."""
+from posttrain.algorithms.names import KL_ESTIMATORS, KL_KINDS  # noqa: F401 (KL_ESTIMATORS: re-exported)
 
 K3_LOG_RATIO_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
@@ -66,9 +55,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: s
 def _estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, name: str) -> torch.Tensor:
     straight_through = name.endswith("+")
     base = name[:-1] if straight_through else name
-    if base not in _BASE_ESTIMATORS:
+    if base not in KL_KINDS:
         raise ValueError(f"kl_penalty={name!r} is not supported; valid: {KL_ESTIMATORS}")
-    kind = _BASE_ESTIMATORS[base]
+    kind = KL_KINDS[base]
     log_ratio = log_prob - ref_log_prob
     value = _base_kl(log_ratio, kind)
     if not straight_through or kind == "k2":

@@ -15,7 +15,7 @@ from posttrain.algorithms.estimator_registry import AdvantageInputs, register_ad
 from posttrain.algorithms.groups import float_mask, group_index, group_stats, group_sum, num_groups
 
 
-@register_advantage_estimator("opo", groups=True)
+@register_advantage_estimator("opo")
 @torch.no_grad()
 def compute_opo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (On-Policy RL with Optimal reward baseline), as verl's ``opo``: a length-weighted group baseline.
@@ -43,7 +43,7 @@ def compute_opo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch
     return advantages, advantages
 
 
-@register_advantage_estimator("gpg", groups=True)
+@register_advantage_estimator("gpg")
 @torch.no_grad()
 def compute_gpg_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Group Policy Gradient), as verl's ``gpg``: the group-centred score, scaled up by ``alpha``.
@@ -73,7 +73,7 @@ def compute_gpg_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch
     return advantages, advantages
 
 
-@register_advantage_estimator("grpo_passk", groups=True)
+@register_advantage_estimator("grpo_passk")
 @torch.no_grad()
 def compute_grpo_passk_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO for pass@k, as verl's ``grpo_passk``: only the best sample of each group is credited.

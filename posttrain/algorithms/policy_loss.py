@@ -31,6 +31,7 @@ import torch
 
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
 from posttrain.algorithms.masked import masked_mean, masked_sum
+from posttrain.algorithms.names import POLICY_LOSS_NAMES, check_implemented
 
 LOG_RATIO_CLAMP = 20.0
 """vanilla: |log_prob - old_log_prob| is clamped to this before ``exp`` (verl's value)."""
@@ -214,6 +215,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "gspo": compute_policy_loss_gspo,
     "gpg": compute_policy_loss_gpg,
 }
+check_implemented("policy loss", POLICY_LOSS_NAMES, POLICY_LOSSES)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from posttrain.algorithms.advantages import estimator_needs
+from posttrain.algorithms.names import estimator_needs
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 

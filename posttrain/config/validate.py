@@ -11,7 +11,7 @@ import math
 import os
 from typing import Any
 
-from posttrain.algorithms.advantages import GROUP_ESTIMATORS
+from posttrain.algorithms.names import GROUP_ESTIMATORS
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig, TrainerConfig
 from posttrain.config.schema.harness import harness_enabled

@@ -15,6 +15,7 @@ verl's names). The rules are data (:data:`RULES`); docs/migrating-from-verl.md p
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,15 @@ def _url_list(value: Any) -> Any:
     return [value] if isinstance(value, str) and not value.startswith("[") else value
 
 
+def _engine(value: Any) -> Any:
+    """verl's SGLang rollout is posttrain's vLLM engine when vllm is installed, else its native engine; verl's
+    hf rollout is the native engine (both generate with the Hugging Face model)."""
+    name = str(value).strip()
+    if name in ("sglang", "sglang_async"):
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "native"
+    return "native" if name == "hf" else value
+
+
 @dataclass(frozen=True)
 class Rule:
     """How one verl key (or, ending in ``.*``, every key under a prefix) becomes posttrain's.
@@ -75,6 +85,7 @@ class Rule:
         convert: value conversion for ``map`` (None: unchanged).
         allowed: for ``ignore``/``error``: values with which the key is harmless and ignored; any other value
             is an error (e.g. ``data.truncation=error`` is posttrain's behaviour, ``left`` is not supported).
+        warns: for ``map``: a value that the conversion changes is said in a warning line (a substitute).
     """
 
     verl: str
@@ -83,8 +94,13 @@ class Rule:
     why: str = ""
     convert: Callable[[Any], Any] | None = None
     allowed: tuple[str, ...] = ()
+    warns: bool = False
 
 
+_HYDRA = (
+    "Hydra's composition: posttrain reads no other files (not verl's ppo_trainer.yaml); the file's keys apply over "
+    "posttrain's own defaults (posttrain explain --keys)"
+)
 _LAUNCHER = "posttrain's launcher (torchrun or trainer.ray_ranks) decides the processes and GPUs"
 _DEPRECATED_GLOBAL = "verl's deprecated global micro batch size; give the per-GPU key ({}) instead"
 _NO_EFFECT = "no effect on the run in posttrain"
@@ -92,6 +108,9 @@ _WRAP = "posttrain's FSDP2 shards each decoder layer"
 _FALSE = ("False", "false", "0")
 
 RULES: list[Rule] = [
+    # --- Hydra's own keys at the top of verl's example files
+    Rule("hydra.*", IGNORE, why=_HYDRA),
+    Rule("defaults", IGNORE, why=_HYDRA),
     # --- actor_rollout_ref.actor
     Rule("actor_rollout_ref.actor.ppo_micro_batch_size", ERROR,
          why=_DEPRECATED_GLOBAL.format("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")),
@@ -135,6 +154,10 @@ RULES: list[Rule] = [
     Rule("actor_rollout_ref.rollout.load_format", MAP, "rollout.load_format",
          convert=lambda v: "dummy" if str(v).startswith("dummy") else v,
          why="verl's dummy_dtensor/dummy_hf are dummy: the trainer pushes the weights"),
+    Rule("actor_rollout_ref.rollout.name", MAP, "rollout.name", convert=_engine, warns=True,
+         why="posttrain has no SGLang engine: sglang runs on vllm when it is installed, else on the native engine "
+         "(the multi-turn loop is posttrain's own over either; the engine changes speed, not what is trained); "
+         "hf is the native engine"),
     Rule("actor_rollout_ref.rollout.mode", IGNORE, why="posttrain's engine has one mode"),
     Rule("actor_rollout_ref.rollout.dtype", IGNORE, why="the rollout uses model.dtype"),
     Rule("actor_rollout_ref.rollout.prompt_length", IGNORE, why="taken from data.max_prompt_length"),
@@ -155,9 +178,11 @@ RULES: list[Rule] = [
         ("tool_response_truncate_side", ""),
         ("tool_config_path", "verl's tool YAML reads (class_name naming a function; docs/agents.md)"),
     )],
+    Rule("actor_rollout_ref.rollout.multi_turn.max_turns", MAP, "rollout.multi_turn.max_assistant_turns",
+         why="verl's older name of max_assistant_turns"),
     Rule("actor_rollout_ref.rollout.multi_turn.format", MAP, "rollout.multi_turn.format",
-         convert=lambda v: "hermes" if str(v).strip() == "chatml" else v,
-         why="verl's older name chatml is hermes"),
+         convert=lambda v: "hermes" if str(v).strip() in ("chatml", "qwen") else v,
+         why="verl's qwen (and its older name chatml) is the Hermes format Qwen's chat template writes"),
     Rule("actor_rollout_ref.rollout.multi_turn.interaction_config_path", ERROR, allowed=("None", "null"),
          why="posttrain's simulated users are environments: env.path (docs/agents.md)"),
     Rule("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", ERROR, allowed=_FALSE,
@@ -334,7 +359,13 @@ def translate_verl_keys(
     done: list[Translation] = []
     reward_path = reward_name = None
     verl_source = any(find_rule(k) is not None and not is_ours(k) for k in values)
+    hydra = [k for k in values if find_rule(k) is not None and find_rule(k).why == _HYDRA]  # type: ignore[union-attr]
+    if hydra:  # the file's composition header: one line for all of it
+        log.warning("verl keys %s are ignored: %s", ", ".join(hydra), _HYDRA)
+        done.extend(Translation(k, "", values[k], _HYDRA) for k in hydra)
     for key, value in values.items():
+        if key in hydra:
+            continue
         rule = find_rule(key)
         # in a source written with verl's names, null sets nothing: posttrain's default (or another key) decides
         null = verl_source and _is_null(value) and not key.startswith("custom_reward_function.")
@@ -356,6 +387,8 @@ def translate_verl_keys(
         item = _apply(rule, key, value, values, is_ours)
         if item.ours:
             out[item.ours] = _convert(rule, value)
+            if rule.warns and str(out[item.ours]) != str(value):
+                log.warning("verl key %s=%s -> %s=%s: %s", key, value, item.ours, out[item.ours], rule.why)
         done.append(item)
     if not _is_null(reward_path) or not (_is_null(reward_name) or reward_name == "compute_score"):
         done.append(_reward_function(reward_path, reward_name, out))

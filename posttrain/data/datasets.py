@@ -7,6 +7,7 @@ Hugging Face ``datasets``' ``save_to_disk``. Rows are numbered from 0 in error m
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -73,9 +74,15 @@ def first_records(
 def _answer_key_for(path: Path, rows: list[tuple[str, Any]], answer_key: str) -> str:
     """The default answer key, or verl's ``reward_model.ground_truth`` for a file in verl's layout."""
     if answer_key == "answer" and rows and is_verl_row(rows[0][1]) and "answer" not in rows[0][1]:
-        log.info("%s is in verl's layout: the answers are read from %s", path, VERL_ANSWER_KEY)
+        _say_verl_layout(str(path))
         return VERL_ANSWER_KEY
     return answer_key
+
+
+@functools.cache  # one line per file and process: the checks read a file's first rows, the run then all of them
+def _say_verl_layout(path: str) -> None:
+    """Say (a warning: the user sees it) that the answers come from another field than data.answer_key names."""
+    log.warning("%s is in verl's layout: the answers are read from %s", path, VERL_ANSWER_KEY)
 
 
 def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:

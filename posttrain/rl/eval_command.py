@@ -13,7 +13,7 @@ from posttrain.data.datasets import tokenize_prompts, warn_dropped
 from posttrain.data.splits import load_splits
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.models.lora import apply_lora
-from posttrain.models.model_path import resolve_model_path
+from posttrain.models.model_path import BUILTIN_NAMES, looks_like_hub_id, resolve_model_path
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine, build_reward_runner, load_checkpoint_policy
 from posttrain.rl.collect.harness_loop import build_rollout_loop
@@ -26,6 +26,22 @@ from posttrain.train.integrity import check_model_dir
 from posttrain.utils.run_lock import lock_run_dir
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.signals import stop_note
+
+
+def model_named_by_flag(cfg: PostTrainConfig, model: str | None) -> tuple[PostTrainConfig, str | None]:
+    """(the config, the directory eval reads over it) for ``--model``. A directory is read as itself: a Hugging
+    Face model, an exported LoRA adapter or a training checkpoint over model.path. Anything else names the model
+    as model.path does (builtin:tiny, builtin:base, a Hub id) and replaces model.path, with its checks."""
+    if model is None:
+        return cfg, None
+    if Path(model).is_dir():
+        return cfg, model
+    if model not in BUILTIN_NAMES and (Path(model).exists() or not looks_like_hub_id(model)):
+        raise MissingPathError(
+            f"--model {model} is not a directory: pass a model directory, a checkpoint, an exported adapter, "
+            f"a Hub id ('org/name') or one of {', '.join(BUILTIN_NAMES)}, as model.path takes"
+        )
+    return apply_values(cfg, {"model.path": model}), None
 
 
 def load_eval_model(cfg: PostTrainConfig, path: Path | None, device) -> tuple[object, nn.Module, Path, str]:

@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 
 import torch
+import transformers
 
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
@@ -80,18 +81,45 @@ TASK_KEYS = (
 )
 
 
+# The sft keys that do not reach the warm start's weights: its examples come from the task, not from files.
+SFT_KEYS_UNUSED = ("train_files", "val_files", "prompt_key", "response_key", "output_dir")
+# The model keys that change the forward's arithmetic (padding-free packing, fused kernels) besides the dtype.
+MODEL_KEYS = ("dtype", "use_remove_padding", "remove_padding_max_row_tokens", "use_liger")
+
+
 def warm_start_key(cfg: PostTrainConfig) -> dict:
-    """What shapes the warm-started model, and only that: its cache key."""
+    """What shapes the warm-started model, and only that: its cache key. Besides the recipe and the task, the
+    float rounding of where it is built: a model built with other kernels is another model (the same seed
+    gives other weights), so it is built again rather than silently reused."""
+    ws = warm_start_config(cfg)
+    sft = {k: v for k, v in dataclasses.asdict(ws.sft).items() if k not in SFT_KEYS_UNUSED}
     return {
         "recipe": RECIPE_VERSION,
         "seed": cfg.trainer.seed,
         "data": {k: getattr(cfg.data, k) for k in TASK_KEYS},
-        "sft": WARM_START,
-        "dtype": cfg.model.dtype,
+        "sft": sft,
+        "model": {k: getattr(ws.model, k) for k in MODEL_KEYS},
         "error_rate": DEMONSTRATION_ERROR_RATE,
-        # Float rounding follows torch's thread count: a warm start built on one thread is another model.
+        "kernels": build_kernels(cfg),
+    }
+
+
+def build_kernels(cfg: PostTrainConfig) -> dict:
+    """What decides the float rounding of a build here: the libraries' versions, the device and, on a CPU, the
+    instruction set torch's kernels use (AVX2, AVX-512, ...; ATEN_CPU_CAPABILITY chooses a lower one) and the
+    thread count (reductions are split by thread)."""
+    device = select_device(cfg)
+    kernels = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device.type,
         "torch_threads": torch.get_num_threads(),
     }
+    if device.type == "cuda":
+        kernels["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        kernels["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return kernels
 
 
 def builtin_model_dir(cfg: PostTrainConfig, quiet: bool = False) -> Path:

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.algorithms import LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossInputs
 from posttrain.algorithms.aggregation import LossNormalizer, aggregate_loss
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from posttrain.algorithms.names import LOSS_AGG_MODES
+from posttrain.algorithms.policy_loss import POLICY_LOSSES, PolicyLossInputs
 from posttrain.algorithms.value_loss import compute_value_loss
 
 pytestmark = pytest.mark.numerics  # runs again under other CPU instruction sets in CI

@@ -119,3 +119,23 @@ def test_verl_parquet_trains(tiny_model_dir, tmp_path, keys):
     by_question = {c[3]["question"]: c for c in calls}
     assert by_question["What is 2 + 3?"][2] == "5"
     assert by_question["What is 2 + 3?"][3]["split"] in ("train", "test")
+
+
+def test_the_verl_layout_is_said_in_one_line_the_user_sees(tmp_path):
+    """Not an info record nobody sees: one warning line on stderr, however often the file is read (the checks
+    read its first rows, the run all of them)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in verl_rows()))
+    code = (
+        "from posttrain.data.datasets import first_records, load_records\n"
+        f"first_records({str(path)!r}); load_records({str(path)!r}); load_records({str(path)!r})"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    said = [line for line in done.stderr.splitlines() if "verl's layout" in line]
+    assert said == [f"{path} is in verl's layout: the answers are read from reward_model.ground_truth"]

@@ -42,3 +42,35 @@ def test_warm_start_cache_key_ignores_what_does_not_shape_the_model(monkeypatch,
         assert builtin_model_dir(build_config(overrides=[]), quiet=True) != first
     finally:
         torch.set_num_threads(threads)
+
+
+def test_warm_start_cache_key_follows_the_cpu_kernels_and_the_leaked_settings():
+    """A warm start built with other CPU kernels (ATEN_CPU_CAPABILITY, read once at torch's start: a fresh
+    process) or with a user's sft / model setting that reaches its training is another model, built again."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from posttrain.models.model_path import cache_key
+
+    cfg = build_config(overrides=[])
+    here = builtin.warm_start_key(cfg)
+    assert here["kernels"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert here["kernels"]["torch"] == torch.__version__
+    probe = (
+        "import json\nfrom posttrain.config.load import build_config\nfrom posttrain.sft.builtin import "
+        "warm_start_key\nprint(json.dumps(warm_start_key(build_config(overrides=[]))))"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    default_kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    assert default_kernels["kernels"]["cpu_capability"] == "DEFAULT"
+    if here["kernels"]["cpu_capability"] != "DEFAULT":  # this CPU has vector kernels: the keys must differ
+        assert cache_key(default_kernels) != cache_key(here)
+    # The user's sft optimiser settings reach the warm start's training; its data files never do.
+    assert builtin.warm_start_key(build_config(overrides=["sft.optim.eps=1e-6"])) != here
+    assert builtin.warm_start_key(build_config(overrides=["model.use_remove_padding=true"])) != here
+    assert builtin.warm_start_key(build_config(overrides=["sft.output_dir=elsewhere"])) == here

@@ -1,15 +1,14 @@
-"""The names the schema offers as choices, taken from the algorithm registries (never copied here)."""
+"""The names the schema offers as choices, taken from the algorithms' name tables (never copied here)."""
 
 from __future__ import annotations
 
-from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from posttrain.algorithms.aggregation import LOSS_AGG_MODES as AGG_MODES
-from posttrain.algorithms.kl import KL_ESTIMATORS as KL_ESTIMATOR_NAMES
-from posttrain.algorithms.policy_loss import POLICY_LOSSES as POLICY_LOSS_REGISTRY
+from posttrain.algorithms.names import ESTIMATOR_NEEDS, POLICY_LOSS_NAMES
+from posttrain.algorithms.names import KL_ESTIMATORS as KL_ESTIMATOR_NAMES
+from posttrain.algorithms.names import LOSS_AGG_MODES as AGG_MODES
 
-# The algorithm names come from their registries (posttrain.algorithms), never from a copy here.
-ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
-POLICY_LOSSES = tuple(POLICY_LOSS_REGISTRY)
+# The algorithm names come from their torch-free table (posttrain.algorithms.names), never from a copy here.
+ADV_ESTIMATORS = tuple(ESTIMATOR_NEEDS)
+POLICY_LOSSES = POLICY_LOSS_NAMES
 LOSS_AGG_MODES = tuple(AGG_MODES)
 KL_ESTIMATORS = tuple(KL_ESTIMATOR_NAMES)
 DTYPES = ("fp32", "bf16", "fp16")
