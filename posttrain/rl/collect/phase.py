@@ -163,20 +163,8 @@ def assemble_rollout(
         local.add(dict(step_metrics.values), MAX)
     else:
         rollout_metrics(result, drawn.rewards, local, unshaped, accuracy)
-    if context.agent is not None:  # every rank adds the same names, also one that drew no sample
-        check_not_all_failed(result.episodes or [], cfg.rollout.multi_turn.max_env_failures)
-        gather = context.dist.all_gather_object if context.share.distributed else None
-        keys = step_metric_keys(result.episodes or [], gather)  # a collective in a distributed run
-        tools = logged_tool_names(context.agent.tool_names, result.episodes or [], gather)  # one more
-        episode_metrics(
-            result.episodes or [],
-            local,
-            how,
-            weight,
-            tools,
-            keys,
-            context.agent.summed_metrics,
-        )
+    if context.agent is not None:
+        agent_metrics(context, result.episodes or [], local, how, weight)
     if cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.log:
         local.add(overlong_metrics(drawn.penalties), how["mean"], weight=weight)
     if cfg.algorithm.mask_truncated_samples:  # after the scores are placed: the reward still counts
@@ -189,6 +177,16 @@ def assemble_rollout(
     metrics = context.share.reduce(local)
     metrics.update(engine_metrics)  # this rank's engine
     return batch, metrics
+
+
+def agent_metrics(context: RolloutContext, episodes: list, local: ShareMetrics, how: dict, weight: int) -> None:
+    """The trajectories' metrics (turns, tool calls per tool, environment failures); every rank adds the same
+    names, also one that drew no sample. A step where every environment failed stops here, clearly."""
+    check_not_all_failed(episodes, context.cfg.rollout.multi_turn.max_env_failures)
+    gather = context.dist.all_gather_object if context.share.distributed else None
+    keys = step_metric_keys(episodes, gather)  # a collective in a distributed run
+    tools = logged_tool_names(context.agent.tool_names, episodes, gather)  # one more
+    episode_metrics(episodes, local, how, weight, tools, keys, context.agent.summed_metrics)
 
 
 def validate_context(side: RolloutContext, step: int) -> tuple[dict[str, float], list[dict]]:
