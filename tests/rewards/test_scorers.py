@@ -91,7 +91,7 @@ def test_unknown_data_source_is_an_error_listing_the_known_ones(tmp_path):
 
 
 def test_preflight_accepts_data_source_dispatch(tmp_path):
-    from posttrain.planning.preflight import _check_reward
+    from posttrain.planning.input_checks import _check_reward
 
     good = _write(tmp_path / "good.parquet", "openai/gsm8k")
     _check_reward(build_config(overrides=[f"data.train_files=[{good}]", "reward.function="]), "train")
