@@ -12,7 +12,7 @@ from posttrain.data.tasks.arithmetic import (
     arithmetic_reward,
     make_arithmetic_splits,
 )
-from posttrain.planning.preflight import _check_task_options as check_task_options
+from posttrain.planning.input_checks import _check_task_options as check_task_options
 from posttrain.rewards.functions import REWARD_FUNCTIONS
 
 
