@@ -216,8 +216,10 @@ def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, tor
     return advantages, returns
 
 
-# OPO, GPG and GRPO pass@k register themselves (after the estimators above: the names keep their order).
-from posttrain.algorithms import outcome_estimators  # noqa: E402, F401
+# OPO, GPG and GRPO pass@k, then on-policy distillation, register themselves (after the estimators above: the
+# names keep their order).
+from posttrain.algorithms import outcome_estimators  # noqa: E402, F401, I001
+from posttrain.algorithms import distill  # noqa: E402, F401
 
 ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.critic)
 GROUP_ESTIMATORS: frozenset[str] = frozenset(k for k, v in ESTIMATOR_NEEDS.items() if v.groups)

@@ -19,7 +19,8 @@ class AdvantageInputs:
 
     token_level_rewards: ``[B, T]`` float. response_mask: ``[B, T]`` bool or float. group_ids: ``[B]`` any
     hashable per sample (the prompt's uid); groups need not be contiguous. values: ``[B, T]`` critic values.
-    reward_baselines: ``[B]`` the greedy response's reward (ReMax). batch_sum: with rank-local data, sums partial
+    reward_baselines: ``[B]`` the greedy response's reward (ReMax). teacher_log_probs, student_log_probs:
+    ``[B, T]`` the distillation teacher's and the student's log-probs of the sampled tokens (OPD). batch_sum: with rank-local data, sums partial
     sums over the ranks' shares (:class:`posttrain.algorithms.masked.BatchSum`).
     """
 
@@ -28,6 +29,8 @@ class AdvantageInputs:
     group_ids: GroupIds = None
     values: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None
+    student_log_probs: torch.Tensor | None = None
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -45,11 +48,13 @@ class EstimatorNeeds:
     critic: per-token values from a trained value model.
     groups: several samples of each prompt (rollout.n >= 2): it compares a sample with its group.
     greedy_baseline: the reward of one greedy response per prompt (ReMax's baseline).
+    teacher: a distillation teacher's log-probs of the sampled tokens (``distill.teacher``).
     """
 
     critic: bool = False
     groups: bool = False
     greedy_baseline: bool = False
+    teacher: bool = False
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
@@ -60,7 +65,12 @@ ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {}
 
 
 def register_advantage_estimator(
-    name: str, *, critic: bool = False, groups: bool = False, greedy_baseline: bool = False
+    name: str,
+    *,
+    critic: bool = False,
+    groups: bool = False,
+    greedy_baseline: bool = False,
+    teacher: bool = False,
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register the decorated function as estimator ``name`` with what it needs."""
 
@@ -71,7 +81,9 @@ def register_advantage_estimator(
                 f"and {fn.__qualname__}); give the new one another name"
             )
         ADVANTAGE_ESTIMATORS[name] = fn
-        ESTIMATOR_NEEDS[name] = EstimatorNeeds(critic=critic, groups=groups, greedy_baseline=greedy_baseline)
+        ESTIMATOR_NEEDS[name] = EstimatorNeeds(
+            critic=critic, groups=groups, greedy_baseline=greedy_baseline, teacher=teacher
+        )
         return fn
 
     return register
