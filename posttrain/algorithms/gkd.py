@@ -9,7 +9,7 @@ points, as TRL does). Both distributions are softmaxes of logits / temperature, 
 
 :func:`chunked_generalized_jsd` computes the masked sum from hidden states and LM-head weights a chunk of tokens
 at a time, recomputing each chunk's logits in backward: neither model's ``[tokens, vocab]`` logits exist whole.
-It is a loss function only: the training step does not call it yet (docs/distillation.md).
+The actor's loss adds it with ``distill.gkd_coef`` (``posttrain.train.losses``).
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ def chunked_generalized_jsd(
     student_bias: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The sum over tokens with ``mask`` of :func:`generalized_jsd` (a scalar; divide by the global token count
-    for a token mean), from final hidden states ``[N, H]`` / ``[N, H_t]`` and LM-head weights ``[V, H]`` /
-    ``[V, H_t]``. ``chunk_size`` tokens at a time; each chunk's logits are recomputed in backward. No gradient
-    reaches the teacher's tensors."""
+    """``[N]`` :func:`generalized_jsd` of each token with ``mask`` (0 elsewhere), from final hidden states
+    ``[N, H]`` / ``[N, H_t]`` and LM-head weights ``[V, H]`` / ``[V, H_t]``: ``chunk_size`` tokens at a time,
+    each chunk's logits recomputed in backward. No gradient reaches the teacher's tensors."""
     keep = mask.reshape(-1).nonzero().squeeze(-1)
+    n = student_hidden.shape[0]
     student_hidden, teacher_hidden = (
         student_hidden.index_select(0, keep),
         teacher_hidden.index_select(0, keep),
@@ -87,12 +87,16 @@ def chunked_generalized_jsd(
         with torch.no_grad():
             t_logits = _linear(h_t, teacher_weight, teacher_bias)
         s_logits = _linear(h_s, student_weight, student_bias)
-        return generalized_jsd(s_logits, t_logits, beta=beta, temperature=temperature, top_k=top_k).sum()
+        return generalized_jsd(s_logits, t_logits, beta=beta, temperature=temperature, top_k=top_k)
 
-    total = student_hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, keep.numel(), chunk_size):
-        stop = start + chunk_size
-        total = total + checkpoint(
-            chunk_loss, student_hidden[start:stop], teacher_hidden[start:stop], use_reentrant=False
+    parts = [
+        checkpoint(
+            chunk_loss,
+            student_hidden[start : start + chunk_size],
+            teacher_hidden[start : start + chunk_size],
+            use_reentrant=False,
         )
-    return total
+        for start in range(0, keep.numel(), chunk_size)
+    ]
+    kept = torch.cat(parts) if parts else student_hidden.new_zeros(0, dtype=torch.float32)
+    return kept.new_zeros(n).index_copy(0, keep, kept)

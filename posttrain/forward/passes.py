@@ -365,6 +365,19 @@ def policy_logprobs(
         logprobs, entropy = _sp_response_outputs(model.get_decoder(), batch, options, head)
         return logprobs, entropy
     hidden = response_hidden_states(model, batch, options)
+    return logprobs_from_response_hidden(model, batch, hidden, temperature, with_entropy, options)
+
+
+def logprobs_from_response_hidden(
+    model: nn.Module,
+    batch: RolloutBatch,
+    hidden: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    options: ForwardOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`policy_logprobs` from :func:`response_hidden_states`' ``[B, R, H]`` (for a loss that reads the
+    hidden states too: the GKD term)."""
     b, r, h = hidden.shape
     flat_hidden, labels = hidden.reshape(b * r, h), batch.responses.reshape(-1)
     index = None

@@ -131,7 +131,7 @@ def check_config(cfg: PostTrainConfig, world_size: int, device: torch.device) ->
     `posttrain train` both run it (posttrain.planning.preflight), so explain accepts what train accepts."""
     plan = build_plan(cfg, world_size)
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
-    check_distill(cfg)
+    check_distill(cfg, world_size)
     check_rollout_backend(cfg, device, world_size)
     check_async_training(cfg, world_size)
     validation_params(cfg, 0)  # e.g. rollout.val_n > 1 with greedy validation

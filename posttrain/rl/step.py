@@ -32,7 +32,7 @@ from posttrain.rl.collect.generation import (
     step_seed,
 )
 from posttrain.rl.collect.source import InlineRollouts, RolloutSource
-from posttrain.train.losses import actor_loss_fn, critic_loss_fn
+from posttrain.train.losses import TeacherTerm, actor_loss_fn, critic_loss_fn
 from posttrain.train.update import forward_in_micro_batches, run_update
 from posttrain.utils.metrics import PhaseTimer
 
@@ -245,13 +245,20 @@ def update_phase(
     cfg, metrics = run.cfg, {}
     gen = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, salt=1))
     roles = []
+    gkd = None
+    if run.teacher is not None and cfg.distill.gkd_coef > 0:
+        gkd = TeacherTerm(run.teacher, run.forward.teacher, cfg.distill)
     if run.critic is not None:
         roles.append(
             ("critic", run.critic, critic_loss_fn(run.critic.module, cfg.critic, run.forward.critic))
         )
     if run.critic is None or step > cfg.critic.warmup_steps:
         roles.append(
-            ("actor", run.actor, actor_loss_fn(run.actor.module, cfg.actor, temperature, run.forward.actor))
+            (
+                "actor",
+                run.actor,
+                actor_loss_fn(run.actor.module, cfg.actor, temperature, run.forward.actor, gkd),
+            )
         )
     for role, trainable, loss_fn in roles:
         with timer.phase(f"update_{role}"):

@@ -10,6 +10,7 @@ from torch import nn
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.forward.options import attn_implementation
+from posttrain.forward.passes import check_plain_lm_head
 from posttrain.models.hf import load_causal_lm, load_tokenizer, resolve_dtype
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.models.model_path import WarmStart, builtin_base_dir
@@ -18,7 +19,7 @@ from posttrain.parallel.fsdp import shard_model
 from posttrain.parallel.runtime import DistContext
 
 
-def check_distill(cfg: PostTrainConfig) -> None:
+def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
     """The `distill.*` rules that need neither weights nor data; ConfigError naming the keys and a fix."""
     d, est = cfg.distill, cfg.algorithm.adv_estimator
     teacher = bool(d.teacher.path)
@@ -37,12 +38,14 @@ def check_distill(cfg: PostTrainConfig) -> None:
         raise ConfigError(
             f"distill.opd_coef={d.opd_coef} needs a teacher; set distill.teacher.path or distill.opd_coef=0"
         )
-    if teacher and est != "opd" and d.opd_coef == 0:
+    if teacher and est != "opd" and d.opd_coef == 0 and d.gkd_coef == 0:
         raise ConfigError(
             f"distill.teacher.path={d.teacher.path!r} is set but nothing uses the teacher: set "
-            "algorithm.adv_estimator=opd (distillation alone) or distill.opd_coef > 0 (added to "
-            f"algorithm.adv_estimator={est}'s advantages), or clear distill.teacher.path"
+            "algorithm.adv_estimator=opd (distillation alone), distill.opd_coef > 0 (added to "
+            f"algorithm.adv_estimator={est}'s advantages) or distill.gkd_coef > 0, or clear distill.teacher.path"
         )
+    if d.gkd_coef > 0:
+        _check_gkd(cfg, world_size)
     if d.top_k and not teacher:
         raise ConfigError(
             f"distill.top_k={d.top_k} reports the teacher's top-k overlap; set distill.teacher.path"
@@ -63,6 +66,28 @@ def check_distill(cfg: PostTrainConfig) -> None:
     config = read_model_config(d.teacher.path) if Path(d.teacher.path, "config.json").exists() else None
     if d.teacher.use_remove_padding and config is not None:
         check_packing("distill.teacher.use_remove_padding", config)
+
+
+def _check_gkd(cfg: PostTrainConfig, world_size: int) -> None:
+    """The GKD loss term: a teacher, one rank, no LoRA, plain LM heads on both models."""
+    d = cfg.distill
+    if not d.teacher.path:
+        raise ConfigError(
+            f"distill.gkd_coef={d.gkd_coef} needs a teacher; set distill.teacher.path or distill.gkd_coef=0"
+        )
+    refused = []
+    if world_size > 1:
+        refused.append(
+            f"{world_size} ranks (the sharded LM heads are not gathered for it yet): train on one rank"
+        )
+    if cfg.model.lora_rank > 0 or cfg.model.lora_adapter_path:
+        refused.append("a LoRA student (not verified yet): set model.lora_rank=0")
+    if refused:
+        raise ConfigError(f"distill.gkd_coef={d.gkd_coef} is not supported with " + "; ".join(refused))
+    for path in (cfg.model.path, d.teacher.path):
+        config = read_model_config(path) if Path(path, "config.json").exists() else None
+        if config is not None:
+            check_plain_lm_head(config, "distill.gkd_coef")
 
 
 def resolve_teacher_path(cfg: PostTrainConfig, warm_start: WarmStart | None, quiet: bool = False) -> Path:

@@ -44,7 +44,7 @@ def _trl(h_s, w_s, b_s, h_t, w_t, mask, beta, temperature, top_k):
 
 def _ours(h_s, w_s, b_s, h_t, w_t, mask, beta, temperature, top_k, chunk):
     h_s, w_s, b_s = (x.clone().requires_grad_() for x in (h_s, w_s, b_s))
-    total = chunked_generalized_jsd(
+    per_token = chunked_generalized_jsd(
         h_s,
         w_s,
         h_t,
@@ -56,7 +56,8 @@ def _ours(h_s, w_s, b_s, h_t, w_t, mask, beta, temperature, top_k, chunk):
         chunk_size=chunk,
         student_bias=b_s,
     )
-    loss = total / mask.sum().clamp_min(1)
+    assert not per_token[~mask].any()
+    loss = per_token.sum() / mask.sum().clamp_min(1)
     loss.backward()
     return loss.detach(), (h_s.grad, w_s.grad, b_s.grad)
 

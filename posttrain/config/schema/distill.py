@@ -66,6 +66,34 @@ class DistillConfig:
         min=0,
     )
 
+    gkd_coef: float = knob(
+        0.0,
+        "Weight of GKD's generalized Jensen-Shannon divergence between the student's and the teacher's whole "
+        "next-token distributions on the student's samples, added to the actor's loss (aggregated as "
+        "actor.loss_agg_mode). 0: off. One rank, no LoRA, plain LM heads.",
+        min=0.0,
+    )
+    gkd_beta: float = knob(
+        0.5,
+        "GKD's beta: 0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher).",
+        min=0.0,
+        max=1.0,
+    )
+    gkd_temperature: float = knob(1.0, "Temperature of both distributions in the GKD term.", min=1e-6)
+    gkd_top_k: int = knob(
+        0,
+        "GKD over the teacher's top_k tokens at each position, both distributions renormalised there; 0: the "
+        "whole vocabulary.",
+        unit="tokens",
+        min=0,
+    )
+    gkd_chunk_size: int = knob(
+        1024,
+        "Tokens per chunk of the GKD term (each chunk's [tokens, vocab] logits are recomputed in backward).",
+        unit="tokens",
+        min=1,
+    )
+
 
 def distill_enabled(d: DistillConfig) -> bool:
     """Whether a teacher takes part in the run."""
