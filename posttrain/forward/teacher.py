@@ -8,7 +8,8 @@ from torch import nn
 
 from posttrain.algorithms.logprobs import logprobs_from_logits
 from posttrain.data.batch import RolloutBatch
-from posttrain.forward.passes import ForwardOptions, lm_head_logits, response_hidden_states
+from posttrain.forward.lm_head import lm_head_logits
+from posttrain.forward.passes import ForwardOptions, response_hidden_states
 
 
 @torch.no_grad()

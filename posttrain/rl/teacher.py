@@ -9,8 +9,8 @@ from torch import nn
 
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.forward.lm_head import check_plain_lm_head
 from posttrain.forward.options import attn_implementation
-from posttrain.forward.passes import check_plain_lm_head
 from posttrain.models.hf import load_causal_lm, load_tokenizer, resolve_dtype
 from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.models.model_path import WarmStart, builtin_base_dir

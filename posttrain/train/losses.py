@@ -16,10 +16,10 @@ from posttrain.algorithms.rollout_correction import mismatch_metrics
 from posttrain.algorithms.value_loss import compute_value_loss
 from posttrain.config.schema import ActorConfig, CriticConfig, DistillConfig
 from posttrain.data.batch import RolloutBatch
+from posttrain.forward.lm_head import chunked_head_parameters
 from posttrain.forward.passes import (
     DEFAULT_OPTIONS,
     ForwardOptions,
-    chunked_head_parameters,
     critic_values,
     logprobs_from_response_hidden,
     policy_logprobs,
