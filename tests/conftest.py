@@ -36,13 +36,13 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-def _tiny_model(tmp_path_factory, name: str, hidden_size: int, intermediate_size: int):
+def _tiny_model(tmp_path_factory, name: str, hidden_size: int, intermediate_size: int, seed: int = 0):
     """A small Qwen2 (2 layers, 4 heads, 2 KV heads) + the built-in tokenizer, as a Hugging Face directory."""
     from posttrain.models.tiny import create_tiny_model_dir
 
     return create_tiny_model_dir(
         tmp_path_factory.mktemp(name),
-        seed=0,
+        seed=seed,
         hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -73,6 +73,12 @@ def tok():
 def tiny_model_dir(tmp_path_factory):
     """A very small Qwen2 model (attention heads of 16) + the built-in tokenizer."""
     return _tiny_model(tmp_path_factory, "tiny_model", hidden_size=64, intermediate_size=128)
+
+
+@pytest.fixture(scope="session")
+def teacher_model_dir(tmp_path_factory):
+    """Another model of tiny_model_dir's shape and tokenizer (other random weights): a distillation teacher."""
+    return _tiny_model(tmp_path_factory, "teacher_model", hidden_size=64, intermediate_size=128, seed=1)
 
 
 @pytest.fixture(autouse=True)

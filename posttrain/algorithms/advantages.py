@@ -223,8 +223,10 @@ def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, tor
     return advantages, returns
 
 
-# OPO, GPG and GRPO pass@k register themselves (after the estimators above: the names keep their order).
-from posttrain.algorithms import outcome_estimators  # noqa: E402, F401
+# OPO, GPG and GRPO pass@k, then on-policy distillation, register themselves (after the estimators above: the
+# names keep their order).
+from posttrain.algorithms import outcome_estimators  # noqa: E402, F401, I001
+from posttrain.algorithms import distill  # noqa: E402, F401
 
 check_implemented("advantage estimator", ESTIMATOR_NEEDS, ADVANTAGE_ESTIMATORS)
 

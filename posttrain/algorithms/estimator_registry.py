@@ -21,7 +21,8 @@ class AdvantageInputs:
 
     token_level_rewards: ``[B, T]`` float. response_mask: ``[B, T]`` bool or float. group_ids: ``[B]`` any
     hashable per sample (the prompt's uid); groups need not be contiguous. values: ``[B, T]`` critic values.
-    reward_baselines: ``[B]`` the greedy response's reward (ReMax). batch_sum: with rank-local data, sums partial
+    reward_baselines: ``[B]`` the greedy response's reward (ReMax). teacher_log_probs, student_log_probs:
+    ``[B, T]`` the distillation teacher's and the student's log-probs of the sampled tokens (OPD). batch_sum: with rank-local data, sums partial
     sums over the ranks' shares (:class:`posttrain.algorithms.masked.BatchSum`).
     """
 
@@ -30,6 +31,8 @@ class AdvantageInputs:
     group_ids: GroupIds = None
     values: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None
+    student_log_probs: torch.Tensor | None = None
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True

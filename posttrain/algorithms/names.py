@@ -19,11 +19,13 @@ class EstimatorNeeds:
     critic: per-token values from a trained value model.
     groups: several samples of each prompt (rollout.n >= 2): it compares a sample with its group.
     greedy_baseline: the reward of one greedy response per prompt (ReMax's baseline).
+    teacher: a distillation teacher's log-probs of the sampled tokens (``distill.teacher``).
     """
 
     critic: bool = False
     groups: bool = False
     greedy_baseline: bool = False
+    teacher: bool = False
 
 
 _GROUPS = EstimatorNeeds(groups=True)
@@ -39,6 +41,7 @@ ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
     "opo": _GROUPS,
     "gpg": _GROUPS,
     "grpo_passk": _GROUPS,
+    "opd": EstimatorNeeds(teacher=True),
 }
 """Every advantage estimator by its config name (`algorithm.adv_estimator`) with what it needs: the single source
 of the names; ``posttrain.algorithms.estimator_registry`` holds the functions."""

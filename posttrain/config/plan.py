@@ -81,6 +81,7 @@ class BatchPlan:
     critic: UpdatePlan | None
     values: ForwardPlan | None
     reward_model: ForwardPlan | None
+    teacher: ForwardPlan | None = None  # the distillation teacher's log-probs (distill.teacher.path set)
     old_log_prob_source: str = "recompute"  # see :func:`old_log_prob_source`
     rollout_staleness: int = 0  # steps the rollout runs ahead of training (async_training), 0: synchronous
     partial_rollout_tokens: int = (
@@ -226,6 +227,12 @@ FORWARD_PASSES = {
         "log_prob_micro_batch_size_per_gpu",
         "log_prob_max_token_len_per_gpu",
     ),
+    "teacher": (
+        "distill.teacher",
+        "log_prob_use_dynamic_bsz",
+        "log_prob_micro_batch_size_per_gpu",
+        "log_prob_max_token_len_per_gpu",
+    ),
     "values": (
         "critic",
         "use_dynamic_bsz",
@@ -317,6 +324,10 @@ def _check_step_rules(cfg: PostTrainConfig, world_size: int, uses_ref: bool, use
         if used:
             key = f"{section}.fsdp_config.fsdp_size"
             fsdp_group_size(getattr(cfg, section).fsdp_config.fsdp_size, world_size, key)
+    if cfg.distill.teacher.path:
+        fsdp_group_size(
+            cfg.distill.teacher.fsdp_config.fsdp_size, world_size, "distill.teacher.fsdp_config.fsdp_size"
+        )
 
 
 OLD_LOG_PROB_SOURCES = ("recompute", "rollout", "update")
@@ -329,14 +340,21 @@ def old_log_prob_source(cfg: PostTrainConfig, actor: UpdatePlan) -> str:
     - ``"update"``: no pass at all. When the samples feed exactly one optimizer step (one mini-batch, one
       epoch), the policy that would recompute them is the one the update starts from, so the update's own
       forward gives them (detached): the ratio is exactly 1, as TRL does. Only when nothing needs them before
-      the update: no in-reward KL penalty, and no importance weights or rejection from the rollout correction;
+      the update: no in-reward KL penalty, no importance weights or rejection from the rollout correction,
+      and no distillation teacher (the OPD advantage is the teacher's minus the old policy's log-prob);
     - ``"recompute"``: a forward-only pass over the step's samples before the updates (verl's default).
     """
     rc = cfg.algorithm.rollout_correction
     if rc.bypass_mode:
         return "rollout"
     corrects = rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold
-    if actor.optimizer_steps_per_step == 1 and not cfg.algorithm.use_kl_in_reward and not corrects:
+    teacher = bool(cfg.distill.teacher.path)
+    if (
+        actor.optimizer_steps_per_step == 1
+        and not cfg.algorithm.use_kl_in_reward
+        and not corrects
+        and not teacher
+    ):
         return "update"
     return "recompute"
 
@@ -363,6 +381,7 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         critic=_update_plan(cfg, "critic", world_size) if uses_critic else None,
         values=_forward_plan(cfg, "values", world_size) if uses_critic else None,
         reward_model=_forward_plan(cfg, "reward_model", world_size) if cfg.reward.model.enable else None,
+        teacher=_forward_plan(cfg, "teacher", world_size) if cfg.distill.teacher.path else None,
         old_log_prob_source=old_log_prob_source(cfg, actor),
         rollout_staleness=cfg.async_training.max_staleness if cfg.async_training.enable else 0,
         partial_rollout_tokens=partial_rollout_tokens(cfg),

@@ -20,6 +20,7 @@ _PER_ROW_FIELDS = (
     "group_ids",
     "old_log_probs",
     "ref_log_probs",
+    "teacher_log_probs",
     "values",
     "token_level_scores",
     "token_level_rewards",
@@ -45,6 +46,7 @@ class RolloutBatch:
     prompt_width: int  # P
     old_log_probs: torch.Tensor | None = None  # [B, R]
     ref_log_probs: torch.Tensor | None = None  # [B, R]
+    teacher_log_probs: torch.Tensor | None = None  # [B, R], the distillation teacher's (distill.teacher)
     values: torch.Tensor | None = None  # [B, R]
     token_level_scores: torch.Tensor | None = None  # [B, R], the reward on the last response token
     token_level_rewards: torch.Tensor | None = None  # [B, R], scores minus any in-reward KL penalty

@@ -31,6 +31,8 @@ model.lora_rank, model.lora_alpha,          checked in ``posttrain.models.prepar
 model.target_modules, model.lora_dropout,   (``posttrain.models.lora.check_lora_config``); applied by
 model.lora_adapter_path                     ``posttrain.models.lora.apply_lora`` in the RL and SFT setup
 reward.model.use_remove_padding             read by ``posttrain.rl.build.build_reward_model``
+distill.teacher.use_remove_padding          ``ForwardOptions.remove_padding`` of the teacher pass; without it the
+                                            teacher pass groups prompts when the actor does
 ==========================================  ====================================================================
 """
 
@@ -55,6 +57,7 @@ class PassOptions:
     ref: ForwardOptions  # forward-only, the reference copy
     critic: ForwardOptions  # critic update and the values pass
     sft: ForwardOptions  # SFT (the policy model, like the actor)
+    teacher: ForwardOptions = ForwardOptions()  # forward-only, the distillation teacher (distill.teacher)
 
 
 def _chunk(enabled: bool, size: int) -> int | None:
@@ -97,6 +100,13 @@ def pass_options(cfg: PostTrainConfig, device: torch.device) -> PassOptions:
         ),
         sft=ForwardOptions(
             remove_padding=m.use_remove_padding, max_row_tokens=rows, offload_activations=offload_policy
+        ),
+        # The old-log-prob pass's layout (the prefix grouper when the actor groups): a teacher equal to the
+        # student then gives exactly the student's log-probs.
+        teacher=ForwardOptions(
+            remove_padding=bool(cfg.distill.teacher.use_remove_padding),
+            max_row_tokens=rows,
+            prefix_grouper=grouped and not cfg.distill.teacher.use_remove_padding,
         ),
     )
 

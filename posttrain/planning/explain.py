@@ -141,6 +141,12 @@ def _forward_branches(root: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None
             "ref.log_prob_micro_batch_size_per_gpu",
         ),
         (
+            plan.teacher,
+            "teacher log-probs (distill.teacher)",
+            "distill.teacher.log_prob_max_token_len_per_gpu",
+            "distill.teacher.log_prob_micro_batch_size_per_gpu",
+        ),
+        (
             plan.values,
             "values (critic)",
             "critic.forward_max_token_len_per_gpu",

@@ -16,6 +16,9 @@ The config is read as the trainer applies it at the cluster's world size (:func:
 * LoRA (``model.lora_rank``): only the adapters get gradients and AdamW states, all in fp32 (PEFT keeps adapters
   fp32 on a bf16/fp16 base, so no master copy), and a LoRA actor's reference policy is the actor itself with
   adapters disabled: no reference weights.
+* A distillation teacher (``distill.teacher.path``): its own shape (read from its config.json; the student's
+  when it cannot be read) in ``distill.teacher.dtype``, sharded as ``distill.teacher.fsdp_config`` says, resident
+  for the whole step like the reference, and its forward pass.
 
 :class:`WhatIf` replaces any of these for every role ("what would it give"). The rollout phase models the
 configured engine (``rollout.name``): the native engine's slot cache, or vLLM's reservation of
@@ -49,7 +52,7 @@ from posttrain.planning.memory_bytes import (
     update_step_bytes,
     vllm_rollout,
 )
-from posttrain.planning.shape import GIB, ModelShape
+from posttrain.planning.shape import GIB, ModelShape, teacher_shape
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Placement:
     )
 
 
-ROLE_SECTIONS = {"actor": "actor", "reference": "ref", "critic": "critic"}
+ROLE_SECTIONS = {"actor": "actor", "reference": "ref", "critic": "critic", "teacher": "distill.teacher"}
 
 
 def role_placement(cfg: PostTrainConfig, world_size: int, w: WhatIf, role: str) -> Placement:
@@ -88,10 +91,12 @@ def role_placement(cfg: PostTrainConfig, world_size: int, w: WhatIf, role: str) 
     master weights; the critic is loaded in ``model.dtype``.
     """
     section = ROLE_SECTIONS[role]
-    fsdp = getattr(cfg, section).fsdp_config
+    fsdp = cfg
+    for part in f"{section}.fsdp_config".split("."):
+        fsdp = getattr(fsdp, part)
     sharded = world_size > 1
     shard = fsdp_group_size(fsdp.fsdp_size, world_size, f"{section}.fsdp_config.fsdp_size") if sharded else 1
-    master = sharded and cfg.model.dtype != "fp32" and role != "critic"
+    master = sharded and cfg.model.dtype != "fp32" and role not in ("critic", "teacher")
 
     def pick(what_if: object, from_config: object):
         return from_config if what_if is None else what_if
@@ -219,7 +224,9 @@ def _group_size(cfg: PostTrainConfig, plan: BatchPlan, role: str) -> int:
     """``rollout.n`` where the prefix grouper computes this role's passes (actor update, old and reference
     log-probs), else 0."""
     grouped = cfg.ref.use_prefix_grouper if role == "ref" else cfg.actor.use_prefix_grouper
-    return plan.n if grouped and role in ("actor", "old_log_prob", "ref") else 0
+    if role == "teacher":  # the teacher pass groups as the actor does, unless it packs
+        grouped = grouped and not cfg.distill.teacher.use_remove_padding
+    return plan.n if grouped and role in ("actor", "old_log_prob", "ref", "teacher") else 0
 
 
 def _flag(section: object, name: str) -> bool:
@@ -292,6 +299,15 @@ def _resident(
             where = ["of the LoRA adapters"] if t.lora_rank > 0 else []
             where += ["in CPU memory between steps"] if moved else []
             out.append(Component(f"{name} optimizer", 0 if moved else optimizer, "; ".join(where)))
+    if plan.teacher is not None:
+        place = role_placement(cfg, cluster.world_size, w, "teacher")
+        b = DTYPE_BYTES[cfg.distill.teacher.dtype or cfg.model.dtype]
+        weights = parameter_bytes(
+            teacher_shape(cfg.distill.teacher.path) or shape, b, place.shard, place.param_offload, b
+        )
+        note = [f"sharded over {place.shard} GPUs"] if place.shard > 1 else []
+        note += ["parameters in CPU memory"] if place.param_offload else []
+        out.append(Component("teacher weights", weights, "; ".join(note)))
     remote = remote_rollout(cfg)
     if (cluster.world_size > 1 or cfg.async_training.enable) and w.rollout_engine == "native" and not remote:
         # Each rank's engine decodes with a plain copy of the policy, refreshed after every update (one rank:
@@ -453,6 +469,9 @@ def estimate_memory(
         phases.append(_forward_phase(cfg, plan, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
     if plan.ref is not None:
         phases.append(_forward_phase(cfg, plan, plan.ref, shape, resident, _head_chunk(cfg.ref)))
+    if plan.teacher is not None:
+        tshape = teacher_shape(cfg.distill.teacher.path) or shape
+        phases.append(_forward_phase(cfg, plan, plan.teacher, tshape, resident, None))
     if plan.values is not None:
         phases.append(_forward_phase(cfg, plan, plan.values, shape, resident, None))
     if plan.critic is not None:

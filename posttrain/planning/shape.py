@@ -155,3 +155,9 @@ def shape_for_model_path(model_path: str) -> ModelShape | None:
     if snapshot is not None:
         return dataclasses.replace(ModelShape.from_path(snapshot), name=model_path)
     return None
+
+
+def teacher_shape(teacher_path: str) -> ModelShape | None:
+    """The shape of ``distill.teacher.path`` (a run directory: its final_model/); None when absent."""
+    final = Path(teacher_path) / "final_model"
+    return shape_for_model_path(str(final) if (final / "config.json").is_file() else teacher_path)

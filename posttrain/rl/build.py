@@ -1,7 +1,8 @@
 """Build everything a training run needs, once, from the config and the batch plan.
 
 Roles are built only when used: the reference policy when a KL term is on, the critic when the
-advantage estimator needs values, the reward model when reward.model.enable is set.
+advantage estimator needs values, the reward model when reward.model.enable is set, the distillation
+teacher when distill.teacher.path is set.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from posttrain.rl.checks import check_async_training, check_rl_switches, check_r
 from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.harness_loop import build_rollout_loop
 from posttrain.rl.collect.validation import validation_params
+from posttrain.rl.teacher import build_teacher, check_distill, check_same_tokenizer, resolve_teacher_path
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
@@ -87,11 +89,12 @@ class Components(RolloutContext):
     # Pushes the actor's weights into the engine (a no-op when it shares them); None without a local engine.
     rollout_weights: RolloutWeights | None
     kl_ctrl: KLController | None
+    teacher: nn.Module | None = None  # the frozen distillation teacher (distill.teacher.path), else None
     forward: PassOptions  # how each pass runs (packing, chunked head, offload): posttrain.models.prepare
     parallel: dict[str, DataParallel] | None = None  # per pass: how its samples spread over ranks
 
     def dp(self, role: str) -> DataParallel:
-        """The data-parallel view of a pass ("actor", "old_log_prob", "ref", "critic", "values")."""
+        """The data-parallel view of a pass ("actor", "old_log_prob", "ref", "teacher", "critic", "values")."""
         return self.parallel[role] if self.parallel else DataParallel()
 
     def close(self) -> None:
@@ -129,6 +132,7 @@ def check_config(cfg: PostTrainConfig, world_size: int, device: torch.device) ->
     `posttrain train` both run it (posttrain.planning.preflight), so explain accepts what train accepts."""
     plan = build_plan(cfg, world_size)
     check_rl_switches(cfg, device, uses_ref=plan.ref is not None, uses_critic=plan.critic is not None)
+    check_distill(cfg, world_size)
     check_rollout_backend(cfg, device, world_size)
     check_async_training(cfg, world_size)
     validation_params(cfg, 0)  # e.g. rollout.val_n > 1 with greedy validation
@@ -342,6 +346,9 @@ def build_parallel(cfg: PostTrainConfig, plan: BatchPlan, dist: DistContext) -> 
     }
     if plan.ref is not None:
         views["ref"] = data_parallel(dist, plan.ref.sp_size, ref_grouped, share)
+    if plan.teacher is not None:  # the layout of pass_options' teacher entry
+        teacher_grouped = grouped and not cfg.distill.teacher.use_remove_padding
+        views["teacher"] = data_parallel(dist, plan.teacher.sp_size, teacher_grouped, share)
     if plan.critic is not None:
         views["critic"] = data_parallel(dist, plan.critic.sp_size, False, share)
         views["values"] = data_parallel(dist, plan.critic.sp_size, False, share)
@@ -364,6 +371,10 @@ def build_components(
     judge = build_judge(cfg)  # its rubric read and checked before any model loads
     model_path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(model_path)
+    teacher_dir = None
+    if plan.teacher is not None:  # the tokenizers are compared before any weights load
+        teacher_dir = resolve_teacher_path(cfg, builtin_model_dir, quiet)
+        check_same_tokenizer(model_path, teacher_dir)
     policy = build_policy(cfg, plan, dist, model_path, quiet)
     critic = build_critic(cfg, plan, dist, model_path)
     train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
@@ -393,6 +404,7 @@ def build_components(
         generation_device=dist.device.type,
         agent=build_rollout_loop(cfg, tokenizer, sandbox),
         kl_ctrl=build_kl_controller(cfg),
+        teacher=build_teacher(cfg, teacher_dir, dist) if teacher_dir is not None else None,
         forward=forward,
         dist=dist,
         parallel=build_parallel(cfg, plan, dist),

@@ -8,7 +8,7 @@ import torch
 from posttrain.algorithms.rollout_correction import check_rollout_correction
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.forward.passes import check_plain_lm_head
+from posttrain.forward.lm_head import check_plain_lm_head
 from posttrain.forward.prefix_grouper import check_prefix_grouper
 from posttrain.models.prepare import (
     check_packing,

@@ -16,13 +16,15 @@ import torch
 from torch import nn
 
 from posttrain.algorithms.advantages import AdvantageInputs, get_advantage_estimator
+from posttrain.algorithms.distill import add_opd_advantage, distill_sums
 from posttrain.algorithms.kl import KLController, apply_kl_penalty
 from posttrain.algorithms.rollout_correction import compute_rollout_correction, rollout_correction_kwargs
 from posttrain.config.plan import BatchPlan, ForwardPlan
-from posttrain.config.schema import AlgorithmConfig, RolloutCorrectionConfig
+from posttrain.config.schema import AlgorithmConfig, DistillConfig, RolloutCorrectionConfig
 from posttrain.data.batch import RolloutBatch
 from posttrain.forward.options import PassOptions
 from posttrain.forward.passes import critic_values, policy_logprobs
+from posttrain.forward.teacher import teacher_scores
 from posttrain.parallel.data_parallel import DataParallel
 from posttrain.parallel.shares import MAX, MEAN, MIN, SINGLE_SHARE, DataShare, ShareMetrics
 from posttrain.rewards.judge import TIME as JUDGE_TIME
@@ -31,7 +33,7 @@ from posttrain.rl.collect.generation import (
     step_seed,
 )
 from posttrain.rl.collect.source import InlineRollouts, RolloutSource
-from posttrain.train.losses import actor_loss_fn, critic_loss_fn
+from posttrain.train.losses import TeacherTerm, actor_loss_fn, critic_loss_fn
 from posttrain.train.update import forward_in_micro_batches, run_update
 from posttrain.utils.metrics import PhaseTimer
 
@@ -62,9 +64,12 @@ def fill_forward_passes(
     passes: ForwardPasses,
     temperature: float,
     timer: PhaseTimer,
-) -> None:
+    teacher: nn.Module | None = None,
+    top_k: int = 0,
+) -> dict[str, torch.Tensor]:
     """Old log-probs (from where the plan says: recomputed, the rollout's, or left to the update's own
-    forward), reference log-probs and values, each in its planned forward-only micro-batches."""
+    forward), reference log-probs, the teacher's log-probs and values, each in its planned forward-only
+    micro-batches. Returns what is not a batch field: the teacher's top-k membership (``in_top_k`` [B, R])."""
     opts = passes.options
     source = passes.plan.old_log_prob_source
     if source == "rollout":
@@ -86,10 +91,24 @@ def fill_forward_passes(
                 lambda mb: policy_logprobs(ref, mb, temperature=temperature, options=opts.ref)[0],
                 batch,
             )
+    extra = {}
+    if teacher is not None:
+        with timer.phase("teacher"):
+            scores = passes.run(
+                "teacher",
+                lambda mb: teacher_scores(
+                    teacher, mb, temperature=temperature, top_k=top_k, options=opts.teacher
+                ),
+                batch,
+            )
+            batch.teacher_log_probs = scores[..., 0] if top_k else scores
+            if top_k:
+                extra["in_top_k"] = scores[..., 1]
     if critic is not None:
         with timer.phase("values"):
             critic.eval()
             batch.values = passes.run("values", lambda mb: critic_values(critic, mb, opts.critic), batch)
+    return extra
 
 
 def correct_rollout_mismatch(
@@ -151,9 +170,15 @@ def correction_reductions(name: str, section: RolloutCorrectionConfig) -> tuple[
 
 
 def compute_advantages(
-    batch: RolloutBatch, alg: AlgorithmConfig, kl_ctrl: KLController | None, share: DataShare = SINGLE_SHARE
+    batch: RolloutBatch,
+    alg: AlgorithmConfig,
+    kl_ctrl: KLController | None,
+    share: DataShare = SINGLE_SHARE,
+    distill: DistillConfig | None = None,
+    in_top_k: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Token rewards (minus the in-reward KL penalty when on), then the configured estimator's advantages.
+    """Token rewards (minus the in-reward KL penalty when on), then the configured estimator's advantages,
+    then (with a teacher and ``distill.opd_coef`` > 0) the weighted OPD term added on trained tokens.
 
     On a share of the step: the controller sees the whole step's KL (one sum over ranks), and estimators with
     batch-wide statistics get ``batch_sum`` (groups are whole on every rank, so group statistics are local)."""
@@ -185,8 +210,31 @@ def compute_advantages(
         lam=alg.lam,
         norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
         batch_sum=share.batch_sum if share.distributed else None,
+        teacher_log_probs=batch.teacher_log_probs,
+        student_log_probs=batch.old_log_probs,
     )
     batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(inputs)
+    if batch.teacher_log_probs is not None and distill is not None:
+        metrics.update(distill_advantages(batch, alg.adv_estimator, distill.opd_coef, share, in_top_k))
+    return metrics
+
+
+def distill_advantages(
+    batch: RolloutBatch, estimator: str, coef: float, share: DataShare, in_top_k: torch.Tensor | None
+) -> dict[str, float]:
+    """Add ``coef`` x the OPD advantage to the estimator's (not for ``opd``, whose advantage it already is),
+    and the ``distill/*`` metrics: per-token means over every rank's trained tokens. The student's log-probs
+    are the old policy's (docs/distillation.md says why)."""
+    teacher, student, mask = batch.teacher_log_probs, batch.old_log_probs, batch.response_mask
+    if estimator != "opd":
+        batch.advantages = add_opd_advantage(batch.advantages, teacher, student, mask, coef)
+    weight = 1.0 if estimator == "opd" else coef
+    sums = distill_sums(teacher, student, mask, in_top_k)
+    names = sorted(k for k in sums if k != "tokens")
+    tokens, *values = share.total([sums["tokens"], *(sums[k] for k in names)])
+    tokens = max(tokens, 1.0)
+    metrics = {f"distill/{k}": v / tokens for k, v in zip(names, values)}
+    metrics["distill/advantage_mean"] = -weight * metrics["distill/reverse_kl"]
     return metrics
 
 
@@ -198,13 +246,20 @@ def update_phase(
     cfg, metrics = run.cfg, {}
     gen = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, salt=1))
     roles = []
+    gkd = None
+    if run.teacher is not None and cfg.distill.gkd_coef > 0:
+        gkd = TeacherTerm(run.teacher, run.forward.teacher, cfg.distill)
     if run.critic is not None:
         roles.append(
             ("critic", run.critic, critic_loss_fn(run.critic.module, cfg.critic, run.forward.critic))
         )
     if run.critic is None or step > cfg.critic.warmup_steps:
         roles.append(
-            ("actor", run.actor, actor_loss_fn(run.actor.module, cfg.actor, temperature, run.forward.actor))
+            (
+                "actor",
+                run.actor,
+                actor_loss_fn(run.actor.module, cfg.actor, temperature, run.forward.actor, gkd),
+            )
         )
     for role, trainable, loss_fn in roles:
         with timer.phase(f"update_{role}"):
@@ -236,9 +291,15 @@ def train_step(
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     critic = run.critic.module if run.critic is not None else None
     passes = ForwardPasses(run.plan, run.forward, run.parallel, run.device)
-    fill_forward_passes(batch, run.actor.module, run.ref, critic, passes, temperature, timer)
+    extra = fill_forward_passes(
+        batch, run.actor.module, run.ref, critic, passes, temperature, timer, run.teacher, cfg.distill.top_k
+    )
     with timer.phase("advantage"):
-        metrics.update(compute_advantages(batch, cfg.algorithm, run.kl_ctrl, run.share))
+        metrics.update(
+            compute_advantages(
+                batch, cfg.algorithm, run.kl_ctrl, run.share, cfg.distill, extra.get("in_top_k")
+            )
+        )
         # After the advantages: rejected tokens leave the loss, not the group statistics.
         metrics.update(correct_rollout_mismatch(batch, cfg.algorithm.rollout_correction, run.share))
     metrics.update(update_phase(run, batch, step, temperature, timer))

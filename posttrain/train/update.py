@@ -179,7 +179,8 @@ def forward_in_micro_batches(
     device: torch.device,
     dp: DataParallel = SINGLE_RANK,
 ) -> torch.Tensor:
-    """Apply `fn` (micro-batch → [b, R] tensor) over the batch; rows come back in the original order.
+    """Apply `fn` (micro-batch → [b, R] tensor, or [b, R, k] for k values per token) over the batch; rows
+    come back in the original order.
 
     With several ranks `batch` is this rank's share and only its rows are computed (every rank holding the
     share computes all of them: nothing is gathered); the ranks make the same number of calls.
@@ -187,11 +188,15 @@ def forward_in_micro_batches(
     width = batch.response_width
     whole = dataclasses.replace(dp, share_ranks=1)
     _, micro_rows = rank_micro_batches(batch, whole, micro_batch_size, max_tokens)
-    out = torch.zeros((batch.num_rows, width), dtype=torch.float32)
+    out = None
     for rows in micro_rows:
         micro = batch.select(rows).trimmed().to(device)
         part = fn(micro).float().cpu()
+        if out is None:  # the first part tells the trailing shape
+            out = torch.zeros((batch.num_rows, width, *part.shape[2:]), dtype=torch.float32)
         out[torch.as_tensor(rows), : part.shape[1]] = part
+    if out is None:
+        out = torch.zeros((batch.num_rows, width), dtype=torch.float32)
     extra = even_out_calls(batch, len(micro_rows), dp)
     if extra is not None:
         extra.run_forward(fn, device)

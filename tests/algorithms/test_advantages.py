@@ -199,6 +199,8 @@ def full_kwargs(seed=0):
         group_ids=np.array(["x", "y", "x", "y", "x", "z"]),
         values=torch.tensor(dense_rewards(seed + 1)),
         reward_baselines=torch.zeros(B, dtype=torch.float64),
+        teacher_log_probs=torch.tensor(dense_rewards(seed + 2)) - 3.0,  # OPD's: log-probs of the sampled tokens
+        student_log_probs=torch.tensor(dense_rewards(seed + 3)) - 3.0,
         gamma=0.99,
         lam=0.95,
         norm_adv_by_std_in_grpo=True,
@@ -244,6 +246,7 @@ def test_registry_and_critic_helpers():
         "opo",
         "gpg",
         "grpo_passk",
+        "opd",
     }
     assert set(ESTIMATORS_NEEDING_CRITIC) == {"gae"}
     assert needs_critic("gae") and not needs_critic("grpo")

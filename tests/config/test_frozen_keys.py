@@ -35,6 +35,12 @@ critic.loss_agg_mode critic.warmup_steps critic.shuffle critic.remove_padding_ma
 critic.use_remove_padding critic.enable_gradient_checkpointing critic.enable_activation_offload
 critic.optim.lr critic.optim.weight_decay critic.optim.betas critic.optim.warmup_steps critic.optim.lr_schedule
 critic.optim.min_lr_ratio critic.optim.grad_clip
+distill.teacher.path distill.teacher.dtype distill.teacher.log_prob_micro_batch_size_per_gpu
+distill.teacher.log_prob_max_token_len_per_gpu distill.teacher.log_prob_use_dynamic_bsz
+distill.teacher.use_remove_padding distill.teacher.fsdp_config.fsdp_size distill.teacher.fsdp_config.param_offload
+distill.teacher.fsdp_config.forward_prefetch distill.teacher.fsdp_config.reshard_after_forward
+distill.opd_coef distill.top_k distill.gkd_coef distill.gkd_beta distill.gkd_temperature distill.gkd_top_k
+distill.gkd_chunk_size
 reward.function reward.timeout_s reward.failure_reward reward.fail_fast reward.rule_weight reward.score_during_generation
 reward.model.enable reward.model.path reward.model.weight reward.model.normalize reward.model.micro_batch_size_per_gpu reward.model.use_dynamic_bsz
 reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding reward.model.dtype reward.model.remove_padding_max_row_tokens

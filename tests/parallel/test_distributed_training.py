@@ -211,3 +211,30 @@ def test_sharded_checkpoint_loads_in_one_process(tmp_path, tiny_model_dir):
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     for name, value in model.state_dict().items():
         assert torch.equal(exported[name], value), name
+
+
+def test_distillation_on_two_ranks_trains_like_one(tmp_path, tiny_model_dir, teacher_model_dir):
+    """GRPO + OPD with packed, token-budgeted passes: the teacher sharded like the reference over 2 ranks gives
+    the 1-rank step's distill/* metrics and losses (its sums cross ranks once per step)."""
+    extra = {
+        **PACKED_DYNAMIC,
+        "distill.teacher.path": str(teacher_model_dir),
+        "distill.opd_coef": 0.5,
+        "distill.top_k": 100,
+        "distill.teacher.log_prob_max_token_len_per_gpu": 80,
+    }
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(1, tmp_path / "o1", _options(tiny_model_dir, one, **extra))
+    _run(2, tmp_path / "o2", _options(tiny_model_dir, two, **extra))
+    a, b = _metrics(one), _metrics(two)
+    _same_training(a, b)
+    steps = [(ma, mb) for ma, mb in zip(a, b) if "distill/reverse_kl" in ma]
+    assert len(steps) == 2
+    for ma, mb in steps:
+        for key in (
+            "distill/reverse_kl",
+            "distill/teacher_logprob",
+            "distill/advantage_mean",
+            "distill/top_k_overlap",
+        ):
+            assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), (ma["step"], key)

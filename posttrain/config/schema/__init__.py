@@ -23,6 +23,7 @@ from posttrain.config.schema.algorithm import (
     KLControlConfig,
     RolloutCorrectionConfig,
 )
+from posttrain.config.schema.distill import DistillConfig, TeacherConfig
 from posttrain.config.schema.harness import HarnessConfig
 from posttrain.config.schema.model import DataConfig, ModelConfig
 from posttrain.config.schema.names import ADV_ESTIMATORS, DTYPES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
@@ -48,6 +49,7 @@ __all__ = [
     "CriticConfig",
     "DTYPES",
     "DataConfig",
+    "DistillConfig",
     "FSDPConfig",
     "FilterGroupsConfig",
     "HarnessConfig",
@@ -68,6 +70,7 @@ __all__ = [
     "SFTConfig",
     "SandboxConfig",
     "ShardingConfig",
+    "TeacherConfig",
     "TrainerConfig",
 ]
 
@@ -82,6 +85,7 @@ class PostTrainConfig:
     actor: ActorConfig = section(ActorConfig)
     ref: RefConfig = section(RefConfig)
     critic: CriticConfig = section(CriticConfig)
+    distill: DistillConfig = section(DistillConfig)
     reward: RewardConfig = section(RewardConfig)
     algorithm: AlgorithmConfig = section(AlgorithmConfig)
     trainer: TrainerConfig = section(TrainerConfig)

@@ -1,0 +1,100 @@
+"""On-policy distillation: a frozen teacher scores the student's own samples (docs/distillation.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.config.fields import knob, section
+from posttrain.config.schema.names import DTYPES
+from posttrain.config.schema.roles import ShardingConfig
+
+
+@dataclass
+class TeacherConfig:
+    """The frozen teacher model: loaded, micro-batched and sharded like the reference policy."""
+
+    path: str = knob(
+        "",
+        "The teacher: a Hugging Face model directory, a run directory (its final_model/ is loaded) or "
+        "builtin:tiny / builtin:base. Empty: no teacher. It must use the student's tokenizer.",
+    )
+    dtype: str | None = knob(
+        None,
+        "Parameter and compute dtype of the teacher; null: the same as model.dtype.",
+        choices=(None, *DTYPES),
+    )
+    log_prob_micro_batch_size_per_gpu: int = knob(
+        64, "Samples per teacher forward pass.", unit="samples per DP rank", min=1
+    )
+    log_prob_max_token_len_per_gpu: int = knob(
+        32768,
+        "Token budget of one teacher forward pass when distill.teacher.log_prob_use_dynamic_bsz is on.",
+        unit="tokens per GPU",
+        min=1,
+    )
+    log_prob_use_dynamic_bsz: bool | None = knob(
+        None,
+        "Form teacher micro-batches by token budget (distill.teacher.log_prob_max_token_len_per_gpu) instead of "
+        "count. null: the same as actor.use_dynamic_bsz.",
+    )
+    use_remove_padding: bool | None = knob(
+        None,
+        "Pack the teacher's micro-batches without pads (rows of model.remove_padding_max_row_tokens). "
+        "null: the same as model.use_remove_padding.",
+    )
+    fsdp_config: ShardingConfig = section(ShardingConfig)
+
+
+@dataclass
+class DistillConfig:
+    """Distillation from a teacher on the student's own samples: the sampled-token OPD advantage
+    ``A_t = log pi_teacher(y_t) - log pi_student(y_t)`` (no gradient through it)."""
+
+    teacher: TeacherConfig = section(TeacherConfig)
+    opd_coef: float = knob(
+        0.0,
+        "Weight of the OPD advantage added to algorithm.adv_estimator's advantages on trained tokens (GRPO + "
+        "OPD, as slime's --opd-kl-coef). 0: not added. With algorithm.adv_estimator=opd the advantage is the "
+        "OPD term alone and this key must stay 0.",
+        min=0.0,
+    )
+    top_k: int = knob(
+        0,
+        "Report distill/top_k_overlap: the share of sampled tokens among the teacher's top_k tokens at their "
+        "position (verl's overlap ratio). 0: off (it costs a top-k over the teacher's vocabulary per token).",
+        unit="tokens",
+        min=0,
+    )
+
+    gkd_coef: float = knob(
+        0.0,
+        "Weight of GKD's generalized Jensen-Shannon divergence between the student's and the teacher's whole "
+        "next-token distributions on the student's samples, added to the actor's loss (aggregated as "
+        "actor.loss_agg_mode). 0: off. One rank, no LoRA, plain LM heads.",
+        min=0.0,
+    )
+    gkd_beta: float = knob(
+        0.5,
+        "GKD's beta: 0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher).",
+        min=0.0,
+        max=1.0,
+    )
+    gkd_temperature: float = knob(1.0, "Temperature of both distributions in the GKD term.", min=1e-6)
+    gkd_top_k: int = knob(
+        0,
+        "GKD over the teacher's top_k tokens at each position, both distributions renormalised there; 0: the "
+        "whole vocabulary.",
+        unit="tokens",
+        min=0,
+    )
+    gkd_chunk_size: int = knob(
+        1024,
+        "Tokens per chunk of the GKD term (each chunk's [tokens, vocab] logits are recomputed in backward).",
+        unit="tokens",
+        min=1,
+    )
+
+
+def distill_enabled(d: DistillConfig) -> bool:
+    """Whether a teacher takes part in the run."""
+    return bool(d.teacher.path)
