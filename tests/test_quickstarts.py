@@ -62,6 +62,7 @@ QUICKSTARTS: dict[str, Quickstart | str] = {
     "reward-models.md": Quickstart([("rm.optim.lr=1e-5", "rm.optim.lr=1e-5 rm.max_steps=2")], slow=True),
     "sandbox.md": "an install command (pip install 'posttrain[sandbox]') only",
     "tuning.md": Quickstart(),
+    "your-agent-task.md": Quickstart(),
     "your-task.md": Quickstart(),
 }
 
