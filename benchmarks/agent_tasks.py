@@ -90,7 +90,7 @@ GRPO = {
 GRPO["python_arithmetic"] = [
     "data.max_prompt_length=96",
     *GRPO["calculator"][1:],
-    "env.kwargs={show_schemas: false}",
+    "rollout.multi_turn.render_tools=false",
 ]
 # The warm start: SFT steps of 32 demonstrations, and the demonstrations' imperfection (make_demos.py --rate).
 # guess_number's demonstrations guess at random inside the interval the hints leave (rate 1.0): the model learns

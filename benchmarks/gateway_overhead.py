@@ -15,7 +15,7 @@ real call). Clients: the real ``openai`` client (its own cost is part of what a 
 so with many sessions the figures include the clients' CPU time and the wait for a core.
 
 Part 2, calculator trajectories per second: ``--trajectories`` trajectories at once, the ``calculator`` task's
-environment with its tool schemas in the prompt (``show_schemas=True``), the same seed and token budgets, via
+environment with its tool schemas in the prompt (``rollout.multi_turn.render_tools=true``), the same seed and token budgets, via
 - native: ``posttrain.agents.driver.run_trajectories`` over the engine,
 - gateway: an async ``openai`` client per trajectory doing the same loop (chat -> tool call -> tool message ->
   chat) against its session of a :class:`~posttrain.gateway.server.Gateway` over the same engine; the session's
@@ -260,9 +260,7 @@ def native_run(backend: FirstTurnCalls, tok: Any, rows: list[dict], length: int)
     loop = MultiTurnConfig(max_assistant_turns=4, max_user_turns=4, max_tokens_per_turn=length)
     settings = MultiTurnSettings(loop, max_response_length=length)
     start = time.perf_counter()
-    trajs = run_trajectories(
-        rows, lambda row: CalculatorEnv(show_schemas=True), lambda r: backend(r, PARAMS), tok, settings
-    )
+    trajs = run_trajectories(rows, lambda row: CalculatorEnv(), lambda r: backend(r, PARAMS), tok, settings)
     seconds = time.perf_counter() - start
     return seconds, sum(len(t.response_ids) for t in trajs), sum(t.num_assistant_turns for t in trajs)
 
@@ -292,7 +290,7 @@ async def harness(handle: Any, row: dict, tools: list[dict], length: int) -> Non
 
 def gateway_run(gw: Gateway, rows: list[dict], length: int) -> tuple[float, int, int]:
     """Seconds, response tokens and model calls of the harness path over ``rows`` (sessions, assembly)."""
-    tools = CalculatorEnv(show_schemas=True).tool_schemas()
+    tools = CalculatorEnv().tool_schemas()
 
     async def one(k: int):
         handle = gw.open_session(

@@ -148,9 +148,15 @@ def check_env_kwargs(spec: EnvSpec, kwargs: dict[str, Any]) -> None:
             for p in signature.parameters.values()
             if p.name in accepted
         )
+        moved = (
+            "; the tool schemas are left out of the prompt with rollout.multi_turn.render_tools=false (for any "
+            "environment) instead"
+            if "show_schemas" in unknown
+            else ""
+        )
         raise ConfigError(
             f"{key}={value!r} does not fit {spec.name}({shown}) ({exc}); its constructor takes "
-            f"{accepted or 'no arguments'}: set env.kwargs.NAME=VALUE for those only"
+            f"{accepted or 'no arguments'}: set env.kwargs.NAME=VALUE for those only{moved}"
         ) from None
 
 

@@ -73,19 +73,14 @@ def calculator(expression: str) -> str:
 class CalculatorEnv(ToolEnvironment):
     """The ``calculator`` task's environment: a :class:`ToolEnvironment` with the ``calculator`` tool.
 
-    ``show_schemas=False`` (the default) leaves the tool block out of the prompt. With the built-in tiny
-    tokenizer that block is over 500 tokens, ten times the rest of a trajectory; the SFT warm start teaches the
-    call format instead. Set it (`env.kwargs={show_schemas: true}`) for a model that reads tool schemas.
+    A run with ``env.path=calculator`` leaves the tool block out of the prompt unless
+    `rollout.multi_turn.render_tools` is set (posttrain.config.schema.names.SCHEMAS_HIDDEN_BY_DEFAULT): with the
+    built-in tiny tokenizer that block is over 500 tokens, ten times the rest of a trajectory, and the SFT warm
+    start teaches the call format instead.
     """
 
-    def __init__(
-        self, show_schemas: bool = False, max_parallel_calls: int = 4, timeout_s: float = 5.0
-    ) -> None:
+    def __init__(self, max_parallel_calls: int = 4, timeout_s: float = 5.0) -> None:
         super().__init__(ToolSet([make_tool(calculator)]), max_parallel_calls, timeout_s)
-        self.show_schemas = show_schemas
-
-    def tool_schemas(self) -> list[dict[str, Any]] | None:
-        return super().tool_schemas() if self.show_schemas else None
 
 
 _INTEGER = re.compile(r"-?\d+")

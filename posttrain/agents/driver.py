@@ -143,7 +143,9 @@ async def run_trajectory(
         messages = _prompt_messages(row) + list(opening or [])
         if not messages:
             raise ConfigError(f"row {index}: no prompt and the environment's reset returned no messages")
-        renderer = Renderer(tokenizer, tools=env.tool_schemas())
+        # render_tools=false: the calls are still parsed and run (the environment keeps its tools), only the
+        # schema block stays out of the prompt.
+        renderer = Renderer(tokenizer, tools=env.tool_schemas() if s.multi_turn.render_tools else None)
         traj = Trajectory(prompt_ids=renderer.prompt_ids(messages), messages=messages)
         traj.sample_id = index if sample_id is None else sample_id
         traj.tools = renderer.tools

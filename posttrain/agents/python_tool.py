@@ -16,7 +16,6 @@ reward), bound to it where the run's environments are made (:func:`bind_python`)
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from posttrain.agents.env import ToolEnvironment
 from posttrain.agents.tools import Tool, ToolSet, make_tool
@@ -68,21 +67,11 @@ def uses_python(tools: ToolSet) -> bool:
 class PythonEnv(ToolEnvironment):
     """A tool environment with the python tool: each ``<tool_call>`` to ``python`` runs in the sandbox.
 
-    The tool's schema block is in the prompt unless ``show_schemas=False`` (`env.kwargs={show_schemas: false}`):
-    with the built-in tiny tokenizer that block is over 500 tokens, and a model warm-started on demonstrations
-    without it (the python_arithmetic benchmark) knows the call format already; with the block it never called
-    the tool (0 of 16 held-out trajectories).
+    The tool's schema block is in the prompt unless `rollout.multi_turn.render_tools=false`: with the built-in tiny
+    tokenizer that block is over 500 tokens, and a model warm-started on demonstrations without it (the
+    python_arithmetic benchmark) knows the call format already; with the block it never called the tool (0 of 16
+    held-out trajectories).
     """
 
-    def __init__(
-        self,
-        sandbox: Sandbox,
-        max_parallel_calls: int = 4,
-        timeout_s: float = 30.0,
-        show_schemas: bool = True,
-    ) -> None:
+    def __init__(self, sandbox: Sandbox, max_parallel_calls: int = 4, timeout_s: float = 30.0) -> None:
         super().__init__(ToolSet([python_tool(sandbox)]), max_parallel_calls, timeout_s)
-        self.show_schemas = show_schemas
-
-    def tool_schemas(self) -> list[dict[str, Any]] | None:
-        return super().tool_schemas() if self.show_schemas else None

@@ -19,7 +19,12 @@ import yaml
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.config.validate import check_config, check_value, resolve_task_environment
+from posttrain.config.validate import (
+    check_config,
+    check_value,
+    resolve_render_tools,
+    resolve_task_environment,
+)
 from posttrain.config.verl_keys import LAST_TRANSLATED, translate_verl_keys
 
 _NONE_WORDS = {"null", "none", "~"}
@@ -263,7 +268,9 @@ def build_config(
     elif overrides:
         parsed = translate_verl_keys(parse_overrides(overrides), is_key)[0]
         values.update({k: parse_scalar(v) if _is_dict_key(k) else v for k, v in parsed.items()})
-    return apply_values(PostTrainConfig(), values)
+    cfg = apply_values(PostTrainConfig(), values)
+    resolve_render_tools(cfg, set(values))
+    return cfg
 
 
 def _is_dict_key(key: str) -> bool:

@@ -15,7 +15,7 @@ from posttrain.algorithms.names import GROUP_ESTIMATORS
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig, TrainerConfig
 from posttrain.config.schema.harness import harness_enabled
-from posttrain.config.schema.names import BUILTIN_TASKS, TASK_ENVIRONMENTS
+from posttrain.config.schema.names import BUILTIN_TASKS, SCHEMAS_HIDDEN_BY_DEFAULT, TASK_ENVIRONMENTS
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # Estimators whose advantage is a sample's reward relative to the other samples of its prompt's group.
@@ -70,6 +70,14 @@ def resolve_task_environment(cfg: PostTrainConfig, explicit: set[str]) -> None:
     mt.enable = True
     if not cfg.env.path:
         cfg.env.path = environment
+
+
+def resolve_render_tools(cfg: PostTrainConfig, explicit: set[str]) -> None:
+    """A built-in environment of :data:`SCHEMAS_HIDDEN_BY_DEFAULT` leaves its schemas out of the prompt unless
+    rollout.multi_turn.render_tools is among ``explicit``, the keys the user set (once, where the config is built:
+    a config changed later keeps what was resolved)."""
+    if cfg.env.path in SCHEMAS_HIDDEN_BY_DEFAULT and "rollout.multi_turn.render_tools" not in explicit:
+        cfg.rollout.multi_turn.render_tools = False
 
 
 def _check_betas(key: str, betas: list[float]) -> None:

@@ -32,7 +32,7 @@ def multi_turn_plan(cfg: PostTrainConfig) -> dict[str, Any] | None:
     unlisted: list[str] = []  # tools the environment answers whose schemas stay out of the prompt
     if spec.kind != SKYRL:
         made = sample_environment(cfg)
-        schemas = made.tool_schemas() or []
+        schemas = (made.tool_schemas() or []) if mt.render_tools else []
         listed = {s.get("function", {}).get("name") for s in schemas}
         tools = getattr(made, "tools", None)
         if isinstance(tools, ToolSet):
@@ -166,9 +166,10 @@ def _tools_branch(
 ) -> None:
     mt = cfg.rollout.multi_turn
     if unlisted:
+        why = "rollout.multi_turn.render_tools=false" if not mt.render_tools else "the environment lists none"
         root.add(
             f"tools the environment answers without listing them in the prompt: {', '.join(unlisted)} "
-            "(the model learns the call format from its warm start; see the environment's env.kwargs)"
+            f"({why}: the model learns the call format from its warm start)"
         )
     if not schemas:
         if not unlisted:

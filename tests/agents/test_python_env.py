@@ -76,11 +76,13 @@ def test_env_path_python_runs_the_call_in_the_sandbox(tok, quick):
 
 
 def test_the_schema_block_is_shown_unless_turned_off(quick):
-    """A warm start trained without the block plays without it (env.kwargs={show_schemas: false})."""
-    shown = environment_factory(config("env.path=python", *quick))({}).tool_schemas()
-    assert [s["function"]["name"] for s in shown] == ["python"]
-    hidden = config("env.path=python", "env.kwargs={show_schemas: false}", *quick)
-    assert environment_factory(hidden)({}).tool_schemas() is None
+    """A warm start trained without the block plays without it (rollout.multi_turn.render_tools=false); the
+    environment keeps its tool either way (tests/agents/test_render_tools.py: the prompt without the block)."""
+    shown = config("env.path=python", *quick)
+    assert shown.rollout.multi_turn.render_tools
+    assert [s["function"]["name"] for s in environment_factory(shown)({}).tool_schemas()] == ["python"]
+    hidden = config("env.path=python", "rollout.multi_turn.render_tools=false", *quick)
+    assert not hidden.rollout.multi_turn.render_tools
 
 
 def test_python_from_a_tool_config(tok, quick, tmp_path):

@@ -84,7 +84,7 @@ rm.optim.min_lr_ratio rm.optim.grad_clip rm.optim.eps
 rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns
 rollout.multi_turn.max_tokens_per_turn rollout.multi_turn.max_parallel_calls rollout.multi_turn.tool_timeout_s
 rollout.multi_turn.max_tool_response_length rollout.multi_turn.tool_response_truncate_side
-rollout.multi_turn.tool_config_path rollout.multi_turn.format rollout.multi_turn.turn_rewards
+rollout.multi_turn.tool_config_path rollout.multi_turn.render_tools rollout.multi_turn.format rollout.multi_turn.turn_rewards
 rollout.multi_turn.env_timeout_s rollout.multi_turn.max_env_failures env.path env.kwargs
 harness.path harness.command harness.timeout_s harness.max_failures harness.max_concurrent
 harness.on_prefix_break harness.render_tools harness.host harness.port harness.max_request_bytes

@@ -162,7 +162,8 @@ def test_explain_prints_the_multi_turn_plan(here, capsys):
 
 
 def test_explain_names_the_tools_an_environment_keeps_out_of_the_prompt(capsys):
-    """The calculator task's environment answers `calculator` calls but lists no schema in the prompt."""
+    """The calculator task leaves its tool's schema out of the prompt (rollout.multi_turn.render_tools=false by
+    default there) and still answers `calculator` calls."""
     assert cli.main(["explain", "data.task=calculator"]) == 0
     plan = " ".join(capsys.readouterr().out.split())
     assert "tools the environment answers without listing them in the prompt: calculator" in plan

@@ -53,8 +53,7 @@ def test_calculator_reward_reads_the_final_assistant_message():
 def test_calculator_environment_runs_the_tool():
     assert builtin_environments()["calculator"] is CalculatorEnv
     env = CalculatorEnv()
-    assert env.tool_schemas() is None  # the tool block stays out of the tiny model's prompt
-    assert CalculatorEnv(show_schemas=True).tool_schemas()[0]["function"]["name"] == "calculator"
+    assert env.tool_schemas()[0]["function"]["name"] == "calculator"
     step = asyncio.run(env.step(tool_call_text("calculator", {"expression": "1234 * 5678"})))
     assert step.messages == [{"role": "tool", "content": "7006652"}] and not step.done
     assert asyncio.run(env.step("7006652")).done

@@ -176,8 +176,8 @@ def test_a_repeated_call_draws_fresh_noise(gateway):
 
 
 def test_render_tools_false_keeps_the_schemas_out_of_the_prompt_and_still_reads_the_calls(tok):
-    """harness.render_tools=false: the prompt is the messages alone (as the built-in calculator environment's
-    show_schemas=False renders it), and the declared tool's call still comes back as a tool call."""
+    """harness.render_tools=false: the prompt is the messages alone (as a native run's
+    rollout.multi_turn.render_tools=false renders it), and the declared tool's call still comes back as a tool call."""
     reply = lambda request: tool_call_text("add", {"a": 1, "b": 2})  # noqa: E731
     params = SamplingParams(max_tokens=64)
     with Gateway(scripted_backend(tok, reply), tok) as gw:

@@ -120,7 +120,7 @@ COMMON = [
 NATIVE = [
     "rollout.multi_turn.enable=true",
     "env.path=calculator",
-    "env.kwargs.show_schemas=true",
+    "rollout.multi_turn.render_tools=true",
     f"rollout.multi_turn.max_assistant_turns={MAX_TURNS}",
 ]
 

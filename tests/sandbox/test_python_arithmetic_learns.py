@@ -36,7 +36,7 @@ N_TRAIN = 4000
 OPTIONS = {"min_digits": 2, "max_digits": 2}
 LENGTHS = ["data.max_prompt_length=96", "data.max_response_length=192"]
 # The python tool's schema block (500 tokens) stays out of the prompt, as in the demonstrations.
-GRPO = ["env.kwargs={show_schemas: false}"]
+GRPO = ["rollout.multi_turn.render_tools=false"]
 
 
 def warm_start(tmp_path):

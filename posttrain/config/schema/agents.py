@@ -47,6 +47,14 @@ class MultiTurnConfig:
     tool_config_path: str = knob(
         "", "YAML or JSON file listing the tools (Python functions by path, optional explicit schemas)."
     )
+    render_tools: bool = knob(
+        True,
+        "Render the tools' schemas (the tool config's and the environment's) into the prompt with the chat "
+        "template. false: the calls are still read out of the answers and run, but the schema block stays out of "
+        "the prompt, for a model that learned its tools' call format in training (a warm start on "
+        "demonstrations without the block; with the tiny tokenizer one tool's block is about 500 tokens). "
+        "env.path=calculator (and data.task=calculator) sets it to false unless it is set.",
+    )
     format: str = knob(
         "hermes",
         'How tool calls are written: hermes = Qwen/Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; '

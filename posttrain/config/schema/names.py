@@ -21,3 +21,7 @@ TASK_ENVIRONMENTS = {
     "python_arithmetic": "python",
 }
 BUILTIN_TASKS = ("arithmetic", "gsm8k", *TASK_ENVIRONMENTS)
+# The built-in environments whose tools' schemas stay out of the prompt unless rollout.multi_turn.render_tools is
+# set: their warm starts (demonstrations without the block) learn the call format, and the block is over 500 tokens
+# of the tiny tokenizer, ten times the rest of a trajectory.
+SCHEMAS_HIDDEN_BY_DEFAULT = ("calculator",)
