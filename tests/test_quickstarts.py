@@ -46,6 +46,8 @@ QUICKSTARTS: dict[str, Quickstart | str] = {
     "throughput.md": "no command block",
     "algorithms.md": NOT_YET,
     "async.md": NOT_YET,
+    "distillation.md": NOT_YET,
+    "judges.md": "a synopsis (`posttrain train ...` with the judge keys) that needs a judge endpoint; the endpoint is tested in tests/rewards/test_judge_endpoint.py",
     "batch-plan.md": Quickstart(),
     "distributed.md": "a torchrun launch on 8 GPUs (trainer.device=cuda) with the user's own my.yaml",
     "gateway.md": "a usage synopsis of posttrain serve (MODEL_DIR and options), not a command",
