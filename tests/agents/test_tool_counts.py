@@ -44,10 +44,11 @@ class SecretCodes(BaseTextEnv):
 '''
 
 
-def test_an_environment_that_hides_its_schemas_still_names_its_tools(tok):
-    hidden = CalculatorEnv(show_schemas=False)
-    assert hidden.tool_schemas() is None and hidden.tool_names() == ["calculator"]
-    loop = build_agent_loop(build_config(overrides=["data.task=calculator"]), tok)
+def test_tools_whose_schemas_stay_out_of_the_prompt_are_still_named(tok):
+    assert CalculatorEnv().tool_names() == ["calculator"]
+    cfg = build_config(overrides=["data.task=calculator"])
+    assert cfg.rollout.multi_turn.render_tools is False  # the calculator's default: no schema block
+    loop = build_agent_loop(cfg, tok)
     assert loop.tool_names == ("calculator",)  # so tool_call_counts/calculator is logged
 
 

@@ -199,7 +199,8 @@ def full_kwargs(seed=0):
         group_ids=np.array(["x", "y", "x", "y", "x", "z"]),
         values=torch.tensor(dense_rewards(seed + 1)),
         reward_baselines=torch.zeros(B, dtype=torch.float64),
-        teacher_log_probs=torch.tensor(dense_rewards(seed + 2)) - 3.0,  # OPD's: log-probs of the sampled tokens
+        teacher_log_probs=torch.tensor(dense_rewards(seed + 2))
+        - 3.0,  # OPD's: log-probs of the sampled tokens
         student_log_probs=torch.tensor(dense_rewards(seed + 3)) - 3.0,
         gamma=0.99,
         lam=0.95,

@@ -179,7 +179,9 @@ def assemble_rollout(
     return batch, metrics
 
 
-def agent_metrics(context: RolloutContext, episodes: list, local: ShareMetrics, how: dict, weight: int) -> None:
+def agent_metrics(
+    context: RolloutContext, episodes: list, local: ShareMetrics, how: dict, weight: int
+) -> None:
     """The trajectories' metrics (turns, tool calls per tool, environment failures); every rank adds the same
     names, also one that drew no sample. A step where every environment failed stops here, clearly."""
     check_not_all_failed(episodes, context.cfg.rollout.multi_turn.max_env_failures)
