@@ -12,6 +12,7 @@ from posttrain.config.load import build_config
 from posttrain.data.batch import RolloutBatch
 from posttrain.models.hf import load_tokenizer
 from posttrain.planning.preflight import preflight
+from posttrain.rewards.combine import RewardWeights, combine_rewards
 from posttrain.rewards.process_reward import (
     ProcessReward,
     ProcessRewardScorer,
@@ -86,6 +87,12 @@ def test_reductions():
     assert reduce_steps([0.2, 0.9, 0.5], "last") == 0.5
     assert reduce_steps([0.2, 0.9, 0.4], "mean") == pytest.approx(0.5)
     assert reduce_steps([], "min") == 0.0
+
+
+def test_the_prm_part_adds_with_its_weight():
+    rule, prm = torch.tensor([1.0, 0.0]), torch.tensor([0.25, 0.75])
+    total, _ = combine_rewards(rule, None, RewardWeights(rule=0.5, prm=2.0), None, prm)
+    assert torch.equal(total, 0.5 * rule + 2.0 * prm)
 
 
 def test_scores_are_read_at_each_separator_like_an_unbatched_forward(tiny_model_dir, tmp_path):
