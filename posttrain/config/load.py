@@ -297,6 +297,7 @@ INHERITED = {
     "critic.remove_padding_max_row_tokens": "model.remove_padding_max_row_tokens",
     "reward.model.dtype": "model.dtype",
     "reward.model.remove_padding_max_row_tokens": "model.remove_padding_max_row_tokens",
+    "reward.prm.dtype": "model.dtype",
 }
 """Keys whose default (null) is another section's value, as verl's YAML interpolates them. They are resolved
 here, once, so that every component reads only its own section."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 from posttrain.algorithms.names import GROUP_ESTIMATORS
@@ -159,21 +160,70 @@ def _check_reward_weights(cfg: PostTrainConfig) -> None:
             "reward.model.normalize=true applies when a reward model scores the samples, but "
             "reward.model.enable=false; enable one (reward.model.enable=true reward.model.path=DIR) or drop the key"
         )
-    if not (rw.model.enable or rw.judge.enable) and rw.rule_weight != 1.0:
+    if not (rw.model.enable or rw.judge.enable or rw.prm.enable) and rw.rule_weight != 1.0:
         raise ConfigError(
-            f"reward.rule_weight={rw.rule_weight} applies when a reward model or a judge scores the samples, but "
-            "reward.model.enable=false and reward.judge.enable=false; enable one (reward.model.enable=true "
+            f"reward.rule_weight={rw.rule_weight} applies when a reward model, a judge or a process reward model "
+            "scores the samples, but reward.model.enable=false, reward.judge.enable=false and "
+            "reward.prm.enable=false; enable one (reward.model.enable=true "
             "reward.model.path=DIR, or reward.judge.enable=true ...) or drop the key"
         )
-    weights = [rw.rule_weight] + [
-        w for on, w in ((rw.model.enable, rw.model.weight), (rw.judge.enable, rw.judge.weight)) if on
-    ]
+    parts = (
+        (rw.model.enable, rw.model.weight),
+        (rw.judge.enable, rw.judge.weight),
+        (rw.prm.enable, rw.prm.weight),
+    )
+    weights = [rw.rule_weight] + [w for on, w in parts if on]
     if len(weights) > 1 and all(w == 0 for w in weights):
         raise ConfigError(
-            "reward.rule_weight, reward.model.weight and reward.judge.weight are all 0 (of the parts enabled), "
-            "which leaves nothing to train on; give one a nonzero weight"
+            "reward.rule_weight, reward.model.weight, reward.judge.weight and reward.prm.weight are all 0 (of the "
+            "parts enabled), which leaves nothing to train on; give one a nonzero weight"
         )
     _check_judge(cfg)
+    _check_prm(cfg)
+
+
+# Estimators that credit each token with the rewards that follow it (GAE's values, REINFORCE++'s discounted
+# returns); every other one sums a response's token rewards into one outcome score first.
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
+
+
+def _check_prm(cfg: PostTrainConfig) -> None:
+    """reward.prm: a path, a separator that can cut a response, and a dense reduction only where the estimator
+    credits tokens (the model directory itself is read by the preflight, before any weights load)."""
+    p, estimator = cfg.reward.prm, cfg.algorithm.adv_estimator
+    if not p.enable:
+        return
+    if not p.path:
+        raise ConfigError(
+            "reward.prm.enable=true needs reward.prm.path (a directory of an AutoModelForTokenClassification "
+            "with two labels, e.g. one trained by `posttrain rm` on stepwise data)"
+        )
+    if p.reduction == "dense" and estimator not in TOKEN_LEVEL_ESTIMATORS:
+        raise ConfigError(
+            f"reward.prm.reduction=dense with algorithm.adv_estimator={estimator}: {estimator} sums a response's "
+            "token rewards into one outcome score, so the step scores placed on their steps would only add up "
+            "(no step gets credit of its own); set reward.prm.reduction=min, mean or last for an outcome "
+            f"estimator, or use algorithm.adv_estimator in {list(TOKEN_LEVEL_ESTIMATORS)} for dense step rewards"
+        )
+    if p.separator_is_regex and not p.separator:
+        raise ConfigError(
+            "reward.prm.separator_is_regex=true needs reward.prm.separator (the regex that ends a step, e.g. "
+            "'\\n+'); or set reward.prm.separator_is_regex=false to use the model's own step_separator"
+        )
+    if p.separator_is_regex:
+        try:
+            pattern = re.compile(p.separator)
+        except re.error as exc:
+            raise ConfigError(
+                f"reward.prm.separator={p.separator!r} with reward.prm.separator_is_regex=true is not a valid "
+                f"regular expression ({exc}); fix it, or set reward.prm.separator_is_regex=false to match it "
+                "literally"
+            ) from exc
+        if pattern.fullmatch(""):
+            raise ConfigError(
+                f"reward.prm.separator={p.separator!r} matches the empty string, so it cannot cut a response "
+                "into steps; use a pattern that always consumes text, e.g. '\\n+'"
+            )
 
 
 def _check_judge(cfg: PostTrainConfig) -> None:

@@ -32,6 +32,7 @@ from posttrain.models.hub import looks_like_hub_id, resolve_hub_model
 from posttrain.models.model_path import check_builtin_choice
 from posttrain.parallel.runtime import select_device
 from posttrain.planning.input_checks import check_inputs
+from posttrain.rewards.process_reward import check_prm_dir
 from posttrain.rewards.reward_model import check_reward_model_dir
 from posttrain.rl.build import check_config
 from posttrain.rm.command import check_ranks, read_pairs
@@ -77,6 +78,8 @@ def preflight(
         check_model_path(cfg)
     if cfg.reward.model.enable:
         check_reward_model_dir(cfg.reward.model.path)
+    if cfg.reward.prm.enable:
+        check_prm_dir(cfg.reward.prm.path)
     if command in ("train", "explain"):
         check_loggers(cfg.trainer.loggers)
         elsewhere = ranks_elsewhere and cfg.trainer.device == "cuda"

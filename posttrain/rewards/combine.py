@@ -1,8 +1,10 @@
 """Combining a rule reward, a reward model's score and a judge's score into the reward a run trains on.
 
-``reward = reward.rule_weight * rule + reward.model.weight * model_score + reward.judge.weight * judge_score``
-(each enabled part; ``judge_score`` in [0, 1] is the judge's weighted mean over its criteria,
-posttrain.rewards.judge) where ``model_score`` is the reward
+``reward = reward.rule_weight * rule + reward.model.weight * model_score + reward.judge.weight * judge_score
++ reward.prm.weight * prm_score`` (each enabled part; ``judge_score`` in [0, 1] is the judge's weighted mean over
+its criteria, posttrain.rewards.judge; ``prm_score`` the process reward model's reduced step scores, or with
+``reward.prm.reduction=dense`` their sum, each then placed on its step's last token:
+posttrain.rewards.process_reward) where ``model_score`` is the reward
 model's output, normalised with the ``reward_mean`` / ``reward_std`` stored in its config when
 ``reward.model.normalize=true`` (``posttrain rm`` writes them). Both parts are logged on their own every step,
 whatever their weights, so a policy that pleases the reward model without being right (reward hacking) shows:
@@ -10,7 +12,8 @@ whatever their weights, so a policy that pleases the reward model without being 
 - ``reward/rule_mean``: the mean rule reward; ``reward/rule_accuracy``: the share of samples the rule scores
   >= 1 (right answers for the built-in rules);
 - ``reward/model_score_mean``: the mean reward-model score (after normalisation, before the weight);
-- ``reward/judge/score_mean``: the mean judge score (before the weight; the judge logs it with its own metrics).
+- ``reward/judge/score_mean``: the mean judge score (before the weight; the judge logs it with its own metrics);
+- ``reward/prm/mean``, ``reward/prm/steps``: the mean PRM score (before the weight) and steps per response.
 
 A weight of 0 turns a part off in training; the rule still runs and is logged (it also stays the validation
 reward), which is how a run trains on the reward model alone and measures true accuracy beside it.
@@ -36,17 +39,18 @@ class RewardWeights:
     mean: float = 0.0
     std: float = 1.0
     judge: float = 1.0
+    prm: float = 1.0
 
     @classmethod
     def from_config(cls, cfg, model_config=None) -> RewardWeights:
         """The weights of ``cfg.reward`` (``model_config``: the reward model's HF config, for normalisation)."""
         rw = cfg.reward  # the rules between the keys: posttrain.config.validate
-        if not (rw.model.enable or rw.judge.enable):
+        if not (rw.model.enable or rw.judge.enable or rw.prm.enable):
             return cls()
         mean, std = 0.0, 1.0
         if rw.model.enable and rw.model.normalize:
             mean, std = normalisation(model_config, rw.model.path)
-        return cls(rw.rule_weight, rw.model.weight, mean, std, rw.judge.weight)
+        return cls(rw.rule_weight, rw.model.weight, mean, std, rw.judge.weight, rw.prm.weight)
 
 
 def normalisation(model_config, path: str) -> tuple[float, float]:
@@ -71,9 +75,10 @@ def combine_rewards(
     model_scores: torch.Tensor | None,
     weights: RewardWeights,
     judge_scores: torch.Tensor | None = None,
+    prm_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """([S] rewards trained on, the parts' metrics). rule, model_scores, judge_scores: ``[S]`` float32 (None:
-    no reward model, no judge)."""
+    """([S] rewards trained on, the parts' metrics). rule, model_scores, judge_scores, prm_scores: ``[S]``
+    float32 (None: no reward model, no judge, no process reward model)."""
     metrics = rule_metrics(rule)
     total = weights.rule * rule
     if model_scores is not None:
@@ -82,6 +87,8 @@ def combine_rewards(
         total = total + weights.model * normalised
     if judge_scores is not None:
         total = total + weights.judge * judge_scores
+    if prm_scores is not None:
+        total = total + weights.prm * prm_scores
     return total, metrics
 
 

@@ -86,6 +86,9 @@ class RolloutResult:
         the tools and the environment's opening messages); None: prompt ``prompt_index[s]`` of the call.
     episodes: [S] multi-turn: each sample's trajectory (``posttrain.agents.trajectory.Trajectory``: messages,
         turns, the environment's rewards, metrics); None for single-turn samples.
+    dense_rewards: [S] rewards placed inside the response, as (response token index, value) pairs, whose sum is
+        already part of the sample's score (a process reward model's step scores, reward.prm.reduction=dense);
+        None: the whole score sits on the last trained token.
     """
 
     prompt_index: list[int] = field(default_factory=list)
@@ -95,6 +98,7 @@ class RolloutResult:
     trainable_mask: list[list[int]] | None = None
     prompt_ids: list[list[int]] | None = None
     episodes: list[Any] | None = None
+    dense_rewards: list[list[tuple[int, float]]] | None = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -103,7 +107,7 @@ class RolloutResult:
             len(self.response_logprobs),
             len(self.finish_reasons),
         }
-        for extra in (self.trainable_mask, self.prompt_ids, self.episodes):
+        for extra in (self.trainable_mask, self.prompt_ids, self.episodes, self.dense_rewards):
             if extra is not None:
                 sizes.add(len(extra))
         if len(sizes) != 1:
@@ -133,6 +137,7 @@ class RolloutResult:
             trainable_mask=None if self.trainable_mask is None else [self.trainable_mask[s] for s in samples],
             prompt_ids=None if self.prompt_ids is None else [self.prompt_ids[s] for s in samples],
             episodes=None if self.episodes is None else [self.episodes[s] for s in samples],
+            dense_rewards=None if self.dense_rewards is None else [self.dense_rewards[s] for s in samples],
         )
 
     def __len__(self) -> int:
@@ -147,7 +152,8 @@ class RolloutResult:
         """Append ``other``'s samples (used to join results of prompt chunks, keeping prompt-major order)."""
         if self.trainable_mask is not None or other.trainable_mask is not None:
             self.trainable_mask = self.masks() + other.masks()
-        for name in ("prompt_ids", "episodes"):  # per-sample extras: all samples have them or none
+        # per-sample extras: all samples have them or none
+        for name in ("prompt_ids", "episodes", "dense_rewards"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if (mine is None) != (theirs is None) and len(self) and len(other):
                 raise ValueError(f"cannot join results with and without {name}")

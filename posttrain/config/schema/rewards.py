@@ -109,6 +109,43 @@ class JudgeConfig:
 
 
 @dataclass
+class ProcessRewardConfig:
+    """A process reward model (PRM) scoring each reasoning step of a response (docs/judges.md, "Process
+    rewards")."""
+
+    enable: bool = knob(False, "Score each step of the responses with the process reward model at `path`.")
+    path: str = knob(
+        "",
+        "Local directory of an AutoModelForTokenClassification with two labels (1: step correct) whose config "
+        "holds step_separator, the text it was trained with after each step.",
+    )
+    separator: str = knob(
+        "",
+        "How the policy's response is cut into steps: a string (or a regex with separator_is_regex=true). Empty: "
+        "the model's own step_separator. The PRM always reads each step followed by its own step_separator.",
+    )
+    separator_is_regex: bool = knob(False, "Read reward.prm.separator as a Python regular expression.")
+    reduction: str = knob(
+        "dense",
+        "dense: each step's score on the last token of that step (token-level rewards; needs an estimator that "
+        "credits tokens: gae or reinforce_plus_plus); min, mean, last: one score per response from its steps' "
+        "scores, on its last token (any estimator).",
+        choices=("dense", "min", "mean", "last"),
+    )
+    weight: float = knob(
+        1.0,
+        "Weight of the step scores (each in [0, 1]) in the reward trained on, added to reward.rule_weight * rule "
+        "(+ the reward model's and the judge's parts); logged apart as reward/prm/mean.",
+    )
+    micro_batch_size_per_gpu: int = knob(
+        32, "Responses per PRM forward pass.", unit="samples per DP rank", min=1
+    )
+    dtype: str | None = knob(
+        None, "Parameter and compute dtype of the PRM; null: the same as model.dtype.", choices=DTYPES
+    )
+
+
+@dataclass
 class OverlongBufferConfig:
     """DAPO's overlong reward shaping (verl's `overlong_buffer`): a length penalty over the last `len` tokens
     before data.max_response_length."""
@@ -166,4 +203,5 @@ class RewardConfig:
     )
     model: RewardModelConfig = section(RewardModelConfig)
     judge: JudgeConfig = section(JudgeConfig)
+    prm: ProcessRewardConfig = section(ProcessRewardConfig)
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig)

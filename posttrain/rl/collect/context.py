@@ -17,6 +17,7 @@ from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare
 from posttrain.rewards.judge import JudgeScorer
+from posttrain.rewards.process_reward import ProcessReward
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.collect.harness_loop import HarnessLoop
@@ -43,6 +44,7 @@ class RolloutContext:
     # Where the engine generates, "cpu" or "cuda": reward.score_during_generation=auto reads it.
     generation_device: str = "cpu"
     judge: JudgeScorer | None = None  # reward.judge: an LLM judge's rubric scores, weighed in with the rule's
+    prm: ProcessReward | None = None  # reward.prm: a process reward model's step scores
 
     def close(self) -> None:
         self.reward_runner.close()

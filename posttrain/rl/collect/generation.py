@@ -22,6 +22,7 @@ from posttrain.rewards.background import WAIT_METRIC, BackgroundScoring
 from posttrain.rewards.combine import RewardWeights, combine_rewards
 from posttrain.rewards.judge import JudgeScorer
 from posttrain.rewards.overlong import OverlongBuffer
+from posttrain.rewards.process_reward import ProcessReward, dense_shift
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.collect.multi_turn import AgentLoop, env_rewards, score_weights
@@ -76,6 +77,7 @@ class Scorer:
     weights: RewardWeights = RewardWeights()
     during_generation: bool = False
     judge: JudgeScorer | None = None
+    prm: ProcessReward | None = None
 
     def penalties(self, result: RolloutResult) -> torch.Tensor:
         """[S] the overlong penalty of each of ``result``'s samples (zeros when the shaping is off)."""
@@ -123,10 +125,21 @@ class Scorer:
             judge_scores, judge_parts = self.judge.score(inputs)
             judged = torch.tensor(judge_scores, dtype=torch.float32)
             metrics = {**metrics, **judge_parts}
-        rule = torch.tensor(rewards, dtype=torch.float32)
-        scores, parts = combine_rewards(rule, rm, self.weights, judged)
-        # Multi-turn: the environment's reward adds to the score, or replaces it (a harness's reward).
         weights = torch.tensor(score_weights(result), dtype=torch.float32)
+        prm = None  # the process reward model's part (its step scores' sum when they are placed densely)
+        if self.prm is not None:
+            prm, placed, prm_metrics = self.prm.score(
+                [r.prompt for r in records], result.response_ids, result.masks(), self.tokenizer
+            )
+            metrics = {**metrics, **prm_metrics}
+            if placed is not None:  # weighed like the rest of the score (a harness's weight 0 drops it)
+                w = self.weights.prm
+                result.dense_rewards = [
+                    [(i, w * float(k) * v) for i, v in pairs] for pairs, k in zip(placed, weights)
+                ]
+        rule = torch.tensor(rewards, dtype=torch.float32)
+        scores, parts = combine_rewards(rule, rm, self.weights, judged, prm)
+        # Multi-turn: the environment's reward adds to the score, or replaces it (a harness's reward).
         scores = scores * weights + torch.tensor(env_rewards(result), dtype=torch.float32)
         return scores, {**metrics, **parts}
 
@@ -179,6 +192,7 @@ SCORER_REDUCTIONS = {
 SCORER_REDUCTIONS.update(dict.fromkeys(reward_counts.SUMMED, SUM))  # the code reward's counts
 SCORER_REDUCTIONS.update(dict.fromkeys(judge_metrics.SUMMED, SUM))  # the judge's counts
 SCORER_REDUCTIONS[judge_metrics.TIME] = MAX
+SCORER_REDUCTIONS["reward/prm/no_steps"] = SUM
 
 
 def join_replicas(share: DataShare, lo: int, result: RolloutResult, scores: torch.Tensor) -> Scored:
@@ -284,6 +298,12 @@ def scored_batch(
         result.trainable_mask,
     )
     batch.token_level_scores = place_scores(batch, scored.scores)
+    if result.dense_rewards is not None:  # a PRM's step scores: from the last token to each step's end
+        width = batch.response_mask.shape[1]
+        last = width - 1 - batch.response_mask.flip(-1).argmax(-1)
+        batch.token_level_scores += dense_shift(result.dense_rewards, last, width).to(
+            batch.token_level_scores
+        )
     if turn_rewards == "per_turn" and result.episodes is not None:
         batch.token_level_scores += per_turn_shift(result.episodes, batch.response_mask.shape[1])
     if baselines is not None:

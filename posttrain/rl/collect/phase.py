@@ -86,6 +86,7 @@ def context_scorer(context: RolloutContext) -> Scorer:
         weights,
         during,
         context.judge,
+        context.prm,
     )
 
 
@@ -156,7 +157,7 @@ def assemble_rollout(
     weight = len(result)
     unshaped = drawn.scores if cfg.reward.overlong_buffer.enable else None
     # with a model's or a judge's score summed in: reward/rule_accuracy says it
-    accuracy = not (cfg.reward.model.enable or cfg.reward.judge.enable)
+    accuracy = not (cfg.reward.model.enable or cfg.reward.judge.enable or cfg.reward.prm.enable)
     if whole:
         step_metrics = ShareMetrics()
         rollout_metrics(result, drawn.rewards, step_metrics, unshaped, accuracy)
