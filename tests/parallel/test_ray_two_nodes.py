@@ -19,6 +19,8 @@ import time
 import pytest
 
 from posttrain.cli import main
+from posttrain.config.errors import ConfigError
+from posttrain.config.load import build_config
 from posttrain.rl.ray_ranks import run_on_ray
 from posttrain.rl.train_command import run_training
 from posttrain.train.checkpoint import list_checkpoints
@@ -159,3 +161,25 @@ def test_the_second_node_killed_mid_run_stops_the_run_with_one_message(tiny_mode
     # The run directory is intact: its last checkpoint resumes (here on one process) to the end.
     run_training(small_config(tiny_model_dir, run_dir, *steps, "trainer.resume=auto"), quiet=True)
     assert [m["step"] for m in read_metrics(run_dir)][-1] == 8
+
+
+def test_custom_resources_are_checked_before_ray_starts():
+    with pytest.raises(
+        ConfigError, match=r"trainer.ray_resources_per_rank=\{'node1': 1\} .* trainer.ray_ranks=0"
+    ):
+        build_config(overrides=["trainer.ray_resources_per_rank.node1=1"])
+    with pytest.raises(ConfigError, match=r"ray_resources_per_rank.CPU=2: CPU is not a custom resource"):
+        build_config(overrides=[*RAY2, "trainer.ray_resources_per_rank.CPU=2"])
+    with pytest.raises(ConfigError, match=r"ray_resources_per_rank.node1='a': .* a number > 0"):
+        build_config(overrides=[*RAY2, "trainer.ray_resources_per_rank.node1=a"])
+    with pytest.raises(ConfigError, match=r"rollout_resources.node1=0: .* a number > 0"):
+        build_config(overrides=[*AHEAD, "async_training.rollout_resources.node1=0"])
+    with pytest.raises(
+        ConfigError, match=r"async_training.rollout_resources=\{'node1': 1\} .* rollout_worker=thread"
+    ):
+        build_config(overrides=["async_training.enable=true", "async_training.rollout_resources.node1=1"])
+    cfg = build_config(overrides=[*RAY2, *ON_NODE1, *AHEAD, "async_training.rollout_resources.node1=0.5"])
+    assert (cfg.trainer.ray_resources_per_rank, cfg.async_training.rollout_resources) == (
+        {"node1": 1},
+        {"node1": 0.5},
+    )
