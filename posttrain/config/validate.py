@@ -103,6 +103,7 @@ def check_config(cfg: PostTrainConfig) -> None:
     _check_overlong_buffer(cfg)
     _check_reward_weights(cfg)
     _check_ray_ranks(cfg)
+    _check_ray_resources(cfg)
     _check_harness(cfg)
 
 
@@ -251,7 +252,13 @@ def _check_judge(cfg: PostTrainConfig) -> None:
 
 
 # trainer.ray_* keys that only mean something when Ray places the trainer ranks.
-RAY_RANK_KNOBS = ("ray_cpus_per_rank", "ray_gpus_per_rank", "ray_placement", "ray_max_restarts")
+RAY_RANK_KNOBS = (
+    "ray_cpus_per_rank",
+    "ray_gpus_per_rank",
+    "ray_resources_per_rank",
+    "ray_placement",
+    "ray_max_restarts",
+)
 
 
 def _check_ray_ranks(cfg: PostTrainConfig) -> None:
@@ -282,6 +289,38 @@ def _check_ray_ranks(cfg: PostTrainConfig) -> None:
             "gives a rank no GPU it did not reserve, so the ranks would find none; set "
             "trainer.ray_gpus_per_rank=1 (one GPU per rank), or trainer.device=cpu"
         )
+
+
+# Resources with keys of their own (CPUs, GPUs) or that Ray manages itself: not custom resources.
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _check_ray_resources(cfg: PostTrainConfig) -> None:
+    """The custom Ray resources of the trainer ranks and the rollout worker: positive amounts of custom
+    resources, the rollout worker's only where Ray places it."""
+    a = cfg.async_training
+    if a.rollout_resources and not (a.enable and a.rollout_worker == "ray"):
+        raise ConfigError(
+            f"async_training.rollout_resources={a.rollout_resources} places the rollout worker Ray starts, but "
+            f"async_training.enable={a.enable} and rollout_worker={a.rollout_worker}; set "
+            "async_training.enable=true async_training.rollout_worker=ray, or drop the key"
+        )
+    for key, resources in (
+        ("trainer.ray_resources_per_rank", cfg.trainer.ray_resources_per_rank),
+        ("async_training.rollout_resources", a.rollout_resources),
+    ):
+        for name, amount in resources.items():
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ConfigError(
+                    f"{key}.{name}={amount}: {name} is not a custom resource; use the CPU and GPU keys beside "
+                    f"it (ray_cpus_per_rank / ray_gpus_per_rank, rollout_num_cpus / rollout_num_gpus), and drop "
+                    f"{key}.{name}"
+                )
+            if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+                raise ConfigError(
+                    f"{key}.{name}={amount!r}: the amount of a Ray resource must be a number > 0 (e.g. "
+                    f"{key}.{name}=1)"
+                )
 
 
 def _check_harness(cfg: PostTrainConfig) -> None:

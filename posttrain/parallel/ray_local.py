@@ -7,11 +7,14 @@ one unless Ray clusters are switched off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
 and inherited by the processes Ray starts): a local start sets both, for the time of ``ray.init``, starts
 no dashboard, and the ranks Ray places there get a loopback ``MASTER_ADDR`` (their node's address) and
 ``GLOO_SOCKET_IFNAME=lo`` (posttrain.parallel.rendezvous). Joining a cluster leaves its network setup to whoever
-started it (docs/distributed.md says how to secure one).
+started it (docs/distributed.md says how to secure one), except for a cluster on this machine's loopback
+(``127.0.0.1:PORT``, nodes started with that node address and Ray clusters switched off): Ray would turn that
+address into the machine's external one and not find the cluster there, so it is joined with the switch off too.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from contextlib import contextmanager
@@ -27,13 +30,24 @@ def start_or_join(ray, address: str = "", **init_options) -> bool:
     if ray.is_initialized():
         return False
     options = {"include_dashboard": False, "logging_level": logging.WARNING} | init_options
-    if address:
+    if address and not _on_loopback(address):
         ray.init(address=address, **options)
         return True
     with _clusters_off(ray):
-        # "local": a new instance even where another runs on this machine (that one may listen elsewhere).
-        ray.init(address="local", _node_ip_address=LOOPBACK, **options)
+        if address:  # a cluster on this machine's loopback: Ray would look for it at the external address
+            ray.init(address=address, **options)
+        else:  # "local": a new instance even where another runs on this machine (that one may listen elsewhere)
+            ray.init(address="local", _node_ip_address=LOOPBACK, **options)
     return True
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether ``address`` (``host:port``) names a cluster on this machine's loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Trainer ranks placed and restarted by Ray (`trainer.ray_ranks`): what torchrun does, on a Ray cluster.
 
 `posttrain train trainer.ray_ranks=N` is the driver: it checks the launch, reserves N placement-group bundles
-(`ray_cpus_per_rank` CPUs, `ray_gpus_per_rank` GPUs each, `ray_placement` strategy), starts one actor per
+(`ray_cpus_per_rank` CPUs, `ray_gpus_per_rank` GPUs and `ray_resources_per_rank` each,
+`ray_placement` strategy), starts one actor per
 bundle, hands each the torch.distributed environment torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of rank 0's node) and has it call ``run_training`` in its process. Rank 0
 prints as usual; Ray forwards its output. The driver waits on all ranks at once, so the first failure is
@@ -210,8 +211,8 @@ def _attempt(ray, cfg: PostTrainConfig, attempt: int, stop: _StopRequests) -> di
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     t = cfg.trainer
-    n, cpus, gpus = t.ray_ranks, t.ray_cpus_per_rank, t.ray_gpus_per_rank
-    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
+    n, cpus, gpus, custom = t.ray_ranks, t.ray_cpus_per_rank, t.ray_gpus_per_rank, t.ray_resources_per_rank
+    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {}) | custom
     group = placement_group([bundle] * n, strategy=t.ray_placement, name=f"posttrain-trainer-{attempt}")
     actors = []
     try:
@@ -229,12 +230,12 @@ def _attempt(ray, cfg: PostTrainConfig, attempt: int, stop: _StopRequests) -> di
         rank_class = ray.remote(TrainerRank)
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
-            options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=strategy)
-            actors.append(rank_class.options(**options).remote(i))
+            options = dict(num_cpus=cpus, num_gpus=gpus, resources=custom, max_restarts=0)
+            actors.append(rank_class.options(**options, scheduling_strategy=strategy).remote(i))
         places = _gather(ray, [a.where.remote() for a in actors], stop)
         port = _gather(ray, [actors[0].free_port.remote()], stop)[0]
         envs = rank_envs(places, port, cpus, attempt)
-        nodes = sorted({ip for _, ip, _ in places})
+        nodes = sorted({f"{ip} (node {node})" for node, ip, _ in places})  # as each rank found itself
         print(
             f"Ray placed {n} trainer ranks ({bundle} each, {t.ray_placement}) on {', '.join(nodes)}; "
             f"rank 0 listens on {envs[0]['MASTER_ADDR']}:{port}",

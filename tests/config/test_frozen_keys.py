@@ -58,7 +58,7 @@ algorithm.rollout_correction.rollout_rs_threshold algorithm.rollout_correction.r
 algorithm.rollout_correction.rollout_token_veto_threshold
 trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep trainer.run_dir
 trainer.resume trainer.seed trainer.device trainer.tune_malloc trainer.loggers trainer.export_hf trainer.export_merged
-trainer.ray_ranks trainer.ray_cpus_per_rank trainer.ray_gpus_per_rank trainer.ray_placement
+trainer.ray_ranks trainer.ray_cpus_per_rank trainer.ray_gpus_per_rank trainer.ray_resources_per_rank trainer.ray_placement
 trainer.ray_max_restarts trainer.ray_address
 sft.train_files sft.response_key sft.val_files sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir
 actor.fsdp_config.fsdp_size actor.fsdp_config.param_offload actor.fsdp_config.optimizer_offload actor.fsdp_config.forward_prefetch actor.fsdp_config.reshard_after_forward ref.fsdp_config.fsdp_size ref.fsdp_config.param_offload ref.fsdp_config.forward_prefetch ref.fsdp_config.reshard_after_forward critic.fsdp_config.fsdp_size critic.fsdp_config.param_offload critic.fsdp_config.optimizer_offload critic.fsdp_config.forward_prefetch critic.fsdp_config.reshard_after_forward
@@ -68,7 +68,7 @@ sft.optim.min_lr_ratio sft.optim.grad_clip
 actor.optim.eps critic.optim.eps sft.optim.eps trainer.max_skipped_steps trainer.save_on_terminate
 async_training.enable async_training.max_staleness
 async_training.partial_rollout async_training.partial_rollout_tokens
-async_training.rollout_num_cpus async_training.rollout_num_gpus
+async_training.rollout_num_cpus async_training.rollout_num_gpus async_training.rollout_resources
 sandbox.backend sandbox.max_concurrent sandbox.time_limit_s sandbox.cpu_time_limit_s sandbox.memory_limit_mb
 sandbox.max_processes sandbox.max_file_size_mb sandbox.max_disk_mb sandbox.max_output_bytes sandbox.bwrap_path sandbox.unsafe_no_isolation
 sandbox.sandbox_fusion.url sandbox.sandbox_fusion.request_timeout_s sandbox.sandbox_fusion.max_retries

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from posttrain.config.fields import knob, section
 from posttrain.config.schema.roles import OptimConfig
@@ -77,6 +78,12 @@ class TrainerConfig:
         min=0,
         max=1,
     )
+    ray_resources_per_rank: dict[str, Any] = knob(
+        default_factory=dict,
+        help="With ray_ranks: custom Ray resources each trainer rank reserves besides its CPUs and GPUs, "
+        "to place the ranks on the nodes that offer them (trainer.ray_resources_per_rank.NAME=AMOUNT; a node "
+        "offers NAME with `ray start --resources`).",
+    )
     ray_placement: str = knob(
         "PACK",
         "With ray_ranks: Ray's placement-group strategy for the ranks' bundles: PACK (as few nodes as "
@@ -134,6 +141,12 @@ class AsyncTrainingConfig:
         "With rollout_worker=ray: GPUs Ray reserves for the rollout worker (0: it generates on CPU).",
         unit="GPUs",
         min=0,
+    )
+    rollout_resources: dict[str, Any] = knob(
+        default_factory=dict,
+        help="With rollout_worker=ray: custom Ray resources the rollout worker reserves besides its CPUs and "
+        "GPUs, to place it on the node that offers them (async_training.rollout_resources.NAME=AMOUNT; a node "
+        "offers NAME with `ray start --resources`).",
     )
     partial_rollout: bool = knob(
         False,

@@ -105,7 +105,8 @@ def start_ray_host(cfg: PostTrainConfig, model_path: Path, version: int, sampler
 
     a = cfg.async_training
     started = start_or_join(ray, cfg.trainer.ray_address)  # a local start listens on loopback only
-    bundle = {"CPU": a.rollout_num_cpus} | ({"GPU": a.rollout_num_gpus} if a.rollout_num_gpus else {})
+    gpus = {"GPU": a.rollout_num_gpus} if a.rollout_num_gpus else {}
+    bundle = {"CPU": a.rollout_num_cpus} | gpus | a.rollout_resources
     group = placement_group([bundle], strategy="PACK", name="posttrain-rollout")
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -113,12 +114,13 @@ def start_ray_host(cfg: PostTrainConfig, model_path: Path, version: int, sampler
         ray.util.remove_placement_group(group)
         raise ConfigError(
             f"Ray could not place the rollout worker ({bundle}) within {PLACEMENT_TIMEOUT_S} s; the cluster "
-            f"has {ray.available_resources()} free. Lower async_training.rollout_num_cpus / rollout_num_gpus, "
-            "or add nodes"
+            f"has {ray.available_resources()} free. Lower async_training.rollout_num_cpus / rollout_num_gpus / "
+            "rollout_resources, or add nodes"
         ) from None
     worker = ray.remote(ProcessRolloutWorker).options(
         num_cpus=a.rollout_num_cpus,
         num_gpus=a.rollout_num_gpus,
+        resources=a.rollout_resources,
         max_restarts=0,  # a restarted worker would have lost its queue: the run stops instead (see docs)
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
         # A world of one whatever the trainer's: Ray's processes inherit the environment of the rank that
@@ -140,5 +142,6 @@ def start_ray_host(cfg: PostTrainConfig, model_path: Path, version: int, sampler
             "It builds from the same model directory, data files and reward as the trainer, at the same paths: "
             f"check they are readable there. {exc.ray_says}"
         ) from None
-    log.info("rollout worker started by Ray (process %d, %s)", pid, bundle)
+    node = host.call("node_id").result()  # as the worker finds itself
+    log.info("rollout worker started by Ray (process %d on node %s, %s)", pid, node, bundle)
     return host

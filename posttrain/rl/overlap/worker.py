@@ -95,3 +95,9 @@ class ProcessRolloutWorker(RolloutWorker):
         context = build_rollout_context(cfg, Path(model_path), device)
         context.sampler.load_state_dict(sampler_state)
         super().__init__(context, version)
+
+    def node_id(self) -> str:
+        """The Ray node this worker's process runs on, as Ray tells the process itself."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
