@@ -37,6 +37,7 @@ from posttrain.parallel.runtime import (
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import rm_checkpoints, rm_schedule, rm_step, validate_pairs
 from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
+from posttrain.rm.prm_command import run_prm_command
 from posttrain.sft.builtin import builtin_model_dir
 from posttrain.train.checkpoint import find_checkpoint
 from posttrain.train.loop import (
@@ -165,7 +166,10 @@ def _export(cfg: PostTrainConfig, model, path: Path, tokenizer, ctx: DistContext
 
 def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     """`posttrain rm`: train, validate, export; returns the exported directory. Under torchrun every rank
-    runs it; rank 0 holds the run lock and speaks for the job."""
+    runs it; rank 0 holds the run lock and speaks for the job. rm.kind=prm trains a process reward model
+    instead (posttrain.rm.prm_command)."""
+    if cfg.rm.kind == "prm":
+        return run_prm_command(cfg, quiet)
     check_ranks(cfg, launched_world_size())  # before the data is read and any model loads
     device = select_device(cfg)
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)
