@@ -47,6 +47,9 @@ def load_prm(path: str | Path, pad_token_id: int, dtype: str = "fp32", device="c
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    for module in model.modules():  # as TRL's PRM trainer by default: the head's dropout (0.1) off, so a
+        if isinstance(module, nn.Dropout):  # step's gradient does not depend on how it is cut in micro-batches
+            module.p = 0.0
     model.config.pad_token_id = pad_token_id
     model.config.use_cache = False
     return model.to(device)
