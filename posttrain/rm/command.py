@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 from posttrain.batching.epochs import EpochSchedule
 from posttrain.config.errors import ConfigError
-from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.schema.roles import ShardingConfig
 from posttrain.models.hf import load_tokenizer, resolve_dtype
@@ -36,7 +35,7 @@ from posttrain.parallel.runtime import (
 )
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import rm_checkpoints, rm_schedule, rm_step, validate_pairs
-from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
+from posttrain.rm.model import add_lora, export_reward_model, load_reward_model, model_config
 from posttrain.rm.prm_command import run_prm_command
 from posttrain.sft.builtin import builtin_model_dir
 from posttrain.train.checkpoint import find_checkpoint
@@ -113,15 +112,6 @@ def packed_row_tokens(cfg: PostTrainConfig, model) -> int:
         return 0
     check_packing_supported(hf_model(model).config)
     return cfg.model.remove_padding_max_row_tokens
-
-
-def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
-    """The config the model directory is resolved with. data.train_files here are pairs, not the user's task:
-    builtin:tiny (the arithmetic demo's warm-started model, built from the data.task keys) is allowed, as the
-    start of the reward-model demonstration (docs/reward-models.md)."""
-    if cfg.model.path != "builtin:tiny":
-        return cfg
-    return apply_values(cfg, {"data.train_files": [], "data.val_files": [], "sft.train_files": []})
 
 
 def check_ranks(cfg: PostTrainConfig, world_size: int) -> None:

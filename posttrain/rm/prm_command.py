@@ -17,6 +17,7 @@ from posttrain.models.hf import load_tokenizer
 from posttrain.models.model_path import resolve_model_path, write_run_info
 from posttrain.parallel.runtime import launched_world_size, ranked_run, select_device
 from posttrain.rm.loop import rm_schedule
+from posttrain.rm.model import model_config
 from posttrain.rm.prm import export_prm, load_prm, prm_step, validate_steps
 from posttrain.rm.prm_data import LABELS_KEY, STEPS_KEY, load_stepwise, tokenize_stepwise
 from posttrain.sft.builtin import builtin_model_dir
@@ -70,12 +71,6 @@ def _tokenized(cfg: PostTrainConfig, tokenizer, rows, what: str, quiet: bool):
     return kept
 
 
-def _model_config(cfg: PostTrainConfig) -> PostTrainConfig:
-    from posttrain.rm.command import model_config  # builtin:tiny allowed, as for pairs
-
-    return model_config(cfg)
-
-
 def run_prm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     """Train, validate, export; returns the exported directory."""
     check_prm_setup(cfg, launched_world_size())
@@ -97,7 +92,7 @@ def _run(cfg: PostTrainConfig, train, val, out: Path, ctx, quiet: bool) -> Path:
     r, t = cfg.rm, cfg.trainer
     run_dir = Path(t.run_dir)
     found = find_checkpoint(run_dir, t.resume)
-    path = resolve_model_path(_model_config(cfg), quiet=quiet, warm_start=builtin_model_dir)
+    path = resolve_model_path(model_config(cfg), quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(path)
     train_rows = _tokenized(cfg, tokenizer, train, "train", quiet)
     val_rows = _tokenized(cfg, tokenizer, val, "validation", quiet)
