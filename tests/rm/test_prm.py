@@ -80,6 +80,15 @@ def test_bad_stepwise_rows_exit_2_naming_file_row_and_key(tmp_path, bad, key, ru
     assert str(data) in err and "row 1" in err and key in err and rule in err and "Traceback" not in err
 
 
+def test_explain_rm_checks_the_rows_and_says_it_has_no_plan_for_prm(tmp_path, capsys):
+    data = tmp_path / "steps.jsonl"
+    data.write_text(json.dumps(GOOD) + "\n")
+    code = main(["explain", "rm", "rm.kind=prm", "model.path=builtin:base", f"data.train_files=[{data}]",
+                 f"trainer.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "rm.kind=prm has no plan yet" in err and "Traceback" not in err
+
+
 def prm_args(model_dir, data_dir, run_dir, *extra):
     return [
         "rm.kind=prm",
