@@ -35,8 +35,8 @@ from posttrain.planning.input_checks import check_inputs
 from posttrain.rewards.reward_model import check_reward_model_dir
 from posttrain.rl.build import check_config
 from posttrain.rm.command import check_ranks, read_pairs
-from posttrain.rm.prm_command import check_prm_setup, read_stepwise
 from posttrain.rm.command import model_config as rm_model_config
+from posttrain.rm.prm_command import check_prm_setup, read_stepwise
 from posttrain.train.checkpoint_index import check_resume_setting
 
 # logger -> (module it imports, extra that installs it)

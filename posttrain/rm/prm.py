@@ -48,7 +48,9 @@ def load_prm(path: str | Path, pad_token_id: int, dtype: str = "fp32", device="c
     finally:
         hf_logging.set_verbosity(verbosity)
     for module in model.modules():  # as TRL's PRM trainer by default: the head's dropout (0.1) off, so a
-        if isinstance(module, nn.Dropout):  # step's gradient does not depend on how it is cut in micro-batches
+        if isinstance(
+            module, nn.Dropout
+        ):  # step's gradient does not depend on how it is cut in micro-batches
             module.p = 0.0
     model.config.pad_token_id = pad_token_id
     model.config.use_cache = False
@@ -78,7 +80,9 @@ def prm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float) -> t
     return loss, correct, int(seen.sum())
 
 
-def prm_step(trainable: Trainable, rows: list[TokenizedSteps], pad_token_id: int, micro: int) -> dict[str, float]:
+def prm_step(
+    trainable: Trainable, rows: list[TokenizedSteps], pad_token_id: int, micro: int
+) -> dict[str, float]:
     """One optimizer step on ``rows``, in micro-batches of ``micro`` rows; one normalisation by the labelled
     steps of all of them."""
     model, opt = trainable.module, trainable.optimizer
@@ -104,7 +108,9 @@ def prm_step(trainable: Trainable, rows: list[TokenizedSteps], pad_token_id: int
 
 
 @torch.no_grad()
-def validate_steps(model: nn.Module, rows: list[TokenizedSteps], pad_token_id: int, batch: int) -> dict[str, float]:
+def validate_steps(
+    model: nn.Module, rows: list[TokenizedSteps], pad_token_id: int, batch: int
+) -> dict[str, float]:
     """Held-out step accuracy (argmax at each labelled position), mean loss per step, and the accuracy of
     whole chains (every step right)."""
     was_training = model.training
@@ -135,7 +141,9 @@ def step_scores(model: nn.Module, row: TokenizedSteps) -> list[float]:
     return [float(probs[i]) for i, label in enumerate(row.labels) if label != IGNORED]
 
 
-def export_prm(model: nn.Module, tokenizer, path: str | Path, separator: str, stats: dict[str, float]) -> Path:
+def export_prm(
+    model: nn.Module, tokenizer, path: str | Path, separator: str, stats: dict[str, float]
+) -> Path:
     """Save a plain ``AutoModelForTokenClassification`` directory with ``step_separator`` (and the held-out
     ``stats``) in its config, written atomically."""
     path = Path(path)

@@ -78,7 +78,10 @@ def run_prm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     train, val = read_stepwise(cfg)  # bad rows are reported before any model loads
     run_dir = Path(cfg.trainer.run_dir)
     out = Path(cfg.rm.output_dir or run_dir / "reward_model")
-    with stop_note(lambda: stopped_run_note(run_dir)), ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx:
+    with (
+        stop_note(lambda: stopped_run_note(run_dir)),
+        ranked_run(device, run_dir, cfg.trainer.dist_timeout_s) as ctx,
+    ):
         lock = lock_output_dir(out, "rm.output_dir", run_dir)
         try:
             return _run(cfg, train, val, out, ctx, quiet)

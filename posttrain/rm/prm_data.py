@@ -41,7 +41,9 @@ class TokenizedSteps:
 
 def _check_row(row: Any, where: str, prompt_key: str) -> StepwiseRow:
     if not isinstance(row, dict):
-        raise DataError(f"{where}: a row must be an object with {prompt_key!r}, {STEPS_KEY!r}, {LABELS_KEY!r}")
+        raise DataError(
+            f"{where}: a row must be an object with {prompt_key!r}, {STEPS_KEY!r}, {LABELS_KEY!r}"
+        )
     for key in (prompt_key, STEPS_KEY, LABELS_KEY):
         if key not in row or row[key] is None:
             raise DataError(
@@ -50,7 +52,9 @@ def _check_row(row: Any, where: str, prompt_key: str) -> StepwiseRow:
             )
     prompt, steps, labels = row[prompt_key], row[STEPS_KEY], row[LABELS_KEY]
     if not isinstance(prompt, str):
-        raise DataError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__} {prompt!r:.60}")
+        raise DataError(
+            f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__} {prompt!r:.60}"
+        )
     if not isinstance(steps, list) or not steps:
         raise DataError(
             f"{where}: {STEPS_KEY!r} must be a non-empty list of step strings, got {steps!r:.60}; "

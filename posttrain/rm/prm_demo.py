@@ -16,7 +16,9 @@ import random
 from pathlib import Path
 
 
-def arithmetic_chain(rng: random.Random, terms: int, max_operand: int, p_error: float, max_offset: int) -> dict:
+def arithmetic_chain(
+    rng: random.Random, terms: int, max_operand: int, p_error: float, max_offset: int
+) -> dict:
     """One stepwise row with ``terms`` operands in 1..max_operand."""
     numbers = [rng.randint(1, max_operand) for _ in range(terms)]
     wrong_at = rng.randrange(terms - 1) if rng.random() < p_error else None
@@ -32,13 +34,16 @@ def arithmetic_chain(rng: random.Random, terms: int, max_operand: int, p_error: 
     return {"prompt": "Add " + ", ".join(map(str, numbers)) + ".\n", "completions": steps, "labels": labels}
 
 
-def arithmetic_chains(n: int, seed: int, terms: int = 4, max_operand: int = 9, p_error: float = 0.5,
-                      max_offset: int = 3) -> list[dict]:
+def arithmetic_chains(
+    n: int, seed: int, terms: int = 4, max_operand: int = 9, p_error: float = 0.5, max_offset: int = 3
+) -> list[dict]:
     rng = random.Random(seed)
     return [arithmetic_chain(rng, terms, max_operand, p_error, max_offset) for _ in range(n)]
 
 
-def write_chains(out_dir: str | Path, n_train: int, n_val: int, seed: int = 1, **options) -> tuple[Path, Path]:
+def write_chains(
+    out_dir: str | Path, n_train: int, n_val: int, seed: int = 1, **options
+) -> tuple[Path, Path]:
     """``train.jsonl`` and ``val.jsonl`` (seeds ``seed`` and ``seed + 1``) in ``out_dir``; their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

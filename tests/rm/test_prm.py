@@ -64,7 +64,11 @@ GOOD = {"prompt": "Add 1, 2.\n", "completions": ["1+2=3"], "labels": [True]}
     [
         ({**GOOD, "labels": [True, False]}, "'labels'", "one label per step"),
         ({**GOOD, "completions": [], "labels": []}, "'completions'", "non-empty list"),
-        ({**GOOD, "completions": ["1+2=3", " "], "labels": [True, True]}, "'completions'[1]", "non-empty string"),
+        (
+            {**GOOD, "completions": ["1+2=3", " "], "labels": [True, True]},
+            "'completions'[1]",
+            "non-empty string",
+        ),
         ({**GOOD, "labels": [1]}, "'labels'[0]", "booleans"),
         ({"prompt": "p", "labels": [True]}, "'completions'", "missing key"),
     ],
@@ -73,8 +77,15 @@ GOOD = {"prompt": "Add 1, 2.\n", "completions": ["1+2=3"], "labels": [True]}
 def test_bad_stepwise_rows_exit_2_naming_file_row_and_key(tmp_path, bad, key, rule, capsys):
     data = tmp_path / "steps.jsonl"
     data.write_text(json.dumps(GOOD) + "\n" + json.dumps(bad) + "\n")
-    code = main(["rm", "rm.kind=prm", "model.path=builtin:missing", f"data.train_files=[{data}]",
-                 f"trainer.run_dir={tmp_path / 'run'}"])  # the rows are checked before the model path
+    code = main(
+        [
+            "rm",
+            "rm.kind=prm",
+            "model.path=builtin:missing",
+            f"data.train_files=[{data}]",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )  # the rows are checked before the model path
     err = capsys.readouterr().err
     assert code == 2, err
     assert str(data) in err and "row 1" in err and key in err and rule in err and "Traceback" not in err
@@ -83,8 +94,16 @@ def test_bad_stepwise_rows_exit_2_naming_file_row_and_key(tmp_path, bad, key, ru
 def test_explain_rm_checks_the_rows_and_says_it_has_no_plan_for_prm(tmp_path, capsys):
     data = tmp_path / "steps.jsonl"
     data.write_text(json.dumps(GOOD) + "\n")
-    code = main(["explain", "rm", "rm.kind=prm", "model.path=builtin:base", f"data.train_files=[{data}]",
-                 f"trainer.run_dir={tmp_path / 'run'}"])
+    code = main(
+        [
+            "explain",
+            "rm",
+            "rm.kind=prm",
+            "model.path=builtin:base",
+            f"data.train_files=[{data}]",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "rm.kind=prm has no plan yet" in err and "Traceback" not in err
 
@@ -111,18 +130,24 @@ def test_export_loads_with_plain_transformers_and_reproduces_the_step_scores(tmp
     data = tmp_path / "data"
     write_chains(data, n_train=32, n_val=12, seed=5)
     run_dir = tmp_path / "run"
-    out = run_rm_command(build_config(overrides=prm_args(tiny_model_dir, data, run_dir, "rm.step_separator=|")),
-                         quiet=True)
+    out = run_rm_command(
+        build_config(overrides=prm_args(tiny_model_dir, data, run_dir, "rm.step_separator=|")), quiet=True
+    )
     model = AutoModelForTokenClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     assert model.config.num_labels == 2 and model.config.step_separator == "|"
     right = total = 0
     for line in (data / "val.jsonl").read_text().splitlines():  # plain transformers, TRL's layout by hand
         row = json.loads(line)
-        ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + tok(
+            row["prompt"], add_special_tokens=False
+        )["input_ids"]
         ends = []
         for step in row["completions"]:
-            ids += tok(step, add_special_tokens=False)["input_ids"] + tok("|", add_special_tokens=False)["input_ids"]
+            ids += (
+                tok(step, add_special_tokens=False)["input_ids"]
+                + tok("|", add_special_tokens=False)["input_ids"]
+            )
             ends.append(len(ids) - 1)
         with torch.no_grad():
             probs = model(input_ids=torch.tensor([ids])).logits.softmax(-1)[0, :, 1]
@@ -136,8 +161,10 @@ def test_export_loads_with_plain_transformers_and_reproduces_the_step_scores(tmp
 
 def test_micro_batches_leave_the_gradient_unchanged(tiny_model_dir):
     tok = build_tiny_tokenizer()
-    rows = [tokenize_steps(StepwiseRow(r["prompt"], r["completions"], r["labels"], "r"), tok, "\n")
-            for r in arithmetic_chains(6, seed=2, terms=3)]
+    rows = [
+        tokenize_steps(StepwiseRow(r["prompt"], r["completions"], r["labels"], "r"), tok, "\n")
+        for r in arithmetic_chains(6, seed=2, terms=3)
+    ]
     grads = []
     for micro in (6, 1, 4):
         torch.manual_seed(0)
