@@ -37,6 +37,7 @@ from posttrain.rewards.reward_model import check_reward_model_dir
 from posttrain.rl.build import check_config
 from posttrain.rm.command import check_ranks, read_pairs
 from posttrain.rm.command import model_config as rm_model_config
+from posttrain.rm.prm_command import check_prm_setup, read_stepwise
 from posttrain.train.checkpoint_index import check_resume_setting
 
 # logger -> (module it imports, extra that installs it)
@@ -91,7 +92,11 @@ def preflight_rm(cfg: PostTrainConfig, world_size: int = 1, check_model: bool = 
     """What `posttrain rm` and `posttrain explain rm` both check before any model loads, in this order: every
     pair of the data files, the data-parallel ranks, trainer.resume, the loggers' packages, model.path
     (builtin:tiny allowed: the pairs are not its task). ``check_model``: False for explain --model-config."""
-    read_pairs(cfg)
+    if cfg.rm.kind == "prm":  # stepwise rows, one process
+        read_stepwise(cfg)
+        check_prm_setup(cfg, world_size)
+    else:
+        read_pairs(cfg)
     check_ranks(cfg, world_size)
     check_resume_setting(cfg.trainer.run_dir, cfg.trainer.resume)
     check_loggers(cfg.trainer.loggers)

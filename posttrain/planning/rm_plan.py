@@ -169,6 +169,11 @@ def memory_estimate(
 def rm_plan(cfg: PostTrainConfig, model_config: str | None = None, world_size: int = 1) -> dict:
     """Everything `posttrain explain rm` prints, as a dict (``--json``), for ``world_size`` data-parallel
     ranks. Reads and checks the pair files first: a bad row is a ConfigError, as in `posttrain rm`."""
+    if cfg.rm.kind == "prm":  # its rows were checked by preflight_rm; the plan is of pairwise runs only
+        raise ConfigError(
+            "posttrain explain rm plans pairwise runs only; rm.kind=prm has no plan yet (its rows were checked: "
+            "they are valid). Run `posttrain rm rm.kind=prm ...` with rm.max_steps=2 to check it end to end"
+        )
     if not cfg.data.train_files:
         raise ConfigError(
             "posttrain rm needs preference pairs: set data.train_files=[pairs.jsonl]; docs/reward-models.md"

@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 from posttrain.batching.epochs import EpochSchedule
 from posttrain.config.errors import ConfigError
-from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.schema.roles import ShardingConfig
 from posttrain.models.hf import load_tokenizer, resolve_dtype
@@ -36,7 +35,8 @@ from posttrain.parallel.runtime import (
 )
 from posttrain.rm.data import load_pairs, tokenize_pairs
 from posttrain.rm.loop import rm_checkpoints, rm_schedule, rm_step, validate_pairs
-from posttrain.rm.model import add_lora, export_reward_model, load_reward_model
+from posttrain.rm.model import add_lora, export_reward_model, load_reward_model, model_config
+from posttrain.rm.prm_command import run_prm_command
 from posttrain.sft.builtin import builtin_model_dir
 from posttrain.train.checkpoint import find_checkpoint
 from posttrain.train.loop import (
@@ -114,15 +114,6 @@ def packed_row_tokens(cfg: PostTrainConfig, model) -> int:
     return cfg.model.remove_padding_max_row_tokens
 
 
-def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
-    """The config the model directory is resolved with. data.train_files here are pairs, not the user's task:
-    builtin:tiny (the arithmetic demo's warm-started model, built from the data.task keys) is allowed, as the
-    start of the reward-model demonstration (docs/reward-models.md)."""
-    if cfg.model.path != "builtin:tiny":
-        return cfg
-    return apply_values(cfg, {"data.train_files": [], "data.val_files": [], "sft.train_files": []})
-
-
 def check_ranks(cfg: PostTrainConfig, world_size: int) -> None:
     """rm.batch_size must split evenly over the data-parallel ranks (each trains an equal share of a step's
     pairs), as data.train_batch_size and sft.batch_size must for `posttrain train` and `posttrain sft`."""
@@ -165,7 +156,10 @@ def _export(cfg: PostTrainConfig, model, path: Path, tokenizer, ctx: DistContext
 
 def run_rm_command(cfg: PostTrainConfig, quiet: bool = False) -> Path:
     """`posttrain rm`: train, validate, export; returns the exported directory. Under torchrun every rank
-    runs it; rank 0 holds the run lock and speaks for the job."""
+    runs it; rank 0 holds the run lock and speaks for the job. rm.kind=prm trains a process reward model
+    instead (posttrain.rm.prm_command)."""
+    if cfg.rm.kind == "prm":
+        return run_prm_command(cfg, quiet)
     check_ranks(cfg, launched_world_size())  # before the data is read and any model loads
     device = select_device(cfg)
     keep_freed_memory_for_cpu_training(cfg.trainer.tune_malloc, device)

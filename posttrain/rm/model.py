@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from posttrain.batching.packing import pack_sequences
 from posttrain.config.errors import ConfigError
+from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import check_model_dir, resolve_dtype, save_hf
 from posttrain.models.lora import hf_model, is_lora_model, lora_config, lora_settings
@@ -59,6 +60,15 @@ def load_reward_model(path: str | Path, pad_token_id: int, dtype: str = "fp32", 
     model.config.pad_token_id = pad_token_id  # plain transformers finds the last real token through it
     model.config.use_cache = False
     return model.to(device)
+
+
+def model_config(cfg: PostTrainConfig) -> PostTrainConfig:
+    """The config the model directory is resolved with. data.train_files here are pairs, not the user's task:
+    builtin:tiny (the arithmetic demo's warm-started model, built from the data.task keys) is allowed, as the
+    start of the reward-model demonstration (docs/reward-models.md)."""
+    if cfg.model.path != "builtin:tiny":
+        return cfg
+    return apply_values(cfg, {"data.train_files": [], "data.val_files": [], "sft.train_files": []})
 
 
 def add_lora(model: nn.Module, cfg: PostTrainConfig) -> nn.Module:

@@ -80,7 +80,7 @@ algorithm.mask_truncated_samples reward.overlong_buffer.enable reward.overlong_b
 reward.overlong_buffer.penalty_factor reward.overlong_buffer.log
 rm.prompt_key rm.chosen_key rm.rejected_key rm.margin_key rm.max_length rm.batch_size rm.micro_batch_size_per_gpu
 rm.use_dynamic_bsz rm.max_token_len_per_gpu
-rm.epochs rm.max_steps rm.center_rewards_coefficient rm.output_dir
+rm.epochs rm.max_steps rm.center_rewards_coefficient rm.output_dir rm.kind rm.step_separator
 rm.optim.lr rm.optim.weight_decay rm.optim.betas rm.optim.warmup_steps rm.optim.lr_schedule
 rm.optim.min_lr_ratio rm.optim.grad_clip rm.optim.eps
 rollout.multi_turn.enable rollout.multi_turn.max_assistant_turns rollout.multi_turn.max_user_turns

@@ -17,6 +17,18 @@ from posttrain.config.schema.roles import OptimConfig
 class RMConfig:
     """Reward-model training on preference pairs (`posttrain rm`)."""
 
+    kind: str = knob(
+        "pairs",
+        "What is trained: 'pairs', a Bradley-Terry reward model on preference pairs (one score per text); "
+        "'prm', a process reward model on stepwise rows {prompt, completions: [step, ...], labels: [bool, ...]} "
+        "(TRL's format; a token classifier with two labels scoring each step).",
+        choices=("pairs", "prm"),
+    )
+    step_separator: str = knob(
+        "\n",
+        "rm.kind=prm: the text appended after every step (its tokens, encoded alone, follow each step's); a "
+        "step is scored at the separator's last token. Stored in the exported model's config.",
+    )
     prompt_key: str = knob(
         "prompt",
         "Field holding the prompt (a string or chat messages). A row without it is an implicit-prompt pair: "
