@@ -24,6 +24,7 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer, Pretrai
 
 from posttrain.config.errors import ConfigError
 from posttrain.models.hf import read_model_config
+from posttrain.rewards.prm_layout import stepwise_input
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REDUCTIONS = ("dense", "min", "mean", "last")
@@ -162,18 +163,8 @@ class ProcessRewardScorer:
         self.micro_batch_size = micro_batch_size
 
     def encode(self, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
-        """(input ids, the position of each step's score): prompt tokens (after BOS when the tokenizer has
-        one), then each step's tokens and the separator's tokens; a step is read at its separator's last token."""
-        tok = self.tokenizer
-        ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + tok.encode(
-            prompt, add_special_tokens=False
-        )
-        separator = tok.encode(self.separator, add_special_tokens=False)
-        positions = []
-        for step in steps:
-            ids += tok.encode(step, add_special_tokens=False) + separator
-            positions.append(len(ids) - 1)
-        return ids, positions
+        """(input ids, the position of each step's score): :func:`stepwise_input` with the PRM's separator."""
+        return stepwise_input(self.tokenizer, prompt, steps, self.separator)
 
     @torch.inference_mode()
     def score(self, prompts: Sequence[str], steps: Sequence[Sequence[str]]) -> list[list[float]]:

@@ -13,12 +13,12 @@ longer than rm.max_length is dropped and counted, never truncated (a truncated r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.errors import DataError, MissingPathError
 from posttrain.data.datasets import iter_rows
+from posttrain.rewards.prm_layout import stepwise_input
 
 IGNORED = -100  # the label of a position that is not a step's end (torch's cross-entropy ignore_index)
 STEPS_KEY = "completions"  # TRL's stepwise field names
@@ -97,20 +97,11 @@ def load_stepwise(files: list[str], prompt_key: str) -> list[StepwiseRow]:
 
 def tokenize_steps(row: StepwiseRow, tokenizer, separator: str) -> TokenizedSteps:
     """The ids and per-token labels of one row, laid out as described in the module docstring."""
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    separator_ids = encode(separator)
-    prompt_ids = encode(row.prompt)
-    if tokenizer.bos_token_id is not None:
-        prompt_ids = [tokenizer.bos_token_id, *prompt_ids]
-    steps = [encode(step) + separator_ids for step in row.steps]
-    labels = [[IGNORED] * (len(ids) - 1) + [int(label)] for ids, label in zip(steps, row.labels)]
-    return TokenizedSteps(
-        input_ids=prompt_ids + list(chain(*steps)),
-        labels=[IGNORED] * len(prompt_ids) + list(chain(*labels)),
-    )
+    input_ids, ends = stepwise_input(tokenizer, row.prompt, row.steps, separator)
+    labels = [IGNORED] * len(input_ids)
+    for end, label in zip(ends, row.labels):
+        labels[end] = int(label)
+    return TokenizedSteps(input_ids=input_ids, labels=labels)
 
 
 def tokenize_stepwise(
