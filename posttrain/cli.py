@@ -211,10 +211,12 @@ def _checked(args: argparse.Namespace, command: str):
     return _preflight(_load(args, then_libraries=False), command)
 
 
-def _preflight(cfg, command: str, model: str | None = None):
+def _preflight(cfg, command: str, model: str | None = None, inputs_checked: bool = False):
     """``cfg`` once it passed the checks ``command`` runs before any model loads; ``model``: eval's --model.
-    The torch-free ones first, before the rest is imported: a misspelled file or function fails at once."""
-    check_inputs(cfg, command)
+    The torch-free ones first, before the rest is imported: a misspelled file or function fails at once
+    (``inputs_checked``: the caller ran them already)."""
+    if not inputs_checked:
+        check_inputs(cfg, command)
     quiet_library_progress_bars()
     from posttrain.parallel.runtime import launched_world_size
     from posttrain.planning.preflight import preflight
@@ -272,10 +274,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load(args, then_libraries=False)
+    check_inputs(cfg, "eval")  # data files and the reward before torch loads: a typo fails at once
     from posttrain.rl.eval_command import model_named_by_flag, run_eval_command
 
     cfg, model = model_named_by_flag(cfg, args.model)  # --model takes what model.path takes
-    run_eval_command(_preflight(cfg, "eval", model), model_path=model)
+    run_eval_command(_preflight(cfg, "eval", model, inputs_checked=True), model_path=model)
     return 0
 
 

@@ -49,3 +49,12 @@ def test_a_misspelled_reward_function_fails_without_importing_torch(tmp_path):
     reward.write_text("def reward(prompt, response, ground_truth, extra):\n    return 1.0\n")
     code = f"from posttrain.cli import main\nassert main(['train', 'reward.function={reward}:rewrd']) == 2"
     assert heavy_modules_after(code) == []
+
+
+def test_eval_checks_its_reward_before_importing_torch(tmp_path):
+    """`posttrain eval` scores with the reward: a misspelled one fails before the model's libraries load."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward(prompt, response, ground_truth, extra):\n    return 1.0\n")
+    for model in ([], ["--model", "builtin:base"]):
+        code = f"from posttrain.cli import main\nassert main(['eval', *{model!r}, 'reward.function={reward}:rewrd']) == 2"
+        assert heavy_modules_after(code) == []

@@ -347,6 +347,20 @@ def warn_dropped(n_dropped: int, n_total: int, what: str, max_prompt_length: int
         )
 
 
+def warn_truncated(n_cut: int, n_total: int, what: str, max_response_length: int) -> None:
+    """One warning line when ``what`` targets were cut at data.max_response_length (nothing when none): a cut
+    target trains (or scores) the model on a response without its end."""
+    if n_cut:
+        log.warning(
+            "%d of %d %s targets are longer than data.max_response_length=%d tokens (EOS included) and were "
+            "cut (raise data.max_response_length to keep them whole)",
+            n_cut,
+            n_total,
+            what,
+            max_response_length,
+        )
+
+
 def encode_prompt(
     prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool, where: str = "prompt"
 ) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from torch import nn
@@ -22,7 +23,7 @@ from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
-from posttrain.data.datasets import encode_prompt, load_records, warn_dropped
+from posttrain.data.datasets import encode_prompt, load_records, warn_dropped, warn_truncated
 from posttrain.data.records import PromptRecord
 from posttrain.forward.options import pass_options
 from posttrain.forward.passes import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
@@ -41,12 +42,14 @@ class SFTExample:
     prompt_ids: list[int]
     response_ids: list[int]
     mask: list[int] | None = None  # 1 on the trained response tokens; None: all of them
+    truncated: bool = False  # the target was cut at data.max_response_length
 
 
 def _conversation(rec: PromptRecord, tokenizer, where: str, max_response_length: int) -> SFTExample:
     """A multi-turn example: every assistant message of the record's messages is trained on."""
     prompt, response, mask = conversation_example(list(rec.prompt), tokenizer, rec.extra.get("tools"), where)
-    return SFTExample(prompt, response[:max_response_length], mask[:max_response_length])
+    cut = len(response) > max_response_length
+    return SFTExample(prompt, response[:max_response_length], mask[:max_response_length], truncated=cut)
 
 
 def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int, max_response_length: int):
@@ -69,12 +72,16 @@ def make_examples(records: list[PromptRecord], tokenizer, max_prompt_length: int
             )
         prompt = encode_prompt(rec.prompt, tokenizer, template, where=f"row {i}")
         response = tokenizer(str(rec.ground_truth), add_special_tokens=False)["input_ids"]
-        response = (list(response) + [tokenizer.eos_token_id])[:max_response_length]
+        response = list(response) + [tokenizer.eos_token_id]
         if len(prompt) <= max_prompt_length:
-            examples.append(SFTExample(prompt, response))
+            cut = (
+                len(response) > max_response_length
+            )  # a cut target also loses its EOS: it never learns to stop
+            examples.append(SFTExample(prompt, response[:max_response_length], truncated=cut))
     if not examples:
         raise ConfigError(f"no SFT example fits data.max_prompt_length={max_prompt_length}; raise it")
     warn_dropped(len(records) - len(examples), len(records), "SFT", max_prompt_length)
+    warn_truncated(sum(e.truncated for e in examples), len(examples), "SFT", max_response_length)
     return examples
 
 
@@ -118,7 +125,14 @@ class SFTTraining:
     def step(self, step: int) -> dict[str, float]:
         self.model.train()  # validation puts it back as it found it; this is for the first step
         chunk = [self.examples[i] for i in self.schedule.indices(step)]
-        return _sft_step(chunk, self.plan, self.trainable, self.loss_fn, self.pad_token_id)
+        out = _sft_step(chunk, self.plan, self.trainable, self.loss_fn, self.pad_token_id)
+        if self.any_truncated:  # a metric of runs that cut targets only: no column of zeros elsewhere
+            out["sft/truncated_share"] = sum(e.truncated for e in chunk) / len(chunk)
+        return out
+
+    @cached_property
+    def any_truncated(self) -> bool:
+        return any(e.truncated for e in self.examples)
 
     def checkpoints(self, run_dir: Path, keep_last: int) -> Checkpoints:
         """What a checkpoint of SFT holds: the model (a LoRA model's adapters only), its optimizer and

@@ -19,7 +19,7 @@ from torch import nn
 
 from posttrain.config.schema import PostTrainConfig
 from posttrain.data.batch import build_rollout_batch
-from posttrain.data.datasets import load_records, tokenize_prompts, warn_dropped
+from posttrain.data.datasets import load_records, tokenize_prompts, warn_dropped, warn_truncated
 from posttrain.data.fields import VERL_ANSWER_KEY, get_path, has_path, is_verl_row
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
@@ -75,13 +75,14 @@ class SFTValidator:
             resolve_reward_function(reward_spec, sandbox=RunSandbox(cfg.sandbox)) if reward_spec else None
         )
         self.answers = [answer_of(r, cfg.data.answer_key) for r in records]
-        self.responses = [
-            (
-                list(tokenizer(str(r.ground_truth), add_special_tokens=False)["input_ids"])
-                + [tokenizer.eos_token_id]
-            )[: d.max_response_length]
+        targets = [
+            list(tokenizer(str(r.ground_truth), add_special_tokens=False)["input_ids"])
+            + [tokenizer.eos_token_id]
             for r in records
         ]
+        self.responses = [t[: d.max_response_length] for t in targets]
+        cut = sum(len(t) > d.max_response_length for t in targets)
+        warn_truncated(cut, len(records), "SFT validation", d.max_response_length)
 
     @torch.no_grad()
     def loss(self, model: nn.Module) -> float:

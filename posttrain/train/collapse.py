@@ -2,7 +2,7 @@
 where the docs' advice is (docs/reliability.md, "A collapsing run").
 
 A collapsing policy looks fine in the loss: it is the rollouts that show it. The signs, each checked at every
-step and warned about once per run (its thresholds in :class:`CollapseThresholds`):
+step and warned about once per run (its thresholds are the trainer.collapse section's knobs):
 
 - the truncated share jumps (``truncated/share`` for multi-turn rollouts, else ``finish/length``): the model
   rambles until the token budget, e.g. a token repeated until the end;
@@ -20,6 +20,8 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from posttrain.config.schema.run import CollapseConfig
+
 log = logging.getLogger("posttrain")
 
 ADVICE = (
@@ -28,24 +30,12 @@ ADVICE = (
 )
 
 
-@dataclass(frozen=True)
-class CollapseThresholds:
-    """When each sign fires (documented in docs/reliability.md, "A collapsing run")."""
-
-    truncated_jump: float = 0.3  # the truncated share rose this much above its lowest of the run so far ...
-    truncated_min: float = 0.5  # ... and is at least this
-    entropy_fraction: float = 0.2  # the entropy fell below this fraction of its first step's value
-    zero_reward_steps: int = 3  # the trained batch's mean reward was exactly 0 for this many steps in a row
-    tool_rate_rise: float = 0.2  # the tool-call rate rose this much above its first step's value ...
-    success_drop: float = 0.02  # ... while success fell this much below its first step's value
-
-
 @dataclass
 class CollapseWatch:
     """Reads each step's metrics (:meth:`observe`) and warns once per sign, through ``warn`` (a log warning by
     default). Holds only what the signs need: the first and lowest values seen and a streak."""
 
-    thresholds: CollapseThresholds = field(default_factory=CollapseThresholds)
+    thresholds: CollapseConfig = field(default_factory=CollapseConfig)  # trainer.collapse
     warn: Callable[[str], None] = log.warning
     first: dict[str, float] = field(default_factory=dict)
     lowest: dict[str, float] = field(default_factory=dict)

@@ -8,8 +8,8 @@ of it holds; this module orders them::
     metrics
 
 It owns every setting of the loop (trainer.test_freq, save_freq, max_skipped_steps, save_on_terminate,
-resume, max_ckpt_to_keep), so the three commands cannot disagree about them; the checkpoint layout, integrity
-checks and atomic publishing are posttrain.train.checkpoint's.
+resume, max_ckpt_to_keep, collapse), so the three commands cannot disagree about them; the checkpoint layout,
+integrity checks and atomic publishing are posttrain.train.checkpoint's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from posttrain.config.schema.run import TrainerConfig
+from posttrain.config.schema.run import CollapseConfig, TrainerConfig
 from posttrain.parallel.runtime import DistContext
 from posttrain.train.checkpoint import (
     checkpoint_root,
@@ -54,6 +54,7 @@ class LoopSettings:
     save_freq: int
     max_skipped_steps: int
     save_on_terminate: bool
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)  # when the collapse warnings fire
 
     @classmethod
     def of(cls, trainer: TrainerConfig, total_steps: int) -> LoopSettings:
@@ -63,6 +64,7 @@ class LoopSettings:
             save_freq=trainer.save_freq,
             max_skipped_steps=trainer.max_skipped_steps,
             save_on_terminate=trainer.save_on_terminate,
+            collapse=trainer.collapse,
         )
 
     def validates_at(self, step: int) -> bool:
@@ -181,7 +183,7 @@ class TrainLoop:
             first = self._first_validation() if start == 0 else {}
             last = first
             guard = SkippedStepGuard(self.settings.max_skipped_steps, self.roles)
-            watch = CollapseWatch()
+            watch = CollapseWatch(self.settings.collapse)
             for step in range(start + 1, self.settings.total_steps + 1):
                 last = self._one_step(step, guard, signals)
                 if (

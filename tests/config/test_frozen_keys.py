@@ -60,6 +60,8 @@ trainer.total_steps trainer.test_freq trainer.save_freq trainer.max_ckpt_to_keep
 trainer.resume trainer.seed trainer.device trainer.tune_malloc trainer.loggers trainer.export_hf trainer.export_merged
 trainer.ray_ranks trainer.ray_cpus_per_rank trainer.ray_gpus_per_rank trainer.ray_resources_per_rank trainer.ray_placement
 trainer.ray_max_restarts trainer.ray_address
+trainer.collapse.truncated_jump trainer.collapse.truncated_min trainer.collapse.entropy_fraction
+trainer.collapse.zero_reward_steps trainer.collapse.tool_rate_rise trainer.collapse.success_drop
 sft.train_files sft.response_key sft.val_files sft.batch_size sft.micro_batch_size_per_gpu sft.epochs sft.max_steps sft.output_dir
 actor.fsdp_config.fsdp_size actor.fsdp_config.param_offload actor.fsdp_config.optimizer_offload actor.fsdp_config.forward_prefetch actor.fsdp_config.reshard_after_forward ref.fsdp_config.fsdp_size ref.fsdp_config.param_offload ref.fsdp_config.forward_prefetch ref.fsdp_config.reshard_after_forward critic.fsdp_config.fsdp_size critic.fsdp_config.param_offload critic.fsdp_config.optimizer_offload critic.fsdp_config.forward_prefetch critic.fsdp_config.reshard_after_forward
 trainer.dist_timeout_s

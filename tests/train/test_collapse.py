@@ -1,6 +1,7 @@
 """A collapsing run says so: one warning line per sign, fed the step metrics of recorded runs."""
 
-from posttrain.train.collapse import CollapseThresholds, CollapseWatch
+from posttrain.config.load import build_config
+from posttrain.train.collapse import CollapseWatch
 
 # The 8 GRPO steps of a user's tool task that collapsed (success 3.8% -> 0%, tool-call rate 67% -> 97.5%, the
 # model writing `The code is ": ": ...` until the budget from step 6, train reward 0).
@@ -58,9 +59,30 @@ def test_a_healthy_run_and_a_run_without_these_metrics_say_nothing():
     assert _watch(sft_like) == ([], {})
 
 
-def test_the_thresholds_are_the_watch_s_own():
-    lines = []
-    lenient = CollapseWatch(CollapseThresholds(zero_reward_steps=10, truncated_jump=0.9), warn=lines.append)
+def _fired_at(overrides: list[str]) -> dict[str, int]:
+    """The step at which each sign first fires on the collapsing run, with trainer.collapse.* ``overrides``."""
+    watch = CollapseWatch(build_config(overrides=overrides).trainer.collapse, warn=lambda line: None)
+    fired = {}
     for step, m in enumerate(COLLAPSING, start=1):
-        lenient.observe(step, m)
-    assert not any("reward/mean was 0" in line or "truncated/share" in line for line in lines)
+        for line in watch.observe(step, m):
+            fired[line.split(": ", 2)[2].split(" ")[0]] = step
+    return fired
+
+
+def test_the_thresholds_are_the_trainer_collapse_knobs():
+    assert _fired_at([]) == {
+        "truncated/share": 6,
+        "actor/entropy": 7,
+        "reward/mean": 8,
+        "tools/call_frequency": 4,
+    }
+    assert _fired_at(
+        [
+            "trainer.collapse.zero_reward_steps=2",  # the second step of zero reward is step 7
+            "trainer.collapse.truncated_min=0.85",  # 0.87 at step 8
+            "trainer.collapse.entropy_fraction=0.5",  # under 0.305 at step 5 (0.30)
+            "trainer.collapse.tool_rate_rise=0.26",  # 0.95 at step 6 (0.28 above 0.67)
+        ]
+    ) == {"truncated/share": 8, "actor/entropy": 5, "reward/mean": 7, "tools/call_frequency": 6}
+    lenient = ["trainer.collapse.zero_reward_steps=10", "trainer.collapse.truncated_jump=0.9"]
+    assert set(_fired_at(lenient)) == {"actor/entropy", "tools/call_frequency"}

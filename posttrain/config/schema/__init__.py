@@ -38,7 +38,7 @@ from posttrain.config.schema.roles import (
     ShardingConfig,
 )
 from posttrain.config.schema.rollout import RolloutConfig
-from posttrain.config.schema.run import AsyncTrainingConfig, SFTConfig, TrainerConfig
+from posttrain.config.schema.run import AsyncTrainingConfig, CollapseConfig, SFTConfig, TrainerConfig
 from posttrain.config.schema.sandbox import SandboxConfig
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "ActorConfig",
     "AsyncTrainingConfig",
     "AlgorithmConfig",
+    "CollapseConfig",
     "CriticConfig",
     "DTYPES",
     "DataConfig",

@@ -119,7 +119,13 @@ class DataConfig:
         64, "Prompts per validation generation batch (SkyRL's eval_batch_size).", unit="prompts", min=1
     )
     max_prompt_length: int = knob(64, "Longest prompt kept, after the chat template.", unit="tokens", min=1)
-    max_response_length: int = knob(8, "Most tokens generated per response.", unit="tokens", min=1)
+    max_response_length: int = knob(
+        8,
+        "Most tokens generated per response. SFT cuts longer targets (EOS included) to it, with a warning "
+        "that counts them and the per-step metric sft/truncated_share.",
+        unit="tokens",
+        min=1,
+    )
     overlong_prompts: str = knob(
         "filter",
         "Prompts longer than max_prompt_length are dropped and counted ('filter') or are an error.",

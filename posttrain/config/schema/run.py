@@ -10,6 +10,44 @@ from posttrain.config.schema.roles import OptimConfig
 
 
 @dataclass
+class CollapseConfig:
+    """When a run warns that it may be collapsing: one line per sign, once per run; a warning changes nothing in
+    the run (docs/reliability.md, "A collapsing run")."""
+
+    truncated_jump: float = knob(
+        0.3,
+        "Warn when the truncated share (truncated/share, else finish/length) rose this much above its lowest of "
+        "the run so far and is at least truncated_min.",
+        min=0.0,
+        max=1.0,
+    )
+    truncated_min: float = knob(
+        0.5, "The truncated share the jump must reach (see truncated_jump).", min=0.0, max=1.0
+    )
+    entropy_fraction: float = knob(
+        0.2,
+        "Warn when actor/entropy falls below this fraction of its first step's value; 0 never warns.",
+        min=0.0,
+        max=1.0,
+    )
+    zero_reward_steps: int = knob(
+        3,
+        "Warn when the trained batch's reward/mean is exactly 0 this many steps in a row.",
+        unit="steps",
+        min=1,
+    )
+    tool_rate_rise: float = knob(
+        0.2,
+        "Warn when tools/call_frequency rose this much above its first step's value while success "
+        "(reward/accuracy, else reward/mean) fell success_drop below its first step's.",
+        min=0.0,
+    )
+    success_drop: float = knob(
+        0.02, "How far success must fall for the tools sign (see tool_rate_rise).", min=0.0
+    )
+
+
+@dataclass
 class TrainerConfig:
     """The run: length, validation, checkpoints, logging, device."""
 
@@ -103,6 +141,7 @@ class TrainerConfig:
         "(async_training.rollout_worker=ray): 'auto' or 'ray://host:port' joins a running cluster; empty "
         "starts a Ray instance on this machine (or uses the one this process already joined).",
     )
+    collapse: CollapseConfig = section(CollapseConfig)
 
 
 @dataclass
