@@ -21,6 +21,7 @@ from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.collect.harness_loop import HarnessLoop
 from posttrain.rl.collect.multi_turn import AgentLoop
+from posttrain.rl.teacher_routing import TeacherRoute
 from posttrain.rollout.base import RolloutEngine
 
 
@@ -43,6 +44,7 @@ class RolloutContext:
     # Where the engine generates, "cpu" or "cuda": reward.score_during_generation=auto reads it.
     generation_device: str = "cpu"
     judge: JudgeScorer | None = None  # reward.judge: an LLM judge's rubric scores, weighed in with the rule's
+    teacher_route: TeacherRoute | None = None  # distill.teachers: each row's teacher, by its data_source
 
     def close(self) -> None:
         self.reward_runner.close()
