@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from posttrain.algorithms.names import estimator_needs
 from posttrain.config.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.distill import distill_enabled
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ def _check_step_rules(cfg: PostTrainConfig, world_size: int, uses_ref: bool, use
         if used:
             key = f"{section}.fsdp_config.fsdp_size"
             fsdp_group_size(getattr(cfg, section).fsdp_config.fsdp_size, world_size, key)
-    if cfg.distill.teacher.path:
+    if distill_enabled(cfg.distill):
         fsdp_group_size(
             cfg.distill.teacher.fsdp_config.fsdp_size, world_size, "distill.teacher.fsdp_config.fsdp_size"
         )
@@ -348,7 +349,7 @@ def old_log_prob_source(cfg: PostTrainConfig, actor: UpdatePlan) -> str:
     if rc.bypass_mode:
         return "rollout"
     corrects = rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold
-    teacher = bool(cfg.distill.teacher.path)
+    teacher = distill_enabled(cfg.distill)
     if (
         actor.optimizer_steps_per_step == 1
         and not cfg.algorithm.use_kl_in_reward
@@ -381,7 +382,7 @@ def build_plan(cfg: PostTrainConfig, world_size: int = 1) -> BatchPlan:
         critic=_update_plan(cfg, "critic", world_size) if uses_critic else None,
         values=_forward_plan(cfg, "values", world_size) if uses_critic else None,
         reward_model=_forward_plan(cfg, "reward_model", world_size) if cfg.reward.model.enable else None,
-        teacher=_forward_plan(cfg, "teacher", world_size) if cfg.distill.teacher.path else None,
+        teacher=_forward_plan(cfg, "teacher", world_size) if distill_enabled(cfg.distill) else None,
         old_log_prob_source=old_log_prob_source(cfg, actor),
         rollout_staleness=cfg.async_training.max_staleness if cfg.async_training.enable else 0,
         partial_rollout_tokens=partial_rollout_tokens(cfg),

@@ -31,6 +31,7 @@ _PER_ROW_FIELDS = (
     "rollout_is_weights",
     "policy_versions",
     "token_versions",
+    "teacher_ids",
 )
 
 
@@ -62,6 +63,8 @@ class RolloutBatch:
     policy_versions: torch.Tensor | None = None  # [B] long, the update whose weights started each row (async)
     # [B, R] long, the update whose weights sampled each response token, -1 past it (partial rollouts only)
     token_versions: torch.Tensor | None = None
+    # [B] long, the distillation teacher of each row by its data_source (distill.teachers), -1: none
+    teacher_ids: torch.Tensor | None = None
     # [G] long, sorted: every group of the step on all ranks, when this batch is one rank's share of it
     # (rank-local data, posttrain.parallel.shares); None: the batch is the whole step. Not a per-row field.
     step_groups: torch.Tensor | None = None

@@ -83,6 +83,14 @@ class Placement:
 ROLE_SECTIONS = {"actor": "actor", "reference": "ref", "critic": "critic", "teacher": "distill.teacher"}
 
 
+def teacher_paths(cfg: PostTrainConfig) -> dict[str, str]:
+    """Each teacher's weights component name and path: ``distill.teacher.path`` ("teacher weights") and
+    each ``distill.teachers`` entry ("teacher weights (SOURCE)")."""
+    out = {"teacher weights": cfg.distill.teacher.path} if cfg.distill.teacher.path else {}
+    out.update({f"teacher weights ({source})": path for source, path in cfg.distill.teachers.items()})
+    return out
+
+
 def role_placement(cfg: PostTrainConfig, world_size: int, w: WhatIf, role: str) -> Placement:
     """The role's ``fsdp_config`` as the trainer applies it at ``world_size`` GPUs; a ``WhatIf`` value wins.
 
@@ -302,12 +310,11 @@ def _resident(
     if plan.teacher is not None:
         place = role_placement(cfg, cluster.world_size, w, "teacher")
         b = DTYPE_BYTES[cfg.distill.teacher.dtype or cfg.model.dtype]
-        weights = parameter_bytes(
-            teacher_shape(cfg.distill.teacher.path) or shape, b, place.shard, place.param_offload, b
-        )
         note = [f"sharded over {place.shard} GPUs"] if place.shard > 1 else []
         note += ["parameters in CPU memory"] if place.param_offload else []
-        out.append(Component("teacher weights", weights, "; ".join(note)))
+        for name, path in teacher_paths(cfg).items():  # every teacher stays resident
+            weights = parameter_bytes(teacher_shape(path) or shape, b, place.shard, place.param_offload, b)
+            out.append(Component(name, weights, "; ".join(note)))
     remote = remote_rollout(cfg)
     if (cluster.world_size > 1 or cfg.async_training.enable) and w.rollout_engine == "native" and not remote:
         # Each rank's engine decodes with a plain copy of the policy, refreshed after every update (one rank:
@@ -470,7 +477,8 @@ def estimate_memory(
     if plan.ref is not None:
         phases.append(_forward_phase(cfg, plan, plan.ref, shape, resident, _head_chunk(cfg.ref)))
     if plan.teacher is not None:
-        tshape = teacher_shape(cfg.distill.teacher.path) or shape
+        shapes = [teacher_shape(p) or shape for p in teacher_paths(cfg).values()]
+        tshape = max(shapes, key=lambda s: s.num_params())  # one teacher's pass at a time: the largest's
         phases.append(_forward_phase(cfg, plan, plan.teacher, tshape, resident, None))
     if plan.values is not None:
         phases.append(_forward_phase(cfg, plan, plan.values, shape, resident, None))

@@ -54,6 +54,7 @@ from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.harness_loop import build_rollout_loop
 from posttrain.rl.collect.validation import validation_params
 from posttrain.rl.teacher import build_teacher, check_distill, check_same_tokenizer, resolve_teacher_path
+from posttrain.rl.teacher_routing import check_route_sources, routed_teacher_dirs, teacher_route
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
@@ -91,6 +92,8 @@ class Components(RolloutContext):
     rollout_weights: RolloutWeights | None
     kl_ctrl: KLController | None
     teacher: nn.Module | None = None  # the frozen distillation teacher (distill.teacher.path), else None
+    # distill.teachers: the frozen teachers in teacher_route's order (teacher i scores the rows routed to i)
+    routed_teachers: tuple[nn.Module, ...] = ()
     forward: PassOptions  # how each pass runs (packing, chunked head, offload): posttrain.models.prepare
     parallel: dict[str, DataParallel] | None = None  # per pass: how its samples spread over ranks
 
@@ -385,12 +388,15 @@ def build_components(
     model_path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(model_path)
     teacher_dir = None
-    if plan.teacher is not None:  # the tokenizers are compared before any weights load
+    route = teacher_route(cfg, splits.data_source)
+    routed_dirs = routed_teacher_dirs(cfg, route, model_path, builtin_model_dir, quiet) if route else []
+    if plan.teacher is not None and route is None:  # the tokenizers are compared before any weights load
         teacher_dir = resolve_teacher_path(cfg, builtin_model_dir, quiet)
         check_same_tokenizer(model_path, teacher_dir)
+    train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
+    check_route_sources(route, train_prompts.records)  # a source the data lacks: refused before weights load
     policy = build_policy(cfg, plan, dist, model_path, quiet)
     critic = build_critic(cfg, plan, dist, model_path)
-    train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
     engine = weights = None  # a rollout worker of its own builds the engine where Ray placed it
     if local_engine(cfg):
         engine = build_engine(cfg, policy.rollout_model, tokenizer, dist.device, model_path)
@@ -419,6 +425,8 @@ def build_components(
         agent=build_rollout_loop(cfg, tokenizer, sandbox),
         kl_ctrl=build_kl_controller(cfg),
         teacher=build_teacher(cfg, teacher_dir, dist) if teacher_dir is not None else None,
+        routed_teachers=tuple(build_teacher(cfg, d, dist) for d in routed_dirs),
+        teacher_route=route,
         forward=forward,
         dist=dist,
         parallel=build_parallel(cfg, plan, dist),
@@ -494,4 +502,5 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
         prm=build_process_reward(cfg, device),
         agent=build_rollout_loop(cfg, tokenizer, sandbox),
         generation_device=device.type,
+        teacher_route=teacher_route(cfg, splits.data_source),
     )

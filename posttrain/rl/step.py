@@ -33,6 +33,7 @@ from posttrain.rl.collect.generation import (
     step_seed,
 )
 from posttrain.rl.collect.source import InlineRollouts, RolloutSource
+from posttrain.rl.teacher_routing import routed_teacher_scores, row_counts
 from posttrain.train.losses import TeacherTerm, actor_loss_fn, critic_loss_fn
 from posttrain.train.update import forward_in_micro_batches, run_update
 from posttrain.utils.metrics import PhaseTimer
@@ -66,6 +67,7 @@ def fill_forward_passes(
     timer: PhaseTimer,
     teacher: nn.Module | None = None,
     top_k: int = 0,
+    routed: tuple[nn.Module, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """Old log-probs (from where the plan says: recomputed, the rollout's, or left to the update's own
     forward), reference log-probs, the teacher's log-probs and values, each in its planned forward-only
@@ -92,23 +94,50 @@ def fill_forward_passes(
                 batch,
             )
     extra = {}
-    if teacher is not None:
+    if teacher is not None or routed:
         with timer.phase("teacher"):
-            scores = passes.run(
-                "teacher",
-                lambda mb: teacher_scores(
-                    teacher, mb, temperature=temperature, top_k=top_k, options=opts.teacher
-                ),
-                batch,
-            )
-            batch.teacher_log_probs = scores[..., 0] if top_k else scores
-            if top_k:
-                extra["in_top_k"] = scores[..., 1]
+            extra = teacher_pass(batch, passes, temperature, top_k, teacher, routed)
     if critic is not None:
         with timer.phase("values"):
             critic.eval()
             batch.values = passes.run("values", lambda mb: critic_values(critic, mb, opts.critic), batch)
     return extra
+
+
+def teacher_pass(
+    batch: RolloutBatch,
+    passes: ForwardPasses,
+    temperature: float,
+    top_k: int,
+    teacher: nn.Module | None,
+    routed: tuple[nn.Module, ...],
+) -> dict[str, torch.Tensor]:
+    """The teacher's log-probs into ``batch`` (``routed``: each of ``distill.teachers`` over its own rows);
+    returns ``in_top_k`` [B, R] when ``top_k``."""
+
+    def score(module: nn.Module, rows: RolloutBatch) -> torch.Tensor:
+        return passes.run(
+            "teacher",
+            lambda mb: teacher_scores(
+                module, mb, temperature=temperature, top_k=top_k, options=passes.options.teacher
+            ),
+            rows,
+        )
+
+    if routed:
+        if batch.teacher_ids is None:
+            raise RuntimeError("distill.teachers is set but the batch carries no teacher_ids")
+        columns = 2 if top_k else 0
+        scores = routed_teacher_scores(
+            batch, batch.teacher_ids, len(routed), lambda i, rows: score(routed[i], rows), columns
+        )
+    else:
+        scores = score(teacher, batch)
+    batch.teacher_log_probs = scores[..., 0] if top_k else scores
+    if routed:  # a row without a teacher: teacher = student, so its OPD advantage is exactly 0
+        none = batch.teacher_ids < 0
+        batch.teacher_log_probs[none] = batch.old_log_probs[none].to(batch.teacher_log_probs.dtype)
+    return {"in_top_k": scores[..., 1]} if top_k else {}
 
 
 def correct_rollout_mismatch(
@@ -226,6 +255,8 @@ def distill_advantages(
     and the ``distill/*`` metrics: per-token means over every rank's trained tokens. The student's log-probs
     are the old policy's (docs/distillation.md says why)."""
     teacher, student, mask = batch.teacher_log_probs, batch.old_log_probs, batch.response_mask
+    if batch.teacher_ids is not None:  # rows without a teacher (distill.teachers): no OPD term, no metric
+        mask = mask * (batch.teacher_ids >= 0).unsqueeze(-1).to(mask.dtype)
     if estimator != "opd":
         batch.advantages = add_opd_advantage(batch.advantages, teacher, student, mask, coef)
     weight = 1.0 if estimator == "opd" else coef
@@ -292,8 +323,19 @@ def train_step(
     critic = run.critic.module if run.critic is not None else None
     passes = ForwardPasses(run.plan, run.forward, run.parallel, run.device)
     extra = fill_forward_passes(
-        batch, run.actor.module, run.ref, critic, passes, temperature, timer, run.teacher, cfg.distill.top_k
+        batch,
+        run.actor.module,
+        run.ref,
+        critic,
+        passes,
+        temperature,
+        timer,
+        run.teacher,
+        cfg.distill.top_k,
+        run.routed_teachers,
     )
+    if run.teacher_route is not None:
+        metrics.update(row_counts(run.teacher_route, batch.teacher_ids))
     with timer.phase("advantage"):
         metrics.update(
             compute_advantages(

@@ -9,6 +9,7 @@ from torch import nn
 
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.distill import distill_enabled
 from posttrain.forward.lm_head import check_plain_lm_head
 from posttrain.forward.options import attn_implementation
 from posttrain.models.hf import load_causal_lm, load_tokenizer, resolve_dtype
@@ -22,11 +23,13 @@ from posttrain.parallel.runtime import DistContext
 def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
     """The `distill.*` rules that need neither weights nor data; ConfigError naming the keys and a fix."""
     d, est = cfg.distill, cfg.algorithm.adv_estimator
-    teacher = bool(d.teacher.path)
+    teacher = distill_enabled(d)
+    if d.teachers:
+        _check_routed_teachers(cfg, world_size)
     if est == "opd" and not teacher:
         raise ConfigError(
             "algorithm.adv_estimator=opd distills a teacher into the policy, but distill.teacher.path is empty; "
-            "set distill.teacher.path (a model directory, a run directory or builtin:...)"
+            "set distill.teacher.path (a model directory, a run directory or builtin:...) or distill.teachers"
         )
     if est == "opd" and d.opd_coef > 0:
         raise ConfigError(
@@ -63,9 +66,28 @@ def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
             "distill.teacher.path with rollout.name=vllm is not supported yet (the teacher pass has only been "
             "verified with the native engine); set rollout.name=native"
         )
-    config = read_model_config(d.teacher.path) if Path(d.teacher.path, "config.json").exists() else None
-    if d.teacher.use_remove_padding and config is not None:
-        check_packing("distill.teacher.use_remove_padding", config)
+    for path in (d.teacher.path, *d.teachers.values()):
+        config = read_model_config(path) if path and Path(path, "config.json").exists() else None
+        if d.teacher.use_remove_padding and config is not None:
+            check_packing("distill.teacher.use_remove_padding", config)
+
+
+def _check_routed_teachers(cfg: PostTrainConfig, world_size: int) -> None:
+    """``distill.teachers``: non-empty data_source keys and paths, one rank, no GKD term."""
+    d = cfg.distill
+    for source, path in d.teachers.items():
+        if not source or not isinstance(path, str) or not path:
+            raise ConfigError(
+                f"distill.teachers.{source}={path!r}: each entry maps a data_source to a teacher path; give a "
+                "non-empty data_source and a model directory, a run directory or builtin:tiny / builtin:base"
+            )
+    refused = []
+    if world_size > 1:
+        refused.append(f"{world_size} ranks (each rank's rows of a teacher differ): train on one rank")
+    if d.gkd_coef > 0:
+        refused.append(f"distill.gkd_coef={d.gkd_coef} (GKD has one teacher): set distill.gkd_coef=0")
+    if refused:
+        raise ConfigError(f"distill.teachers={d.teachers} is not supported with " + "; ".join(refused))
 
 
 def _check_gkd(cfg: PostTrainConfig, world_size: int) -> None:
@@ -90,10 +112,17 @@ def _check_gkd(cfg: PostTrainConfig, world_size: int) -> None:
             check_plain_lm_head(config, "distill.gkd_coef")
 
 
-def resolve_teacher_path(cfg: PostTrainConfig, warm_start: WarmStart | None, quiet: bool = False) -> Path:
+def resolve_teacher_path(
+    cfg: PostTrainConfig,
+    warm_start: WarmStart | None,
+    quiet: bool = False,
+    given: str | None = None,
+    key: str = "distill.teacher.path",
+) -> Path:
     """The teacher's model directory: builtin:tiny (the demo's warm start) / builtin:base, a run directory's
-    final_model/, a model directory, or a Hub id."""
-    given = cfg.distill.teacher.path
+    final_model/, a model directory, or a Hub id. ``given``/``key``: another teacher's path and its key
+    (``distill.teachers.SOURCE``); by default ``distill.teacher.path``."""
+    given = cfg.distill.teacher.path if given is None else given
     if given == "builtin:tiny":
         if warm_start is None:
             raise ValueError("resolve_teacher_path met builtin:tiny but was given no warm_start to build it")
@@ -101,9 +130,7 @@ def resolve_teacher_path(cfg: PostTrainConfig, warm_start: WarmStart | None, qui
     if given == "builtin:base":
         return builtin_base_dir(cfg)
     if given.startswith("builtin:"):
-        raise ConfigError(
-            f"distill.teacher.path={given!r} is not a built-in model; use builtin:tiny or builtin:base"
-        )
+        raise ConfigError(f"{key}={given!r} is not a built-in model; use builtin:tiny or builtin:base")
     path = Path(given)
     if (path / "final_model" / "config.json").exists():
         return path / "final_model"
@@ -112,12 +139,17 @@ def resolve_teacher_path(cfg: PostTrainConfig, warm_start: WarmStart | None, qui
     if not path.exists() and looks_like_hub_id(given):
         return resolve_hub_model(given)
     raise MissingPathError(
-        f"distill.teacher.path={given!r} is neither a model directory (config.json), a run directory with "
+        f"{key}={given!r} is neither a model directory (config.json), a run directory with "
         "final_model/, nor a Hub id; give one of those or builtin:tiny / builtin:base"
     )
 
 
-def check_same_tokenizer(student_dir: Path, teacher_dir: Path, student_key: str = "model.path") -> None:
+def check_same_tokenizer(
+    student_dir: Path,
+    teacher_dir: Path,
+    student_key: str = "model.path",
+    teacher_key: str = "distill.teacher.path",
+) -> None:
     """The teacher scores the student's token ids, so both must map ids to the same strings and agree on the
     special tokens; ConfigError naming both directories otherwise (before any weights load)."""
     student, teacher = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
@@ -133,7 +165,7 @@ def check_same_tokenizer(student_dir: Path, teacher_dir: Path, student_key: str 
             differences.append(f"{name} {getattr(student, name)} vs {getattr(teacher, name)}")
     if differences:
         raise ConfigError(
-            f"the teacher's tokenizer (distill.teacher.path -> {teacher_dir}) is not the student's ({student_key} "
+            f"the teacher's tokenizer ({teacher_key} -> {teacher_dir}) is not the student's ({student_key} "
             f"-> {student_dir}): {'; '.join(differences)}. The teacher scores the student's token ids, so it "
             "needs the same tokenizer: distil from a teacher of the same family, or train a student with the "
             "teacher's tokenizer"

@@ -39,7 +39,7 @@ distill.teacher.path distill.teacher.dtype distill.teacher.log_prob_micro_batch_
 distill.teacher.log_prob_max_token_len_per_gpu distill.teacher.log_prob_use_dynamic_bsz
 distill.teacher.use_remove_padding distill.teacher.fsdp_config.fsdp_size distill.teacher.fsdp_config.param_offload
 distill.teacher.fsdp_config.forward_prefetch distill.teacher.fsdp_config.reshard_after_forward
-distill.opd_coef distill.top_k distill.gkd_coef distill.gkd_beta distill.gkd_temperature distill.gkd_top_k
+distill.teachers distill.opd_coef distill.top_k distill.gkd_coef distill.gkd_beta distill.gkd_temperature distill.gkd_top_k
 distill.gkd_chunk_size
 reward.function reward.timeout_s reward.failure_reward reward.fail_fast reward.rule_weight reward.score_during_generation
 reward.model.enable reward.model.path reward.model.weight reward.model.normalize reward.model.micro_batch_size_per_gpu reward.model.use_dynamic_bsz

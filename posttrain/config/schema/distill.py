@@ -51,6 +51,14 @@ class DistillConfig:
     ``A_t = log pi_teacher(y_t) - log pi_student(y_t)`` (no gradient through it)."""
 
     teacher: TeacherConfig = section(TeacherConfig)
+    teachers: dict[str, str] = knob(
+        default_factory=dict,
+        help="A teacher per data_source (distill.teachers.DATA_SOURCE=PATH, PATH as distill.teacher.path): each "
+        "row is scored by the teacher of its data_source; rows of other sources by distill.teacher.path, or, "
+        "when it is empty, by no teacher (their OPD advantage is 0: they train on the reward alone; counted "
+        "in distill/rows/none). Every other setting is distill.teacher's. Each DATA_SOURCE must occur in the "
+        "training data. One rank, no GKD.",
+    )
     opd_coef: float = knob(
         0.0,
         "Weight of the OPD advantage added to algorithm.adv_estimator's advantages on trained tokens (GRPO + "
@@ -97,4 +105,4 @@ class DistillConfig:
 
 def distill_enabled(d: DistillConfig) -> bool:
     """Whether a teacher takes part in the run."""
-    return bool(d.teacher.path)
+    return bool(d.teacher.path) or bool(d.teachers)

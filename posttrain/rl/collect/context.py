@@ -22,6 +22,7 @@ from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.collect.harness_loop import HarnessLoop
 from posttrain.rl.collect.multi_turn import AgentLoop
+from posttrain.rl.teacher_routing import TeacherRoute
 from posttrain.rollout.base import RolloutEngine
 
 
@@ -45,6 +46,7 @@ class RolloutContext:
     generation_device: str = "cpu"
     judge: JudgeScorer | None = None  # reward.judge: an LLM judge's rubric scores, weighed in with the rule's
     prm: ProcessReward | None = None  # reward.prm: a process reward model's step scores
+    teacher_route: TeacherRoute | None = None  # distill.teachers: each row's teacher, by its data_source
 
     def close(self) -> None:
         self.reward_runner.close()

@@ -150,6 +150,11 @@ def assemble_rollout(
         engine_log_probs,
         cfg.rollout.multi_turn.turn_rewards,
     )
+    if context.teacher_route is not None:  # before any cut to a share: the ids travel with their rows
+        records = context.train_prompts.records
+        batch.teacher_ids = context.teacher_route.row_ids(
+            [records[prompt_rows[g]] for g in batch.group_ids.tolist()]
+        )
     # Without the filter `drawn` is this share's samples; with it, the whole step's on every rank: the same
     # step-wide values everywhere (kept as maxima over ranks), cut to the share at the end.
     whole = flt is not None and context.share.distributed
