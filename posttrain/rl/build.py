@@ -53,8 +53,8 @@ from posttrain.rl.checks import check_async_training, check_rl_switches, check_r
 from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.harness_loop import build_rollout_loop
 from posttrain.rl.collect.validation import validation_params
-from posttrain.rl.teacher import build_teacher, check_distill, check_same_tokenizer, resolve_teacher_path
-from posttrain.rl.teacher_routing import check_route_sources, routed_teacher_dirs, teacher_route
+from posttrain.rl.teacher import build_teacher, check_distill
+from posttrain.rl.teacher_routing import check_route_sources, teacher_dirs, teacher_route
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
 from posttrain.rollout.vllm.factory import build_vllm_engine
@@ -387,12 +387,10 @@ def build_components(
         check_prm_dir(cfg.reward.prm.path)  # and the PRM's config
     model_path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(model_path)
-    teacher_dir = None
-    route = teacher_route(cfg, splits.data_source)
-    routed_dirs = routed_teacher_dirs(cfg, route, model_path, builtin_model_dir, quiet) if route else []
-    if plan.teacher is not None and route is None:  # the tokenizers are compared before any weights load
-        teacher_dir = resolve_teacher_path(cfg, builtin_model_dir, quiet)
-        check_same_tokenizer(model_path, teacher_dir)
+    # the teachers' tokenizers are compared with the student's before any weights load
+    route, teacher_dir, routed_dirs = teacher_dirs(
+        cfg, plan.teacher is not None, splits.data_source, model_path, builtin_model_dir, quiet
+    )
     train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
     check_route_sources(route, train_prompts.records)  # a source the data lacks: refused before weights load
     policy = build_policy(cfg, plan, dist, model_path, quiet)

@@ -96,6 +96,27 @@ def routed_teacher_dirs(
     return dirs
 
 
+def teacher_dirs(
+    cfg: PostTrainConfig,
+    has_teacher: bool,
+    data_source: str,
+    model_path: Path,
+    warm_start: WarmStart,
+    quiet: bool,
+) -> tuple[TeacherRoute | None, Path | None, list[Path]]:
+    """(the rows' route, the one teacher's directory, the routed teachers' directories), each teacher's tokenizer
+    checked against the student's (``model_path``): `distill.teachers` routes rows, else `distill.teacher` is the
+    one teacher when the plan has a teacher pass."""
+    route = teacher_route(cfg, data_source)
+    if route is not None:
+        return route, None, routed_teacher_dirs(cfg, route, model_path, warm_start, quiet)
+    if not has_teacher:
+        return None, None, []
+    teacher_dir = resolve_teacher_path(cfg, warm_start, quiet)
+    check_same_tokenizer(model_path, teacher_dir)
+    return None, teacher_dir, []
+
+
 def routed_teacher_scores(
     batch: RolloutBatch,
     teacher_ids: torch.Tensor,
