@@ -111,6 +111,7 @@ def one_rank(tmp_path_factory, tiny_model_dir, data_dir) -> Path:
     return run
 
 
+@pytest.mark.slow  # about 3 minutes with the reference run on 2 loaded cores
 def test_two_ranks_train_like_one_and_resume_on_one(tmp_path, tiny_model_dir, data_dir, one_rank):
     two = tmp_path / "two"
     done = _torchrun(2, _args(tiny_model_dir, data_dir, two))
@@ -129,6 +130,7 @@ def test_two_ranks_train_like_one_and_resume_on_one(tmp_path, tiny_model_dir, da
     assert [m["step"] for m in read_metrics(resumed / "metrics.jsonl")] == [3]
 
 
+@pytest.mark.slow
 def test_two_nodes_train_like_one_process(tmp_path, tiny_model_dir, data_dir, one_rank):
     """Two launchers (`torchrun --nnodes 2 --node_rank N --nproc_per_node 1`) meeting on loopback."""
     two = tmp_path / "two"
@@ -147,5 +149,5 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused_before_any_model_
     said = done.stdout + done.stderr
     assert "sft.batch_size (3) must split evenly over 2 data-parallel ranks" in said
     assert "Nearest valid: sft.batch_size=" in said
-    assert "Traceback" not in said
-    assert not (tmp_path / "run" / "run_info.json").exists()
+    assert "]: Traceback" not in said  # the ranks' CLI answered (exit 2); torchrun's own report follows
+    assert not (tmp_path / "run" / "run_info.yaml").exists()
