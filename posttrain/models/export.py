@@ -4,11 +4,14 @@ published whole (written beside its place, then renamed: posttrain.utils.storage
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
+import torch
+from safetensors.torch import save_file
 from torch import nn
 
-from posttrain.models.hf import save_hf
-from posttrain.models.lora import hf_model, is_lora_model, merged_state
+from posttrain.models.hf import load_causal_lm, save_hf
+from posttrain.models.lora import adapter_state, hf_model, is_lora_model, merged_state, policy_weights
 from posttrain.utils.storage import atomic_dir
 
 
@@ -35,3 +38,38 @@ def export_policy(model: nn.Module, tokenizer, path: str | Path, merge: bool = F
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return path, how
+
+
+class GatheredExport(NamedTuple):
+    """How a sharded policy is exported: the model directory it was loaded from (the plain copy rank 0 fills),
+    model.dtype, trainer.export_merged, and whether this rank writes."""
+
+    model_path: Path
+    dtype: str
+    merge: bool
+    is_main: bool
+
+
+def export_gathered_policy(
+    policy: nn.Module, tokenizer, path: str | Path, how: GatheredExport
+) -> tuple[Path, str]:
+    """:func:`export_policy` of a policy sharded over several ranks (every rank calls it: the gathers are
+    collectives): the full (merged) weights, or for a LoRA adapter export the adapter tensors alone, are gathered
+    and rank 0 writes them, the full weights into a plain copy of the model read from disk."""
+    path = Path(path)
+    if is_lora_model(policy) and not how.merge:
+        adapters = {name: t.detach().cpu().contiguous() for name, t in adapter_state(policy)}
+        if how.is_main:
+            with atomic_dir(path, "the exported model") as tmp:
+                policy.peft_config["default"].save_pretrained(tmp)
+                save_file(adapters, str(tmp / "adapter_model.safetensors"))
+                tokenizer.save_pretrained(tmp)
+        return path, "a PEFT LoRA adapter; loads with peft.PeftModel.from_pretrained(base_model, path)"
+    state = {name: t.detach().cpu() for name, t in policy_weights(policy)}  # a collective: every rank gathers
+    if how.is_main:
+        model = load_causal_lm(how.model_path, how.dtype, torch.device("cpu"))
+        model.load_state_dict(state, strict=False)  # tied weights may appear under one name only
+        with atomic_dir(path, "the exported model") as tmp:
+            save_hf(model, tokenizer, tmp)
+    lora = "LoRA merged into the base weights; " if is_lora_model(policy) else ""
+    return path, lora + "loads with AutoModelForCausalLM"

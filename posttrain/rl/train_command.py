@@ -11,15 +11,10 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
 from posttrain.config.schema import PostTrainConfig
-from posttrain.models.export import export_policy
-from posttrain.models.hf import load_causal_lm, save_hf
-from posttrain.models.lora import adapter_state, is_lora_model, policy_weights
+from posttrain.models.export import GatheredExport, export_gathered_policy, export_policy
 from posttrain.models.model_path import resolve_model_path
 from posttrain.parallel.runtime import (
     DistContext,
@@ -50,7 +45,7 @@ from posttrain.utils.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer,
 from posttrain.utils.plots import plot_training_curves
 from posttrain.utils.seed import seed_everything
 from posttrain.utils.signals import stop_note
-from posttrain.utils.storage import atomic_dir, model_dir_complete
+from posttrain.utils.storage import model_dir_complete
 
 log = logging.getLogger("posttrain")
 
@@ -250,28 +245,6 @@ def rollout_source(run: Components, start: int) -> RolloutSource:
     return queue
 
 
-def _export_gathered(run: Components, path: Path) -> tuple[Path, str]:
-    """The final export of a sharded actor: the full (merged) weights are gathered, or, for a LoRA adapter
-    export, the adapter tensors alone; rank 0 writes them (into a plain copy of the model read from disk)."""
-    policy = run.actor.module
-    if is_lora_model(policy) and not run.cfg.trainer.export_merged:
-        adapters = {name: t.detach().cpu().contiguous() for name, t in adapter_state(policy)}
-        if run.dist.is_main:
-            with atomic_dir(path, "the exported model") as tmp:
-                policy.peft_config["default"].save_pretrained(tmp)
-                save_file(adapters, str(tmp / "adapter_model.safetensors"))
-                run.tokenizer.save_pretrained(tmp)
-        return path, "a PEFT LoRA adapter; loads with peft.PeftModel.from_pretrained(base_model, path)"
-    state = {name: t.detach().cpu() for name, t in policy_weights(policy)}  # a collective: every rank gathers
-    if run.dist.is_main:
-        model = load_causal_lm(run.model_path, run.cfg.model.dtype, torch.device("cpu"))
-        model.load_state_dict(state, strict=False)  # tied weights may appear under one name only
-        with atomic_dir(path, "the exported model") as tmp:
-            save_hf(model, run.tokenizer, tmp)
-    how = "LoRA merged into the base weights; " if is_lora_model(policy) else ""
-    return path, how + "loads with AutoModelForCausalLM"
-
-
 def _finish(run: Components, run_dir: Path, quiet: bool) -> None:
     if run.cfg.trainer.export_hf:
         with stop_note(stopped_export_note(run_dir / "final_model")):
@@ -286,7 +259,14 @@ def _finish(run: Components, run_dir: Path, quiet: bool) -> None:
 def _export(run: Components, run_dir: Path, quiet: bool) -> None:
     """final_model/: every rank takes part in gathering sharded weights; rank 0 writes them."""
     if run.dist.distributed:
-        out, how = _export_gathered(run, run_dir / "final_model")
+        out, how = export_gathered_policy(
+            run.actor.module,
+            run.tokenizer,
+            run_dir / "final_model",
+            GatheredExport(
+                run.model_path, run.cfg.model.dtype, run.cfg.trainer.export_merged, run.dist.is_main
+            ),
+        )
     else:
         out, how = export_policy(
             run.actor.module, run.tokenizer, run_dir / "final_model", run.cfg.trainer.export_merged

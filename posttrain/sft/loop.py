@@ -5,13 +5,18 @@ conversation (multi-turn, with tool calls and tool results) trained on its assis
 (posttrain.sft.conversation). It is laid out like a rollout sample, so each optimizer step is the RL update's own
 (``posttrain.train.update.update_mini_batch``: global loss normalisation, micro-batches, clipping), and the
 steps run on the training loop of every command (posttrain.train.loop).
+
+Several data-parallel ranks (launched by torchrun, the model sharded with FSDP2 as `posttrain rm` shards its
+model): every rank draws the same step's examples and trains its contiguous share of them (sft.batch_size
+divides over the ranks); the loss is normalised by the response tokens of the whole step, over all ranks, so
+the update is the one-rank update.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -22,12 +27,17 @@ from posttrain.batching.epochs import EpochSchedule
 from posttrain.config.errors import ConfigError, DataError
 from posttrain.config.plan import UpdatePlan, build_sft_plan
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.roles import ShardingConfig
 from posttrain.data.batch import RolloutBatch, build_rollout_batch
 from posttrain.data.datasets import encode_prompt, load_records, warn_dropped, warn_truncated
 from posttrain.data.records import PromptRecord
 from posttrain.forward.options import pass_options
 from posttrain.forward.passes import DEFAULT_OPTIONS, ForwardOptions, policy_logprobs
+from posttrain.models.hf import resolve_dtype
 from posttrain.models.prepare import check_policy_switches, prepare_policy
+from posttrain.parallel.data_parallel import SINGLE_RANK, DataParallel, data_parallel
+from posttrain.parallel.fsdp import shard_model
+from posttrain.parallel.runtime import DistContext, shard_bounds
 from posttrain.sft.conversation import conversation_example, is_conversation
 from posttrain.train.loop import Checkpoints, LoopSettings, TrainLoop
 from posttrain.train.trainable import Trainable
@@ -121,11 +131,14 @@ class SFTTraining:
     trainable: Trainable
     loss_fn: Callable
     pad_token_id: int
+    dist: DistContext = field(default_factory=DistContext)
+    dp: DataParallel = field(default_factory=DataParallel)
 
     def step(self, step: int) -> dict[str, float]:
         self.model.train()  # validation puts it back as it found it; this is for the first step
         chunk = [self.examples[i] for i in self.schedule.indices(step)]
-        out = _sft_step(chunk, self.plan, self.trainable, self.loss_fn, self.pad_token_id)
+        lo, hi = shard_bounds(len(chunk), self.dp.dp_rank, self.dp.dp_size)  # this rank's share
+        out = _sft_step(chunk[lo:hi], self.plan, self.trainable, self.loss_fn, self.pad_token_id, self.dp)
         if self.any_truncated:  # a metric of runs that cut targets only: no column of zeros elsewhere
             out["sft/truncated_share"] = sum(e.truncated for e in chunk) / len(chunk)
         return out
@@ -144,13 +157,20 @@ class SFTTraining:
             optimizers={"sft": t.optimizer},
             schedulers={"sft": t.scheduler},
             keep_last=keep_last,
+            dist=self.dist,
         )
 
 
 def _sft_step(
-    chunk: list[SFTExample], plan: UpdatePlan, trainable: Trainable, loss_fn: Callable, pad_token_id: int
+    chunk: list[SFTExample],
+    plan: UpdatePlan,
+    trainable: Trainable,
+    loss_fn: Callable,
+    pad_token_id: int,
+    dp: DataParallel = SINGLE_RANK,
 ) -> dict[str, float]:
-    """One optimizer step on ``chunk``, laid out as a rollout batch: the RL update's own mini-batch step."""
+    """One optimizer step on ``chunk`` (this rank's share of the step), laid out as a rollout batch: the RL
+    update's own mini-batch step, its loss normalised over every rank's tokens."""
     mini = build_rollout_batch(
         [e.prompt_ids for e in chunk],
         [e.response_ids for e in chunk],
@@ -165,6 +185,7 @@ def _sft_step(
         micro_batch_size=plan.micro_batch_size_per_rank,
         max_tokens=None,
         norm_constant=mini.response_width,
+        dp=dp,
     )
     out = {"sft/loss": metrics["loss"], "sft/grad_norm": metrics["grad_norm"], "sft/lr": trainable.lr}
     if "skipped_steps" in metrics:  # a non-finite gradient: the step was skipped (the loop's guard reads it)
@@ -182,19 +203,28 @@ def sft_records(cfg: PostTrainConfig, fallback: list[PromptRecord]) -> list[Prom
 
 
 def prepare_sft(
-    cfg: PostTrainConfig, model: nn.Module, tokenizer, records: list[PromptRecord]
+    cfg: PostTrainConfig,
+    model: nn.Module,
+    tokenizer,
+    records: list[PromptRecord],
+    dist: DistContext | None = None,
 ) -> SFTTraining:
     """SFT of `model` in place on `records` with the `sft` section's settings.
 
     The model section's switches apply as for the actor (model.use_remove_padding, enable_gradient_checkpointing,
-    enable_activation_offload, use_liger), checked before any step runs.
+    enable_activation_offload, use_liger), checked before any step runs. ``dist`` with several ranks: the
+    model is sharded with FSDP2 over them (actor.fsdp_config's layout is not read: SFT's is the default one)
+    and each rank trains its share of every step.
     """
+    dist = dist or DistContext()
     device = next(model.parameters()).device
     check_policy_switches(cfg, device, model.config)
     prepare_policy(model, cfg)
+    if dist.distributed:
+        shard_model(model, dist, ShardingConfig(), resolve_dtype(cfg.model.dtype))
     options = pass_options(cfg, device).sft
     examples = make_examples(records, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
-    plan = build_sft_plan(cfg, world_size=1)
+    plan = build_sft_plan(cfg, world_size=dist.world_size)
     if len(examples) < plan.mini_batch_samples:
         raise ConfigError(
             f"sft.batch_size ({cfg.sft.batch_size}) exceeds the {len(examples)} usable SFT examples; lower it"
@@ -208,6 +238,8 @@ def prepare_sft(
         trainable=Trainable.create(model, cfg.sft.optim, schedule.total_steps),
         loss_fn=_sft_loss(model, options),
         pad_token_id=tokenizer.pad_token_id,
+        dist=dist,
+        dp=data_parallel(dist),
     )
 
 

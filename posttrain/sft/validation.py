@@ -12,6 +12,7 @@ or an error, as data.overlong_prompts says; each validation's samples are append
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from posttrain.data.datasets import load_records, tokenize_prompts, warn_dropped
 from posttrain.data.fields import VERL_ANSWER_KEY, get_path, has_path, is_verl_row
 from posttrain.data.records import PromptRecord
 from posttrain.forward.passes import policy_logprobs
+from posttrain.models.lora import policy_weights
+from posttrain.parallel.runtime import DistContext
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.runner import RewardInput, RewardRunner
 from posttrain.rollout.base import SamplingParams
@@ -62,7 +65,11 @@ class SFTValidator:
     """Computes ``val/loss`` (token-mean NLL of the held-out responses) and ``val/accuracy``."""
 
     def __init__(
-        self, cfg: PostTrainConfig, tokenizer, records: list[PromptRecord], reward_spec: str
+        self,
+        cfg: PostTrainConfig,
+        tokenizer,
+        records: list[PromptRecord],
+        reward_spec: str,
     ) -> None:
         d = cfg.data
         kept = tokenize_prompts(records, tokenizer, d.max_prompt_length, d.overlong_prompts)
@@ -70,6 +77,8 @@ class SFTValidator:
         warn_dropped(kept.n_filtered, len(records), "SFT validation", d.max_prompt_length)
         records = kept.records
         self.cfg, self.tokenizer, self.records, self.prompts = cfg, tokenizer, records, kept.prompt_ids
+        self.dist: DistContext = DistContext()
+        self.plain: nn.Module | None = None  # with several ranks: rank 0's unsharded copy that generates
         # code rewards run their programs in the run's sandbox, as in train
         self.reward_fn = (
             resolve_reward_function(reward_spec, sandbox=RunSandbox(cfg.sandbox)) if reward_spec else None
@@ -135,5 +144,25 @@ class SFTValidator:
             "val/reward_mean": sum(scores) / len(scores),
         }
 
+    def on_ranks(self, dist: DistContext, model: nn.Module) -> None:
+        """Validate a model that will be sharded over ``dist``'s ranks: the held-out loss is a forward of the
+        sharded model on every rank; generation (accuracy) runs on rank 0 alone, on an unsharded copy of
+        ``model`` taken now (before LoRA and sharding) and refreshed with the gathered weights at each
+        validation, as `train`'s rollout engines are."""
+        self.dist = dist
+        if dist.distributed and dist.is_main and self.reward_fn is not None:
+            self.plain = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def _sharded_accuracy(self, model: nn.Module, step: int) -> dict[str, float]:
+        state = {name: t.detach() for name, t in policy_weights(model)}  # a collective: every rank gathers
+        found = {}
+        if self.plain is not None:
+            self.plain.load_state_dict(state, strict=False)  # tied weights may appear under one name only
+            found = self.accuracy(self.plain, step)
+        return self.dist.broadcast_object(found if self.dist.is_main else None)
+
     def __call__(self, model: nn.Module, step: int = 0) -> dict[str, float]:
-        return {"val/loss": self.loss(model), **self.accuracy(model, step)}
+        loss = self.loss(model)
+        if self.dist.distributed and self.reward_fn is not None:
+            return {"val/loss": loss, **self._sharded_accuracy(model, step)}
+        return {"val/loss": loss, **self.accuracy(model, step)}
