@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer, PretrainedConfig
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.schema import PostTrainConfig
 from posttrain.models.hf import read_model_config
 from posttrain.rewards.prm_layout import stepwise_input
 
@@ -246,3 +247,19 @@ def dense_shift(
             out[s, index] += value
             out[s, last[s]] -= value
     return out
+
+
+def check_prm_config(cfg: PostTrainConfig) -> None:
+    """`reward.prm.path` is a two-label token classifier (when the PRM is on), checked before any model loads."""
+    if cfg.reward.prm.enable:
+        check_prm_dir(cfg.reward.prm.path)
+
+
+def build_process_reward(cfg: PostTrainConfig, device: torch.device) -> ProcessReward | None:
+    """The process reward model of `reward.prm.*`, or None when it is off."""
+    p = cfg.reward.prm
+    if not p.enable:
+        return None
+    scorer = ProcessRewardScorer(p.path, p.micro_batch_size_per_gpu, device, p.dtype)
+    pattern = step_pattern(p.separator or scorer.separator, p.separator_is_regex and bool(p.separator))
+    return ProcessReward(scorer, pattern, p.reduction)

@@ -46,7 +46,7 @@ from posttrain.parallel.shares import data_share
 from posttrain.rewards.combine import RewardWeights
 from posttrain.rewards.functions import resolve_reward_function
 from posttrain.rewards.judge import build_judge
-from posttrain.rewards.process_reward import ProcessReward, ProcessRewardScorer, check_prm_dir, step_pattern
+from posttrain.rewards.process_reward import build_process_reward, check_prm_config
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.checks import check_async_training, check_rl_switches, check_rollout_backend
@@ -318,16 +318,6 @@ def build_reward_model(
     return scorer
 
 
-def build_process_reward(cfg: PostTrainConfig, device: torch.device) -> ProcessReward | None:
-    """The process reward model of `reward.prm.*`, or None when it is off."""
-    p = cfg.reward.prm
-    if not p.enable:
-        return None
-    scorer = ProcessRewardScorer(p.path, p.micro_batch_size_per_gpu, device, p.dtype)
-    pattern = step_pattern(p.separator or scorer.separator, p.separator_is_regex and bool(p.separator))
-    return ProcessReward(scorer, pattern, p.reduction)
-
-
 def build_prompts(
     cfg: PostTrainConfig, splits: Splits, tokenizer
 ) -> tuple[TokenizedPrompts, TokenizedPrompts | None, PromptSampler]:
@@ -383,8 +373,7 @@ def build_components(
     # the user's reward is imported (and the sandbox built, for a code reward) before any model loads
     runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
     judge = build_judge(cfg)  # its rubric read and checked before any model loads
-    if cfg.reward.prm.enable:
-        check_prm_dir(cfg.reward.prm.path)  # and the PRM's config
+    check_prm_config(cfg)  # the PRM's directory and config, before any model loads
     model_path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(model_path)
     # the teachers' tokenizers are compared with the student's before any weights load
