@@ -35,6 +35,23 @@ def is_sequence_classifier(config) -> bool:
     return any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
 
 
+def load_with_head(auto_class, path: Path, num_labels: int, dtype: str) -> nn.Module:
+    """``auto_class.from_pretrained`` with ``num_labels`` outputs: a causal LM's directory gets a new head, without
+    transformers' warning that its weights are newly initialized (that is the point here)."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return auto_class.from_pretrained(
+            path,
+            num_labels=num_labels,
+            dtype=resolve_dtype(dtype),
+            attn_implementation="sdpa",
+            local_files_only=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def load_reward_model(path: str | Path, pad_token_id: int, dtype: str = "fp32", device="cpu") -> nn.Module:
     """A one-label sequence classifier from ``path`` (a causal LM gets a new scalar head)."""
     path = check_model_dir(path)
@@ -44,14 +61,7 @@ def load_reward_model(path: str | Path, pad_token_id: int, dtype: str = "fp32", 
             f"model.path={path} is a classifier with num_labels={config.num_labels}; a reward model has one "
             "scalar output: start from a causal LM (it gets a new head) or a num_labels=1 model"
         )
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "some weights newly initialized (score)": that is the point here
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=resolve_dtype(dtype), attn_implementation="sdpa", local_files_only=True
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    model = load_with_head(AutoModelForSequenceClassification, path, 1, dtype)
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ConfigError(
             f"model.path={path}: {type(model).__name__} has no linear `score` head; posttrain rm supports "

@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForTokenClassification
-from transformers.utils import logging as hf_logging
 
 from posttrain.config.errors import ConfigError
-from posttrain.models.hf import check_model_dir, resolve_dtype, save_hf
-from posttrain.rm.model import pad_right
+from posttrain.models.hf import check_model_dir, save_hf
+from posttrain.rm.model import load_with_head, pad_right
 from posttrain.rm.prm_data import IGNORED, TokenizedSteps
 from posttrain.train.trainable import Trainable
 from posttrain.utils.storage import atomic_dir
@@ -39,18 +38,11 @@ def load_prm(path: str | Path, pad_token_id: int, dtype: str = "fp32", device="c
             f"model.path={path} is a token classifier with num_labels={config.num_labels}; a process reward "
             "model has two labels (0: wrong step, 1: correct step): start from a causal LM or a 2-label model"
         )
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "some weights newly initialized (score)": expected from a causal LM
-    try:
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=2, dtype=resolve_dtype(dtype), attn_implementation="sdpa", local_files_only=True
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    for module in model.modules():  # as TRL's PRM trainer by default: the head's dropout (0.1) off, so a
-        if isinstance(
-            module, nn.Dropout
-        ):  # step's gradient does not depend on how it is cut in micro-batches
+    model = load_with_head(AutoModelForTokenClassification, path, 2, dtype)
+    # as TRL's PRM trainer by default: dropout (the head's 0.1) off, so a step's gradient does not depend on how
+    # it is cut in micro-batches
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
             module.p = 0.0
     model.config.pad_token_id = pad_token_id
     model.config.use_cache = False
