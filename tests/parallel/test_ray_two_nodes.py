@@ -17,6 +17,8 @@ import threading
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from posttrain.cli import main
 from posttrain.config.errors import ConfigError
@@ -104,7 +106,7 @@ def test_ranks_and_rollout_worker_on_the_second_node_train_like_one_process(
 ):
     """The reference: one trainer process (this one) fed by a Ray rollout worker on the second node; then two
     Ray-placed trainer ranks on the second node fed by the same worker there: the same training."""
-    join = (f"trainer.ray_address={nodes.address}",)
+    join = (f"trainer.ray_address={nodes.address}", "trainer.export_hf=true")  # final_model/: the weights
     reference_dir = tmp_path / "one"
     with caplog.at_level(logging.INFO, logger="posttrain"):
         run_training(small_config(tiny_model_dir, reference_dir, *STEPS, *AHEAD, *WORKER_ON_NODE1, *join))
@@ -119,6 +121,12 @@ def test_ranks_and_rollout_worker_on_the_second_node_train_like_one_process(
     metrics = read_metrics(run_dir)
     _same_training(read_metrics(reference_dir), metrics, (0, 1, 2))
     assert [m["async/policy_lag_max"] for m in metrics if m["step"] > 0] == [0.0, 1.0]
+    # and the same weights, to the data-parallel tests' tolerance (tests/parallel/test_two_nodes.py)
+    ref = load_file(str(reference_dir / "final_model" / "model.safetensors"))
+    got = load_file(str(run_dir / "final_model" / "model.safetensors"))
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=2e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.dist
