@@ -11,9 +11,6 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from posttrain.utils.metrics import read_metrics
 
 # One entry per default panel: the first name present in the file is plotted. The trainer's names come
@@ -104,11 +101,21 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+def _agg_figure(**kwargs):
+    """A Figure on an Agg canvas. matplotlib is imported here, at the end of a run, not when a command starts:
+    it costs every process that imports a command (each rank, each test subprocess) half a second."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def _save_grid(out_png: Path, records: list[dict], keys: list[str], title: str) -> None:
     ncols = min(3, len(keys))
     nrows = math.ceil(len(keys) / ncols)
-    fig = Figure(figsize=(4.6 * ncols, 3.2 * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _agg_figure(figsize=(4.6 * ncols, 3.2 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, key in zip(axes, keys):
         steps, values = _series(records, key)
@@ -127,7 +134,6 @@ def _save_grid(out_png: Path, records: list[dict], keys: list[str], title: str) 
 
 
 def _save_message(out_png: Path, message: str) -> None:
-    fig = Figure(figsize=(5, 2))
-    FigureCanvasAgg(fig)
+    fig = _agg_figure(figsize=(5, 2))
     fig.text(0.5, 0.5, message, ha="center", va="center")
     fig.savefig(out_png, dpi=100)

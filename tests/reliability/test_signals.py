@@ -17,7 +17,7 @@ from posttrain.train.checkpoint import list_checkpoints
 from posttrain.utils.signals import RunSignals, Terminated
 from tests.helpers import read_metrics, small_overrides
 
-pytestmark = pytest.mark.timeout(600)  # the subprocesses have their own deadlines too
+pytestmark = [pytest.mark.long, pytest.mark.timeout(600)]  # the subprocesses have their own deadlines too
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -75,6 +75,7 @@ def one_game_file(path, target, rows):
     return path
 
 
+@pytest.mark.long
 def test_a_few_grpo_steps_raise_the_success_of_one_game(tmp_path):
     game = one_game_file(tmp_path / "game.jsonl", target=6, rows=64)
     files = [f"data.train_files=[{game}]", f"data.val_files=[{game}]", "reward.function=environment"]

@@ -24,7 +24,7 @@ from tests.local_ray import local_ray
 
 if os.environ.get("CI") != "true":
     pytest.importorskip("ray")
-pytestmark = pytest.mark.timeout(600)  # bounded; the fixture stops Ray
+pytestmark = [pytest.mark.long, pytest.mark.timeout(600)]  # bounded; the fixture stops Ray
 
 STEPS = ("trainer.total_steps=4", "trainer.export_hf=false")
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")

@@ -65,6 +65,7 @@ def test_reward_function_without_files_is_named(tmp_path, tiny_model_dir):
     assert out.returncode == 2 and "reward.function" in out.stderr
 
 
+@pytest.mark.long
 def test_bad_model_path(tmp_path):
     out = run_cli("train", f"model.path={tmp_path}")
     assert out.returncode == 2 and "model.path" in out.stderr and "Traceback" not in out.stderr

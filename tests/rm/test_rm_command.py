@@ -96,6 +96,7 @@ def _cli(args, env=None):
     )
 
 
+@pytest.mark.long
 def test_resume_after_a_kill_gives_the_same_final_weights(tmp_path, trained, tiny_model_dir, data_dir):
     full, _ = trained
     run_dir = tmp_path / "killed"

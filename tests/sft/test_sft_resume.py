@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from posttrain.cli import main
 from posttrain.train.checkpoint import list_checkpoints
 from posttrain.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.long  # each resume test kills and restarts a training subprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 

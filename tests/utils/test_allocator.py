@@ -58,6 +58,7 @@ def test_policy_applies_to_cpu_training_only():
     )
 
 
+@pytest.mark.long
 def test_training_gives_the_same_weights_with_and_without_the_policy(tiny_model_dir, tmp_path):
     """Two steps of `posttrain train` in fresh processes (a reward the untrained model varies in, so the weights
     move): the exported weights are equal bit for bit."""
