@@ -33,6 +33,8 @@ model.lora_adapter_path                     ``posttrain.models.lora.apply_lora``
 reward.model.use_remove_padding             read by ``posttrain.rl.build.build_reward_model``
 distill.teacher.use_remove_padding          ``ForwardOptions.remove_padding`` of the teacher pass; without it the
                                             teacher pass groups prompts when the actor does
+distill.teacher.logprob_chunk_size          ``ForwardOptions.logprob_chunk_size`` of the teacher pass (null: the
+                                            reference pass's)
 ==========================================  ====================================================================
 """
 
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.distill import teacher_head_chunk
 from posttrain.forward.packed import preferred_attn_implementation
 from posttrain.forward.passes import ForwardOptions
 from posttrain.forward.shared_prefix import register_shared_prefix_attention
@@ -107,6 +110,7 @@ def pass_options(cfg: PostTrainConfig, device: torch.device) -> PassOptions:
             remove_padding=bool(cfg.distill.teacher.use_remove_padding),
             max_row_tokens=rows,
             prefix_grouper=grouped and not cfg.distill.teacher.use_remove_padding,
+            logprob_chunk_size=teacher_head_chunk(cfg.distill.teacher, r),
         ),
     )
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from posttrain.config.plan import BatchPlan, ForwardPlan, UpdatePlan, fsdp_group_size
 from posttrain.config.schema import PostTrainConfig
+from posttrain.config.schema.distill import teacher_head_chunk
 from posttrain.planning.memory_bytes import (
     DTYPE_BYTES,
     FP32,
@@ -479,7 +480,8 @@ def estimate_memory(
     if plan.teacher is not None:
         shapes = [teacher_shape(p) or shape for p in teacher_paths(cfg).values()]
         tshape = max(shapes, key=lambda s: s.num_params())  # one teacher's pass at a time: the largest's
-        phases.append(_forward_phase(cfg, plan, plan.teacher, tshape, resident, None))
+        chunk = teacher_head_chunk(cfg.distill.teacher, cfg.ref)
+        phases.append(_forward_phase(cfg, plan, plan.teacher, tshape, resident, chunk))
     if plan.values is not None:
         phases.append(_forward_phase(cfg, plan, plan.values, shape, resident, None))
     if plan.critic is not None:

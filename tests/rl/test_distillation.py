@@ -163,6 +163,9 @@ LAYOUTS = {  # name -> (options, micro-batch size, token budget)
     "packed-2": (ForwardOptions(remove_padding=True, max_row_tokens=12), 2, None),
     "packed-budget": (ForwardOptions(remove_padding=True, max_row_tokens=12), None, 10),
     "grouped": (ForwardOptions(prefix_grouper=True), 4, None),
+    # distill.teacher.logprob_chunk_size: the head 3 tokens at a time (chunks that split rows), padded and packed
+    "chunked-3": (ForwardOptions(logprob_chunk_size=3), 4, None),
+    "packed-chunked-5": (ForwardOptions(remove_padding=True, max_row_tokens=12, logprob_chunk_size=5), 2, None),
 }
 
 
@@ -273,6 +276,24 @@ def test_the_memory_plan_counts_the_teacher(tiny_model_dir, teacher_model_dir, t
     weights = {c.name: c.bytes for c in teacher_phase.components}
     assert weights["teacher weights"] == ModelShape.from_path(teacher_model_dir).num_params() * 2  # bf16
     assert "teacher weights" in {c.name for c in estimate.phase("actor_update").components}
+
+
+def test_a_chunked_teacher_head_is_planned_smaller(tiny_model_dir, teacher_model_dir, tmp_path):
+    """distill.teacher.logprob_chunk_size (or the reference's chunking, when unset) shrinks the teacher pass's
+    planned work memory: its logits are one chunk's, not every token's (long responses: the head, not a decoder
+    layer, is then the pass's largest step)."""
+    base = [tiny_model_dir, tmp_path / "run", "algorithm.adv_estimator=opd", f"distill.teacher.path={teacher_model_dir}", "data.max_response_length=128"]
+    shape = ModelShape.from_path(tiny_model_dir)
+
+    def teacher_peak(*extra):
+        cfg = small_config(*base, *extra)
+        return estimate_memory(cfg, build_plan(cfg), shape).phase("teacher").part("forward working memory")
+
+    whole = teacher_peak()
+    assert teacher_peak("distill.teacher.logprob_chunk_size=2") < whole
+    chunked_ref = ["ref.entropy_from_logits_with_chunking=true", "ref.entropy_from_logits_chunk_size=2"]
+    assert teacher_peak(*chunked_ref) < whole
+    assert teacher_peak(*chunked_ref, "distill.teacher.logprob_chunk_size=0") == whole
 
 
 def test_the_gkd_term_is_the_unchunked_jsd_of_the_models_logits(tiny_model_dir, teacher_model_dir):

@@ -42,7 +42,23 @@ class TeacherConfig:
         "Pack the teacher's micro-batches without pads (rows of model.remove_padding_max_row_tokens). "
         "null: the same as model.use_remove_padding.",
     )
+    logprob_chunk_size: int | None = knob(
+        None,
+        "Tokens per chunk of the teacher's LM head: its log-probs (and top-k check) are computed that many "
+        "response tokens at a time, never as one [tokens, vocab] fp32 logits tensor. 0: all tokens at once. "
+        "null: as the reference policy (ref.entropy_from_logits_chunk_size when "
+        "ref.entropy_from_logits_with_chunking, else all at once).",
+        unit="tokens",
+        min=0,
+    )
     fsdp_config: ShardingConfig = section(ShardingConfig)
+
+
+def teacher_head_chunk(teacher: TeacherConfig, ref: object) -> int | None:
+    """Tokens per chunk of the teacher's LM head (None: all at once), resolved from ``ref`` when unset."""
+    if teacher.logprob_chunk_size is not None:
+        return teacher.logprob_chunk_size or None
+    return ref.entropy_from_logits_chunk_size if ref.entropy_from_logits_with_chunking else None
 
 
 @dataclass
