@@ -29,7 +29,12 @@ class JsonEndpoint:
     """One URL taking JSON bodies, safe to call from several threads at once."""
 
     def __init__(
-        self, url: str, api_key: str = "", timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 1.0
+        self,
+        url: str,
+        api_key: str = "",
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
     ) -> None:
         self.url = url
         self.api_key = api_key

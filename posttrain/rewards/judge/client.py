@@ -51,7 +51,9 @@ class ChatEndpoint:
         max_tokens: int = 512,
         temperature: float = 0.0,
     ) -> None:
-        self.http = JsonEndpoint(base_url.rstrip("/") + "/chat/completions", api_key, timeout_s, max_retries, backoff_s)
+        self.http = JsonEndpoint(
+            base_url.rstrip("/") + "/chat/completions", api_key, timeout_s, max_retries, backoff_s
+        )
         self.url = self.http.url
         self.model = model
         self.max_retries = max_retries
