@@ -43,8 +43,11 @@ class RemoteTeacher:
     def scores(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """``[B, R]`` float32: each response token's log-prob under the teacher at ``temperature``; 0 on pads."""
         rows = [_row_ids(batch, i) for i in range(batch.num_rows)]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(rows), 1))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(rows), 1)))
+        try:
             answers = list(pool.map(lambda row: self._score_row(*row, temperature), rows))
+        finally:  # after a sample failed for good, the samples not yet sent are not sent
+            pool.shutdown(wait=True, cancel_futures=True)
         out = torch.zeros(batch.num_rows, batch.response_width, dtype=torch.float32)
         for i, values in enumerate(answers):
             out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from posttrain.config.errors import ConfigError
+from posttrain.config.plan import build_plan
 from posttrain.config.schema.distill import TeacherConfig
 from posttrain.data.batch import build_rollout_batch
 from posttrain.forward.passes import ForwardOptions
@@ -19,6 +20,8 @@ from posttrain.forward.teacher import teacher_scores
 from posttrain.gateway import Gateway
 from posttrain.gateway.prompt_scores import PromptScorer
 from posttrain.models.hf import load_causal_lm
+from posttrain.planning.memory import estimate_memory
+from posttrain.planning.shape import ModelShape
 from posttrain.rl.build import build_components
 from posttrain.rl.remote_teacher import RemoteTeacher, RemoteTeacherUnavailable
 from posttrain.rl.train_command import run_training
@@ -187,6 +190,18 @@ CONFIG_ERRORS = {
     "top-k": (["distill.top_k=5"], "distill.top_k=5"),
     "missing-key": ([f"distill.teacher.api_key_env={KEY_ENV}_UNSET"], f"{KEY_ENV}_UNSET is not set"),
 }
+
+
+def test_the_memory_plan_has_no_teacher_here(tiny_model_dir, tmp_path):
+    """No weights and no forward pass of a remote teacher on the trainer; the old log-probs are still
+    recomputed before the advantages."""
+    cfg = small_config(tiny_model_dir, tmp_path / "run", *REMOTE)
+    plan = build_plan(cfg)
+    assert plan.old_log_prob_source == "recompute"
+    estimate = estimate_memory(cfg, plan, ModelShape.from_path(tiny_model_dir))
+    names = {p.phase for p in estimate.phases}
+    assert "teacher" not in names
+    assert not any("teacher" in c.name for p in estimate.phases for c in p.components)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_ERRORS))
