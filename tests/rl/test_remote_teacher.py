@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from rich.console import Console
 
 from posttrain.config.errors import ConfigError
 from posttrain.config.plan import build_plan
@@ -20,6 +21,7 @@ from posttrain.forward.teacher import teacher_scores
 from posttrain.gateway import Gateway
 from posttrain.gateway.prompt_scores import PromptScorer
 from posttrain.models.hf import load_causal_lm
+from posttrain.planning.explain import plan_tree
 from posttrain.planning.memory import estimate_memory
 from posttrain.planning.shape import ModelShape
 from posttrain.rl.build import build_components
@@ -192,7 +194,7 @@ CONFIG_ERRORS = {
 }
 
 
-def test_the_memory_plan_has_no_teacher_here(tiny_model_dir, tmp_path):
+def test_the_memory_and_batch_plans_have_no_teacher_pass_here(tiny_model_dir, tmp_path):
     """No weights and no forward pass of a remote teacher on the trainer; the old log-probs are still
     recomputed before the advantages."""
     cfg = small_config(tiny_model_dir, tmp_path / "run", *REMOTE)
@@ -202,6 +204,10 @@ def test_the_memory_plan_has_no_teacher_here(tiny_model_dir, tmp_path):
     names = {p.phase for p in estimate.phases}
     assert "teacher" not in names
     assert not any("teacher" in c.name for p in estimate.phases for c in p.components)
+    console = Console(width=400, record=True)
+    console.print(plan_tree(cfg, plan))
+    text = console.export_text()
+    assert "one request per sample, 8 at a time" in text and "distill.teacher.log_prob" not in text
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_ERRORS))
