@@ -10,6 +10,9 @@ What is accepted and how it is read:
   assistant message with ``tool_calls``), ``tools`` (function tools), ``tool_choice``, ``temperature`` (0 means
   greedy), ``top_p``, ``top_k``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``n`` (1 only),
   ``logprobs`` / ``top_logprobs``, ``stream``, ``stream_options.include_usage``, ``seed``.
+- Completions: ``prompt`` (a string or token ids, a batch of one), the sampling fields above, ``logprobs``
+  (0-5); ``echo=true`` with ``max_tokens=0`` scores the prompt instead of sampling (each prompt token's log-prob
+  given those before it, at the request's temperature: :mod:`posttrain.gateway.prompt_scores`).
 - Fields OpenAI clients send that change nothing here are accepted and ignored (counted): see :data:`IGNORED`;
   ``presence_penalty`` / ``frequency_penalty`` only at 0, ``logit_bias`` only empty, ``response_format`` only
   ``{"type": "text"}``. Any other field is refused (400 naming it): an option silently not honoured is a wrong sample.
@@ -126,6 +129,7 @@ class CompletionRequest:
     model: str | None
     ignored: list[str]
     logprobs_count: int | None = None
+    echo: bool = False  # score the prompt (its tokens' log-probs), generate nothing: max_tokens is 0
 
 
 def _is_int(v: Any) -> bool:
@@ -160,7 +164,7 @@ def _check_fields(body: Any, known: frozenset) -> list[str]:
     return ignored
 
 
-def _parse_sampling(body: dict[str, Any]) -> Sampling:
+def _parse_sampling(body: dict[str, Any], min_tokens: int = 1) -> Sampling:
     s = Sampling()
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -179,8 +183,8 @@ def _parse_sampling(body: dict[str, Any]) -> Sampling:
     s.top_k = None if k is None else (-1 if k == 0 else k)
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
-        if v is not None and (not _is_int(v) or v < 1):
-            raise bad(key, f"{v!r} must be an integer >= 1")
+        if v is not None and (not _is_int(v) or v < min_tokens):
+            raise bad(key, f"{v!r} must be an integer >= {min_tokens}")
     given = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     s.max_tokens = min(given) if given else None
     s.stop = _parse_stop(body.get("stop"))
@@ -342,7 +346,8 @@ def parse_chat(body: Any) -> ChatRequest:
 def parse_completion(body: Any) -> CompletionRequest:
     """A (legacy) completion request, validated: one prompt, a string or a list of token ids."""
     ignored = _check_fields(body, COMPLETION_FIELDS)
-    sampling = _parse_sampling(body)
+    echo = _bool(body, "echo")
+    sampling = _parse_sampling(body, min_tokens=0 if echo else 1)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -351,8 +356,13 @@ def parse_completion(body: Any) -> CompletionRequest:
     )
     if not ok:
         raise bad("prompt", "must be one non-empty string or one non-empty list of token ids")
-    if body.get("echo"):
-        raise bad("echo", "echo=true is not supported")
+    if echo and sampling.max_tokens != 0:
+        raise bad(
+            "max_tokens",
+            f"{sampling.max_tokens!r}: echo=true scores the prompt and generates nothing here; send max_tokens=0",
+        )
+    if echo and sampling.stream:
+        raise bad("stream", "echo=true answers in one response; send stream=false")
     if body.get("suffix"):
         raise bad("suffix", "is not supported")
     if body.get("best_of") not in (None, 1):
@@ -361,7 +371,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if count is not None and (not _is_int(count) or not 0 <= count <= 5):
         raise bad("logprobs", f"{count!r} must be an integer in [0, 5]")
     sampling.logprobs = count is not None
-    return CompletionRequest(prompt, sampling, body.get("model"), ignored, count)
+    return CompletionRequest(prompt, sampling, body.get("model"), ignored, count, echo)
 
 
 def message_key(m: dict[str, Any]) -> tuple:

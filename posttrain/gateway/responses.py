@@ -84,11 +84,13 @@ class Completion:
     finish_reason: str  # OpenAI's: "stop", "length" or "tool_calls"
     content: str | None = None
     tool_calls: list[dict] = field(default_factory=list)
+    # echo=true: ``ids`` are the prompt's (nothing generated) and each position's top log-probs by token text
+    top_logprobs: list[dict[str, float] | None] | None = None
     id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     def usage(self) -> dict[str, int]:
-        p, c = len(self.prompt_ids), len(self.ids)
+        p, c = len(self.prompt_ids), 0 if self.top_logprobs is not None else len(self.ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -151,6 +153,8 @@ def completion_response(c: Completion, tokenizer: Any, count: int | None) -> dic
             offsets.append(at)
             at += len(tok)
         tops = [{tok: lp} for tok, lp in zip(tokens, c.logprobs)] if count else None
+        if c.top_logprobs is not None and count:
+            tops = c.top_logprobs
         logprobs = {
             "tokens": tokens,
             "token_logprobs": c.logprobs,

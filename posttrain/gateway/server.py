@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -43,6 +44,7 @@ from posttrain.gateway import protocol as P
 from posttrain.gateway import responses as R
 from posttrain.gateway.batcher import Backend, Batcher
 from posttrain.gateway.capture import CallRecord, Session, template_errors
+from posttrain.gateway.prompt_scores import PromptScores
 from posttrain.rollout.base import SamplingParams, TurnRequest
 
 logger = logging.getLogger("posttrain.gateway")
@@ -95,6 +97,7 @@ class Gateway:
         max_request_bytes: int = 4 << 20,
         max_model_len: int | None = None,
         default_params: SamplingParams | None = None,
+        prompt_scorer: Callable[[list[int], float, int], PromptScores] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -102,6 +105,7 @@ class Gateway:
         self.max_request_bytes = max_request_bytes
         self.max_model_len = max_model_len
         self.default_params = default_params or SamplingParams(max_tokens=256)
+        self.prompt_scorer = prompt_scorer  # echo=true completions; None: refused (400)
         self.batcher = Batcher(backend)
         self._server = _Server((host, port), self)
         bound_host, bound_port = self._server.server_address[:2]
@@ -262,9 +266,29 @@ class Gateway:
         vocab = len(self.tokenizer)
         if any(t >= vocab for t in ids):
             raise P.bad("prompt", f"holds token ids >= the vocabulary size {vocab}")
+        if req.echo:
+            return self._score_prompt(req, ids)
         completion, _ = self._finish(req, ids, self._sessionless(req, ids), [], "none")
         completion.content = None
         return completion
+
+    def _score_prompt(self, req: P.CompletionRequest, ids: list[int]) -> R.Completion:
+        """echo=true, max_tokens=0: the prompt's log-probs at the request's temperature (0 or unset: 1, the
+        model's own distribution), nothing generated."""
+        if self.prompt_scorer is None:
+            raise P.bad(
+                "echo", "this server does not score prompts (it needs the native engine); send echo=false"
+            )
+        self._check_context(ids, "prompt")
+        temperature = req.sampling.temperature or 1.0
+        scores = self.prompt_scorer(ids, temperature, req.logprobs_count or 0)
+        self.count("scored_prompts")
+        decode = self.tokenizer.decode
+        tops = [None if t is None else {decode([i]): lp for i, lp in t.items()} for t in scores.top]
+        text = decode(ids)
+        return R.Completion(
+            self.model_name, ids, ids, scores.logprobs, text, "length", None, top_logprobs=tops
+        )
 
     def _sessionless(self, req: Any, ids: list[int]) -> tuple[TurnRequest, SamplingParams]:
         s, d = req.sampling, self.default_params

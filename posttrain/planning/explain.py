@@ -162,6 +162,12 @@ def _forward_branches(root: Tree, cfg: PostTrainConfig, plan: BatchPlan) -> None
     for p, title, budget_key, micro_key in forward_passes:
         if p is plan.old_log_prob and plan.old_log_prob_source != "recompute":
             root.add(OLD_LOG_PROB_LINES[plan.old_log_prob_source])
+        elif p is plan.teacher and p is not None and cfg.distill.teacher.base_url:
+            t = cfg.distill.teacher
+            root.add(
+                f"teacher log-probs (distill.teacher.base_url={t.base_url}): one request per sample, "
+                f"{t.max_concurrency} at a time (distill.teacher.max_concurrency); no pass on the trainer"
+            )
         elif p is not None:
             _forward_branch(root, p, title, budget_key if p.use_dynamic_bsz else micro_key)
 

@@ -477,7 +477,7 @@ def estimate_memory(
         phases.append(_forward_phase(cfg, plan, plan.old_log_prob, shape, resident, _head_chunk(cfg.actor)))
     if plan.ref is not None:
         phases.append(_forward_phase(cfg, plan, plan.ref, shape, resident, _head_chunk(cfg.ref)))
-    if plan.teacher is not None:
+    if plan.teacher is not None and teacher_paths(cfg):  # a remote teacher (base_url) runs no pass here
         shapes = [teacher_shape(p) or shape for p in teacher_paths(cfg).values()]
         tshape = max(shapes, key=lambda s: s.num_params())  # one teacher's pass at a time: the largest's
         chunk = teacher_head_chunk(cfg.distill.teacher, cfg.ref)

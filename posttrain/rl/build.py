@@ -53,6 +53,7 @@ from posttrain.rl.checks import check_async_training, check_rl_switches, check_r
 from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.harness_loop import build_rollout_loop
 from posttrain.rl.collect.validation import validation_params
+from posttrain.rl.remote_teacher import RemoteTeacher, remote_teacher
 from posttrain.rl.teacher import build_teacher, check_distill
 from posttrain.rl.teacher_routing import check_route_sources, teacher_dirs, teacher_route
 from posttrain.rollout.base import RolloutEngine
@@ -91,7 +92,8 @@ class Components(RolloutContext):
     # Pushes the actor's weights into the engine (a no-op when it shares them); None without a local engine.
     rollout_weights: RolloutWeights | None
     kl_ctrl: KLController | None
-    teacher: nn.Module | None = None  # the frozen distillation teacher (distill.teacher.path), else None
+    # the frozen distillation teacher (distill.teacher.path) or the remote one (distill.teacher.base_url)
+    teacher: nn.Module | RemoteTeacher | None = None
     # distill.teachers: the frozen teachers in teacher_route's order (teacher i scores the rows routed to i)
     routed_teachers: tuple[nn.Module, ...] = ()
     forward: PassOptions  # how each pass runs (packing, chunked head, offload): posttrain.models.prepare
@@ -411,7 +413,7 @@ def build_components(
         generation_device=dist.device.type,
         agent=build_rollout_loop(cfg, tokenizer, sandbox),
         kl_ctrl=build_kl_controller(cfg),
-        teacher=build_teacher(cfg, teacher_dir, dist) if teacher_dir is not None else None,
+        teacher=build_teacher(cfg, teacher_dir, dist) if teacher_dir is not None else remote_teacher(cfg),
         routed_teachers=tuple(build_teacher(cfg, d, dist) for d in routed_dirs),
         teacher_route=route,
         forward=forward,

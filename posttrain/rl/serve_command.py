@@ -28,11 +28,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch import nn
+
 from posttrain.agents.driver import Generation, engine_generate
 from posttrain.config.errors import ConfigError, MissingPathError
 from posttrain.config.load import apply_values
 from posttrain.config.schema import PostTrainConfig
 from posttrain.gateway import Gateway
+from posttrain.gateway.prompt_scores import PromptScorer, PromptScores
+from posttrain.gateway.protocol import ProtocolError
 from posttrain.models.hf import load_causal_lm, load_tokenizer
 from posttrain.parallel.runtime import select_device
 from posttrain.rl.build import build_engine
@@ -117,11 +121,22 @@ class _EngineBackend:
 
     def __init__(self) -> None:
         self.engine: RolloutEngine | None = None
+        self.scorer: PromptScorer | None = None  # the native engine's model: echo=true prompt scoring
 
     def __call__(self, requests: list[TurnRequest], params: SamplingParams) -> list[Generation]:
         if self.engine is None:
             raise RuntimeError("the model is still loading")
         return engine_generate(self.engine, params)(requests)
+
+    def score(self, ids: list[int], temperature: float, k: int) -> PromptScores:
+        """The prompt's log-probs (echo=true): 500 while loading (clients retry), 400 with the vLLM engine."""
+        if self.engine is None:
+            raise RuntimeError("the model is still loading")
+        if self.scorer is None:
+            raise ProtocolError(
+                400, "echo=true needs the native engine (rollout.name=native); send echo=false"
+            )
+        return self.scorer(ids, temperature, k)
 
 
 def banner(gw: Gateway, s: ServeSettings, engine: str, max_model_len: int) -> str:
@@ -168,13 +183,15 @@ def run_serve(cfg: PostTrainConfig, s: ServeSettings) -> None:
             max_request_bytes=s.max_request_bytes,
             max_model_len=max_model_len,
             default_params=defaults,
+            prompt_scorer=backend.score,
         )
     except OSError as exc:  # the port is taken, the host is not this machine's
         raise ConfigError(
             f"cannot listen on --host {s.host} --port {s.port}: {exc.strerror or exc}; choose a free --port "
             "(0: any) or an address of this machine"
         ) from None
-    engine = _load_engine(cfg, s)
+    engine, model = _load_engine(cfg, s)
+    backend.scorer = PromptScorer(model, model.device) if model is not None else None
     backend.engine = engine
     try:
         with gw:
@@ -185,14 +202,14 @@ def run_serve(cfg: PostTrainConfig, s: ServeSettings) -> None:
     print("posttrain serve: stopped; the server is closed", file=sys.stderr, flush=True)
 
 
-def _load_engine(cfg: PostTrainConfig, s: ServeSettings) -> RolloutEngine:
+def _load_engine(cfg: PostTrainConfig, s: ServeSettings) -> tuple[RolloutEngine, nn.Module | None]:
     device = select_device(cfg)
     check_model_dir(s.model_dir)  # a truncated weights file is named here, not deep in the loader
     # vLLM reads the directory itself: the Hugging Face model is loaded for the native engine only.
     model = (
         None if cfg.rollout.name == "vllm" else load_causal_lm(s.model_dir, cfg.model.dtype, device).eval()
     )
-    return build_engine(cfg, model, s.tokenizer, device, s.model_dir)
+    return build_engine(cfg, model, s.tokenizer, device, s.model_dir), model
 
 
 def _wait_for_signal() -> None:

@@ -33,6 +33,7 @@ from posttrain.rl.collect.generation import (
     step_seed,
 )
 from posttrain.rl.collect.source import InlineRollouts, RolloutSource
+from posttrain.rl.remote_teacher import RemoteTeacher
 from posttrain.rl.teacher_routing import routed_teacher_scores, row_counts
 from posttrain.train.losses import TeacherTerm, actor_loss_fn, critic_loss_fn
 from posttrain.train.update import forward_in_micro_batches, run_update
@@ -65,7 +66,7 @@ def fill_forward_passes(
     passes: ForwardPasses,
     temperature: float,
     timer: PhaseTimer,
-    teacher: nn.Module | None = None,
+    teacher: nn.Module | RemoteTeacher | None = None,
     top_k: int = 0,
     routed: tuple[nn.Module, ...] = (),
 ) -> dict[str, torch.Tensor]:
@@ -109,11 +110,14 @@ def teacher_pass(
     passes: ForwardPasses,
     temperature: float,
     top_k: int,
-    teacher: nn.Module | None,
+    teacher: nn.Module | RemoteTeacher | None,
     routed: tuple[nn.Module, ...],
 ) -> dict[str, torch.Tensor]:
-    """The teacher's log-probs into ``batch`` (``routed``: each of ``distill.teachers`` over its own rows);
-    returns ``in_top_k`` [B, R] when ``top_k``."""
+    """The teacher's log-probs into ``batch`` (``routed``: each of ``distill.teachers`` over its own rows; a
+    remote teacher: from its server); returns ``in_top_k`` [B, R] when ``top_k``."""
+    if isinstance(teacher, RemoteTeacher):  # no top-k: refused with a remote teacher (check_remote_teacher)
+        batch.teacher_log_probs = teacher.scores(batch, temperature)
+        return {}
 
     def score(module: nn.Module, rows: RolloutBatch) -> torch.Tensor:
         return passes.run(
@@ -336,6 +340,8 @@ def train_step(
     )
     if run.teacher_route is not None:
         metrics.update(row_counts(run.teacher_route, batch.teacher_ids))
+    if isinstance(run.teacher, RemoteTeacher):
+        metrics.update(run.teacher.metrics())
     with timer.phase("advantage"):
         metrics.update(
             compute_advantages(

@@ -3,6 +3,7 @@ check against the student, and the frozen module, built in one place (docs/disti
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from torch import nn
@@ -26,10 +27,13 @@ def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
     teacher = distill_enabled(d)
     if d.teachers:
         _check_routed_teachers(cfg, world_size)
+    if d.teacher.base_url:
+        check_remote_teacher(cfg, world_size)
     if est == "opd" and not teacher:
         raise ConfigError(
             "algorithm.adv_estimator=opd distills a teacher into the policy, but distill.teacher.path is empty; "
-            "set distill.teacher.path (a model directory, a run directory or builtin:...) or distill.teachers"
+            "set distill.teacher.path (a model directory, a run directory or builtin:...), distill.teacher.base_url "
+            "(a remote teacher) or distill.teachers"
         )
     if est == "opd" and d.opd_coef > 0:
         raise ConfigError(
@@ -47,7 +51,7 @@ def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
             "algorithm.adv_estimator=opd (distillation alone), distill.opd_coef > 0 (added to "
             f"algorithm.adv_estimator={est}'s advantages) or distill.gkd_coef > 0, or clear distill.teacher.path"
         )
-    if d.gkd_coef > 0:
+    if d.gkd_coef > 0 and not d.teacher.base_url:
         _check_gkd(cfg, world_size)
     if d.top_k and not teacher:
         raise ConfigError(
@@ -56,7 +60,7 @@ def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
     if not teacher:
         return
     sp = cfg.actor.ulysses_sequence_parallel_size
-    if sp > 1:
+    if sp > 1 and not d.teacher.base_url:
         raise ConfigError(
             f"distill.teacher.path with actor.ulysses_sequence_parallel_size={sp}: the teacher pass does not "
             "run with Ulysses sequence parallelism yet; set actor.ulysses_sequence_parallel_size=1"
@@ -70,6 +74,49 @@ def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
         config = read_model_config(path) if path and Path(path, "config.json").exists() else None
         if d.teacher.use_remove_padding and config is not None:
             check_packing("distill.teacher.use_remove_padding", config)
+
+
+def check_remote_teacher(cfg: PostTrainConfig, world_size: int) -> None:
+    """``distill.teacher.base_url``: a URL, a model name, the API key's variable set (read here, before any model
+    loads), and nothing that needs more than the sampled tokens' log-probs."""
+    t, d = cfg.distill.teacher, cfg.distill
+    if t.path:
+        raise ConfigError(
+            f"distill.teacher.base_url={t.base_url!r} and distill.teacher.path={t.path!r} are both set: a "
+            "teacher is either remote or loaded here; clear one of them"
+        )
+    if not t.base_url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"distill.teacher.base_url={t.base_url!r} must be an http:// or https:// URL, e.g. "
+            "http://127.0.0.1:8000/v1"
+        )
+    if not t.model:
+        raise ConfigError(
+            "distill.teacher.base_url is set but distill.teacher.model is empty; set it to the model name the "
+            "server serves (its /v1/models lists them)"
+        )
+    if t.api_key_env and not os.environ.get(t.api_key_env):
+        raise ConfigError(
+            f"distill.teacher.api_key_env={t.api_key_env}: the environment variable {t.api_key_env} is not set "
+            f"(or empty); export it with the teacher server's API key (export {t.api_key_env}=...), or set "
+            "distill.teacher.api_key_env='' for a server that needs no key"
+        )
+    refused = []
+    if d.gkd_coef > 0:
+        refused.append(
+            f"distill.gkd_coef={d.gkd_coef} (GKD needs the teacher's whole next-token distribution, which a "
+            "completions server does not return): set distill.gkd_coef=0"
+        )
+    if d.top_k > 0:
+        refused.append(f"distill.top_k={d.top_k} (the overlap needs the teacher's top-k token ids): set 0")
+    if d.teachers:
+        refused.append("distill.teachers (routed teachers are local models): clear distill.teachers")
+    if world_size > 1:
+        refused.append(f"{world_size} ranks (not verified yet): train on one rank")
+    if refused:
+        raise ConfigError(
+            f"distill.teacher.base_url={t.base_url!r} is not supported with " + "; ".join(refused)
+        )
 
 
 def _check_routed_teachers(cfg: PostTrainConfig, world_size: int) -> None:

@@ -110,7 +110,7 @@ def teacher_dirs(
     route = teacher_route(cfg, data_source)
     if route is not None:
         return route, None, routed_teacher_dirs(cfg, route, model_path, warm_start, quiet)
-    if not has_teacher:
+    if not has_teacher or cfg.distill.teacher.base_url:  # a remote teacher has no directory here
         return None, None, []
     teacher_dir = resolve_teacher_path(cfg, warm_start, quiet)
     check_same_tokenizer(model_path, teacher_dir)

@@ -37,7 +37,9 @@ critic.optim.lr critic.optim.weight_decay critic.optim.betas critic.optim.warmup
 critic.optim.min_lr_ratio critic.optim.grad_clip
 distill.teacher.path distill.teacher.dtype distill.teacher.log_prob_micro_batch_size_per_gpu
 distill.teacher.log_prob_max_token_len_per_gpu distill.teacher.log_prob_use_dynamic_bsz
-distill.teacher.use_remove_padding distill.teacher.logprob_chunk_size distill.teacher.fsdp_config.fsdp_size distill.teacher.fsdp_config.param_offload
+distill.teacher.use_remove_padding distill.teacher.logprob_chunk_size distill.teacher.base_url distill.teacher.model
+distill.teacher.api_key_env distill.teacher.timeout_s distill.teacher.max_retries distill.teacher.backoff_s
+distill.teacher.max_concurrency distill.teacher.fsdp_config.fsdp_size distill.teacher.fsdp_config.param_offload
 distill.teacher.fsdp_config.forward_prefetch distill.teacher.fsdp_config.reshard_after_forward
 distill.teachers distill.opd_coef distill.top_k distill.gkd_coef distill.gkd_beta distill.gkd_temperature distill.gkd_top_k
 distill.gkd_chunk_size

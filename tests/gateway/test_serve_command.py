@@ -15,8 +15,10 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import torch
 
 from posttrain.cli import main
+from posttrain.models.hf import load_causal_lm
 from tests.gateway.support import client_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,6 +119,21 @@ def test_completions_honour_the_request_sampling(client):
     assert seeded.model_extra["token_ids"] == sample(seed=7, temperature=1.5).model_extra["token_ids"]
     assert seeded.model_extra["token_ids"] != sample(seed=8, temperature=1.5).model_extra["token_ids"]
     assert len(sample(max_tokens=2).model_extra["token_ids"]) <= 2
+
+
+def test_echo_scores_the_prompt_with_the_served_model(client, tiny_model_dir):
+    """`posttrain serve` wires the loaded model to echo=true: a remote distillation teacher can use it."""
+    ids = [5, 9, 3, 20, 21]
+    r = client.completions.create(
+        model="tiny-policy", prompt=ids, echo=True, logprobs=1, max_tokens=0, temperature=0.8
+    )
+    got = r.choices[0].logprobs.token_logprobs
+    model = load_causal_lm(tiny_model_dir).float().eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float() / 0.8
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+    assert got[0] is None
+    torch.testing.assert_close(torch.tensor(got[1:]), expected, atol=1e-5, rtol=0)
 
 
 def test_a_prompt_over_the_context_is_refused_400_naming_it(client, tiny_model_dir):

@@ -16,7 +16,42 @@ class TeacherConfig:
     path: str = knob(
         "",
         "The teacher: a Hugging Face model directory, a run directory (its final_model/ is loaded) or "
-        "builtin:tiny / builtin:base. Empty: no teacher. It must use the student's tokenizer.",
+        "builtin:tiny / builtin:base. Empty: no teacher (or a remote one, distill.teacher.base_url). It must "
+        "use the student's tokenizer.",
+    )
+    base_url: str = knob(
+        "",
+        "A remote teacher instead of distill.teacher.path: an OpenAI-compatible API base URL (e.g. "
+        "http://127.0.0.1:8000/v1 of a vLLM server or `posttrain serve`) whose <base_url>/completions scores "
+        "the student's token ids (echo with prompt log-probs). It must serve a model with the student's "
+        "tokenizer (not checked). Empty: no remote teacher.",
+    )
+    model: str = knob(
+        "", "The remote teacher's model name sent with each request (its /v1/models lists them)."
+    )
+    api_key_env: str = knob(
+        "",
+        "Name of the environment variable holding the remote teacher's API key (sent as a Bearer token); the "
+        "key itself is never in the config. Empty: no key sent. A variable that is not set stops the run "
+        "before any model loads.",
+    )
+    timeout_s: float = knob(
+        120.0, "Seconds one remote teacher request may take before it is tried again.", min=0.001
+    )
+    max_retries: int = knob(
+        3,
+        "Tries after a failed remote teacher request (connection, timeout, HTTP error, a reply without the "
+        "log-probs); when all fail the run stops with a message naming the endpoint.",
+        min=0,
+    )
+    backoff_s: float = knob(
+        1.0,
+        "Wait before the first retry of a remote teacher request; doubled before each further one.",
+        unit="seconds",
+        min=0.0,
+    )
+    max_concurrency: int = knob(
+        8, "Remote teacher requests (one per sample) in flight at once (per rank).", unit="requests", min=1
     )
     dtype: str | None = knob(
         None,
@@ -121,4 +156,4 @@ class DistillConfig:
 
 def distill_enabled(d: DistillConfig) -> bool:
     """Whether a teacher takes part in the run."""
-    return bool(d.teacher.path) or bool(d.teachers)
+    return bool(d.teacher.path) or bool(d.teacher.base_url) or bool(d.teachers)
