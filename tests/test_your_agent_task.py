@@ -103,6 +103,9 @@ def test_the_files_load_and_a_call_is_rewarded(tutorial, tok):
     guessed = traj.messages[:1] + [{"role": "assistant", "content": traj.messages[2]["content"]}]
     # right or not, an answer without the tool's report earns nothing
     assert reward(rows[0]["prompt"], "", "", {"messages": guessed}) == 0.0
+    elsewhere = [{"role": "user", "content": "Weather in Rome?"}, *traj.messages[1:]]
+    # the report of a call about another city (Oslo) is no answer to this question
+    assert reward("Weather in Rome?", "", "", {"messages": elsewhere}) == 0.0
 
 
 def test_one_grpo_step_runs(tutorial, tiny_model_dir):
