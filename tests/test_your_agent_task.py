@@ -1,9 +1,8 @@
-"""docs/your-agent-task.md: the tutorial's files load and play, and one GRPO step of its recipe runs.
+"""docs/your-agent-task.md: the tutorial's files load and play, and its recipe raises the held-out success.
 
 The tests run the tutorial's tool, tool config and reward through posttrain's own loaders, a scripted call through
-the agent loop, and one GRPO step on the tiny test model. There is no CI test of the recipe's rise yet: its first
-4 GRPO steps went 4.7% -> 17.2% in one run and 4.7% -> 6.2% in another (the tool's reports are random), too
-unstable to assert (docs/your-agent-task.md, "7. GRPO")."""
+the agent loop, and (slow) the tutorial's SFT and GRPO commands as documented, asserting the rise of the
+validation success that docs/your-agent-task.md ("7. GRPO") reports."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from posttrain.agents.driver import MultiTurnSettings, run_trajectories
 from posttrain.agents.hermes import tool_call_text
 from posttrain.config.load import build_config
 from posttrain.rewards.functions import resolve_reward_function
-from posttrain.rl.train_command import run_training
 from tests.helpers import read_metrics, scripted
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +29,12 @@ MT = (
     "data.train_files=[data/train.jsonl] data.val_files=[data/val.jsonl] data.answer_key='' "
     "reward.function=reward.py:reward rollout.multi_turn.enable=true rollout.multi_turn.tool_config_path=tools.yaml "
     "rollout.multi_turn.render_tools=false rollout.multi_turn.max_assistant_turns=2 data.max_prompt_length=32 "
-    "data.max_response_length=128 rollout.val_greedy=false"
+    "data.max_response_length=128 rollout.val_greedy=false rollout.temperature=0.7"
 )
 SFT = (
     "posttrain sft model.path=builtin:base sft.train_files=[data/demos.jsonl] data.prompt_key=messages "
     "sft.response_key='' data.max_prompt_length=32 data.max_response_length=128 sft.batch_size=16 "
-    "sft.micro_batch_size_per_gpu=16 sft.epochs=1 sft.optim.lr=1e-3 sft.optim.warmup_steps=5 trainer.test_freq=0 "
+    "sft.micro_batch_size_per_gpu=16 sft.epochs=2 sft.optim.lr=1e-3 sft.optim.warmup_steps=5 trainer.test_freq=0 "
     "trainer.run_dir=runs/sft"
 )
 EVAL = "posttrain eval --model runs/sft/sft_model " + MT + " trainer.run_dir=runs/sft"
@@ -44,10 +42,12 @@ GRPO = (
     "posttrain train model.path=runs/sft/sft_model "
     + MT
     + " algorithm.adv_estimator=grpo data.train_batch_size=8 "
-    "rollout.n=8 actor.ppo_mini_batch_size=4 actor.ppo_micro_batch_size_per_gpu=32 actor.optim.lr=5e-4 actor.loss_agg_mode=seq-mean-token-mean "
-    "trainer.total_steps=8 trainer.test_freq=4 trainer.run_dir=runs/grpo"
+    "rollout.n=8 actor.ppo_mini_batch_size=4 actor.ppo_micro_batch_size_per_gpu=32 actor.optim.lr=2e-4 actor.loss_agg_mode=seq-mean-token-mean "
+    "trainer.total_steps=4 trainer.test_freq=2 trainer.run_dir=runs/grpo"
 )
 COMMANDS = ["python3 make_data.py data", SFT, EVAL, GRPO]
+STEPS = 4  # the GRPO command's trainer.total_steps
+RISE = 0.15  # the least rise asserted; measured: see docs/your-agent-task.md, "7. GRPO"
 
 
 @pytest.fixture
@@ -103,15 +103,18 @@ def test_the_files_load_and_a_call_is_rewarded(tutorial, tok):
     guessed = traj.messages[:1] + [{"role": "assistant", "content": traj.messages[2]["content"]}]
     # right or not, an answer without the tool's report earns nothing
     assert reward(rows[0]["prompt"], "", "", {"messages": guessed}) == 0.0
+    elsewhere = [{"role": "user", "content": "Weather in Rome?"}, *traj.messages[1:]]
+    # the report of a call about another city (Oslo) is no answer to this question
+    assert reward("Weather in Rome?", "", "", {"messages": elsewhere}) == 0.0
 
 
-def test_one_grpo_step_runs(tutorial, tiny_model_dir):
-    small = (
-        "data.train_batch_size=2 rollout.n=2 actor.ppo_mini_batch_size=2 actor.ppo_micro_batch_size_per_gpu=4 "
-        "actor.log_prob_micro_batch_size_per_gpu=4 trainer.total_steps=1 trainer.test_freq=0"
-    )
-    cfg = build_config(
-        overrides=[*overrides(MT), f"model.path={tiny_model_dir}", *small.split(), "trainer.run_dir=run"]
-    )
-    run_training(cfg, quiet=True)
-    assert read_metrics(tutorial / "run")[-1]["step"] == 1
+@pytest.mark.slow
+def test_the_recipe_raises_the_held_out_success(tutorial):
+    """SFT from builtin:base, then GRPO, both as documented: the sampled success on the 64 validation questions
+    rises by RISE or more from the warm start to the last step (measured: see docs/your-agent-task.md)."""
+    run(SFT, tutorial)
+    run(GRPO, tutorial)
+    vals = [m for m in read_metrics(tutorial / "runs" / "grpo") if "val/accuracy" in m]
+    first, last = vals[0]["val/accuracy"], vals[-1]["val/accuracy"]
+    assert (vals[0]["step"], vals[-1]["step"]) == (0, STEPS)
+    assert last - first >= RISE, f"validation success {first:.3f} -> {last:.3f}"
