@@ -13,7 +13,11 @@ every response runs to the limit, one optimizer step per rollout, fp32):
 
 - ``grpo + KL (reference)``: ``actor.use_kl_loss=true``, the reference pass on every step;
 - ``opd (teacher)``: ``algorithm.adv_estimator=opd``, no KL, the teacher pass instead;
-- ``grpo + opd_coef (teacher)``: GRPO's advantages plus the OPD term (``distill.opd_coef=1``), no KL.
+- ``grpo + opd_coef (teacher)``: GRPO's advantages plus the OPD term (``distill.opd_coef=1``), no KL;
+- ``opd (teacher), bypass``: ``opd`` with ``algorithm.rollout_correction.bypass_mode=true``: the engine's
+  log-probs serve as the student's, so no old-log-prob pass runs. The OPD term needs the student's log-probs
+  before the update; with one optimizer step per rollout the GRPO variant has no such pass (the update's own
+  forward gives them), so without bypass the teacher variants run one forward more than the reference variant.
 
 The teacher is another tiny Qwen2 of the student's shape and tokenizer (other random weights). Each round runs
 each variant in a fresh Python process (one untimed warm-up step, then ``--steps`` timed ones), the variants
@@ -49,6 +53,13 @@ VARIANTS = {  # name -> overrides; "{teacher}" is the teacher's directory
     REFERENCE: ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.001"],
     "opd (teacher)": ["algorithm.adv_estimator=opd", "distill.teacher.path={teacher}"],
     "grpo + opd_coef (teacher)": ["distill.opd_coef=1.0", "distill.teacher.path={teacher}"],
+    # The engine's log-probs as the student's (no old-log-prob pass: the OPD term needs the student's log-probs
+    # before the update, which the GRPO variant takes from the update's own forward)
+    "opd (teacher), bypass": [
+        "algorithm.adv_estimator=opd",
+        "distill.teacher.path={teacher}",
+        "algorithm.rollout_correction.bypass_mode=true",
+    ],
 }
 WORKER_ARGS = ("prompts", "n", "max_tokens", "optimizer_steps", "lr", "steps", "threads", "model")
 
@@ -95,6 +106,7 @@ def time_shape(args: argparse.Namespace, model_dir: Path, teacher_dir: Path) -> 
             f"median {'CPU' if clock else 'wall'} s/step": round(medians[name], 3),
             "x reference variant": round(medians[name] / medians[REFERENCE], 3),
             "ref pass s": round(statistics.mean(p.get("timing/ref", 0.0) for p in phases[name]), 3),
+            "old-log-prob pass s": round(statistics.mean(p.get("timing/old_log_prob", 0.0) for p in phases[name]), 3),
             "teacher pass s": round(statistics.mean(p.get("timing/teacher", 0.0) for p in phases[name]), 3),
             "steps timed": len(ts),
         }
