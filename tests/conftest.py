@@ -98,3 +98,9 @@ def _private_cache(tmp_path_factory, monkeypatch):
 def vllm_model_dir(tmp_path_factory):
     """A tiny Qwen2 whose attention head size (32) vLLM's CPU attention supports (the fixture above has 16)."""
     return _tiny_model(tmp_path_factory, "vllm_tiny_model", hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="session")
+def vllm_teacher_dir(tmp_path_factory):
+    """Another model of vllm_model_dir's shape and tokenizer (other random weights): a distillation teacher."""
+    return _tiny_model(tmp_path_factory, "vllm_teacher_model", hidden_size=128, intermediate_size=256, seed=1)

@@ -340,8 +340,9 @@ def train_step(
     )
     if run.teacher_route is not None:
         metrics.update(row_counts(run.teacher_route, batch.teacher_ids))
-    if isinstance(run.teacher, RemoteTeacher):
-        metrics.update(run.teacher.metrics())
+    if isinstance(run.teacher, RemoteTeacher):  # each rank asked for its own samples: the counts add up
+        counts = run.teacher.metrics()
+        metrics.update(zip(counts, run.share.total(list(counts.values()))))
     with timer.phase("advantage"):
         metrics.update(
             compute_advantages(

@@ -28,7 +28,7 @@ def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
     if d.teachers:
         _check_routed_teachers(cfg, world_size)
     if d.teacher.base_url:
-        check_remote_teacher(cfg, world_size)
+        check_remote_teacher(cfg)
     if est == "opd" and not teacher:
         raise ConfigError(
             "algorithm.adv_estimator=opd distills a teacher into the policy, but distill.teacher.path is empty; "
@@ -65,18 +65,13 @@ def check_distill(cfg: PostTrainConfig, world_size: int = 1) -> None:
             f"distill.teacher.path with actor.ulysses_sequence_parallel_size={sp}: the teacher pass does not "
             "run with Ulysses sequence parallelism yet; set actor.ulysses_sequence_parallel_size=1"
         )
-    if cfg.rollout.name == "vllm":
-        raise ConfigError(
-            "distill.teacher.path with rollout.name=vllm is not supported yet (the teacher pass has only been "
-            "verified with the native engine); set rollout.name=native"
-        )
     for path in (d.teacher.path, *d.teachers.values()):
         config = read_model_config(path) if path and Path(path, "config.json").exists() else None
         if d.teacher.use_remove_padding and config is not None:
             check_packing("distill.teacher.use_remove_padding", config)
 
 
-def check_remote_teacher(cfg: PostTrainConfig, world_size: int) -> None:
+def check_remote_teacher(cfg: PostTrainConfig) -> None:
     """``distill.teacher.base_url``: a URL, a model name, the API key's variable set (read here, before any model
     loads), and nothing that needs more than the sampled tokens' log-probs."""
     t, d = cfg.distill.teacher, cfg.distill
@@ -111,8 +106,6 @@ def check_remote_teacher(cfg: PostTrainConfig, world_size: int) -> None:
         refused.append(f"distill.top_k={d.top_k} (the overlap needs the teacher's top-k token ids): set 0")
     if d.teachers:
         refused.append("distill.teachers (routed teachers are local models): clear distill.teachers")
-    if world_size > 1:
-        refused.append(f"{world_size} ranks (not verified yet): train on one rank")
     if refused:
         raise ConfigError(
             f"distill.teacher.base_url={t.base_url!r} is not supported with " + "; ".join(refused)

@@ -208,7 +208,6 @@ CONFIG_ERRORS = {
     ),
     "unused-teacher": (["TEACHER"], "nothing uses the teacher"),
     "top-k-without-teacher": (["distill.top_k=3"], "distill.top_k=3"),
-    "vllm": (["algorithm.adv_estimator=opd", "TEACHER", "rollout.name=vllm"], "rollout.name=vllm"),
     "gkd-without-teacher": (["distill.gkd_coef=0.5"], "distill.gkd_coef=0.5 needs a teacher"),
     "gkd-lora": (["distill.gkd_coef=0.5", "TEACHER", "model.lora_rank=4"], "a LoRA student"),
     "missing-dir": (

@@ -113,6 +113,35 @@ def test_an_opd_run_with_the_remote_teacher_logs_the_local_runs_metrics(
     assert remote_metrics[0]["distill/reverse_kl"] != 0.0
 
 
+@pytest.mark.dist
+def test_two_ranks_ask_for_their_own_samples_and_train_like_one_local_rank(
+    served, tiny_model_dir, teacher_model_dir, tmp_path
+):
+    """Each of 2 ranks sends its own share of the samples to the server: together the 16 requests of the 1-rank
+    run, and the same metrics as a 1-rank run with the local teacher."""
+    from tests.parallel.conftest import torchrun
+
+    common = ["algorithm.adv_estimator=opd", "trainer.export_hf=false"]
+    run_training(
+        small_config(tiny_model_dir, tmp_path / "local", *common, f"distill.teacher.path={teacher_model_dir}"),
+        quiet=True,
+    )
+    remote_keys = [
+        f"distill.teacher.base_url={served.base_url}",
+        "distill.teacher.model=teacher",
+        f"distill.teacher.api_key_env={KEY_ENV}",
+    ]
+    overrides = small_overrides(tiny_model_dir, tmp_path / "remote", *common, *remote_keys)
+    torchrun(2, "train", tmp_path / "out", dict(o.split("=", 1) for o in overrides))
+    local_metrics, remote_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "remote")
+    assert len(local_metrics) == len(remote_metrics) == 2
+    for a, b in zip(local_metrics, remote_metrics):
+        assert b["distill/remote/requests"] == 16.0 and b["distill/remote/failures"] == 0.0
+        a, b = _comparable(a), _comparable(b)
+        for k in ("reward/mean", "actor/pg_loss", "distill/reverse_kl", "distill/teacher_logprob"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
 def _reply(request):
     """A completions reply echoing the request's token ids, each with log-prob -1."""
     ids = request["prompt"]

@@ -130,3 +130,43 @@ def test_vllm_scoring_during_generation_gives_the_same_steps(vllm_model_dir, tmp
     a = load_file(tmp_path / "off" / "final_model" / "model.safetensors")
     b = load_file(tmp_path / "on" / "final_model" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def _safetensors(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+def test_vllm_rollouts_distilled_from_a_teacher_equal_to_the_student_change_nothing(vllm_model_dir, tmp_path):
+    """OPD on vLLM's samples: the teacher pass and the old-log-prob pass are the trainer's, micro-batched alike, so a
+    teacher equal to the student gives A = 0 on every token and the final weights are the initial ones bit for bit
+    (the engine's own log-probs, which differ by kernel rounding, are not the student's side of A)."""
+    rows = train(
+        vllm_model_dir,
+        tmp_path / "run",
+        "rollout.name=vllm",
+        "trainer.total_steps=2",
+        "algorithm.adv_estimator=opd",
+        f"distill.teacher.path={vllm_model_dir}",
+        "distill.teacher.log_prob_micro_batch_size_per_gpu=64",
+        "algorithm.rollout_correction.rollout_is=token",
+    )
+    assert [r["distill/reverse_kl"] for r in rows] == [0.0, 0.0]
+    start, final = _safetensors(vllm_model_dir), _safetensors(tmp_path / "run" / "final_model")
+    assert start.keys() == final.keys() and all(start[k].equal(final[k]) for k in start)
+
+
+def test_vllm_rollouts_distilled_from_another_teacher_move_toward_it(vllm_model_dir, vllm_teacher_dir, tmp_path):
+    """Pure OPD (no reward read) on vLLM's samples: the student's reverse KL to the teacher falls."""
+    rows = train(
+        vllm_model_dir,
+        tmp_path / "run",
+        "rollout.name=vllm",
+        "trainer.total_steps=6",
+        "algorithm.adv_estimator=opd",
+        f"distill.teacher.path={vllm_teacher_dir}",
+        "actor.optim.lr=3e-3",
+    )
+    kl = [r["distill/reverse_kl"] for r in rows]
+    assert sum(kl[-2:]) < 0.8 * sum(kl[:2]), kl
