@@ -63,7 +63,7 @@ def grpo_curve(model, run_dir, *extra):
     return tool_task_curve("python_arithmetic", model, run_dir, SEED, *GRPO, *LENGTHS, *extra)
 
 
-@pytest.mark.slow  # about 2 minutes of CPU on one thread: over the budget of a test in the plain suite
+@pytest.mark.slow  # 8 to 10 minutes of one CPU thread: over the budget of a test in the plain suite
 def test_a_few_grpo_steps_make_the_model_answer_one_problem_with_the_sandboxed_python_tool(sandbox, tmp_path):
     (record,), _ = load_task("python_arithmetic", SEED, n_train=1, n_val=0, **OPTIONS)
     # 60% of the demonstrations without the tool, not the calculator's half: from half, the warm start already
