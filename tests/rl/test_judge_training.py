@@ -83,3 +83,29 @@ def test_a_run_trains_on_the_rule_plus_the_judge(tiny_model_dir, tmp_path):
         assert step["reward/judge/tokens"] == 7 * step["reward/judge/calls"]
         assert "timing/judge" in step and "reward/accuracy" not in step
     assert asked == sum(s["reward/judge/calls"] for s in steps)
+
+
+def test_judging_during_generation_gives_the_same_steps(tiny_model_dir, tmp_path):
+    """A judge behind an endpoint is asked about each sample as the engine finishes it (the default): the same
+    verdicts, rewards, metrics and weights as asking after generation (reward.score_during_generation=never),
+    every question asked ahead and none twice."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import untimed
+
+    runs = {}
+    for when in ("never", "auto"):
+        with ScriptedJudge(brevity, delay_s=0.02) as judge:
+            keys = judge_keys(tmp_path, judge.base_url, f"reward.score_during_generation={when}")
+            run_training(small_config(tiny_model_dir, tmp_path / when, *keys), quiet=True)
+            runs[when] = (read_metrics(tmp_path / when), len(judge.requests))
+    (after, asked_after), (during, asked_during) = runs["never"], runs["auto"]
+    assert asked_during == asked_after
+    for a, b in zip(after, during):
+        assert a["reward/judge/ahead"] == 0 and b["reward/judge/ahead"] == b["reward/judge/calls"] > 0
+        a, b = untimed(a), untimed(b)
+        assert {k: v for k, v in a.items() if k != "reward/judge/ahead"} == {
+            k: v for k, v in b.items() if k != "reward/judge/ahead"
+        }
+    weights = [load_file(tmp_path / w / "final_model" / "model.safetensors") for w in ("never", "auto")]
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])

@@ -192,7 +192,8 @@ class RewardConfig:
         "rollout runs on a GPU, or sandbox.backend=sandbox_fusion runs the code on other hosts), afterwards "
         "otherwise (beside a CPU rollout the sandbox slows generation by more than it saves); always: while "
         "generating for every function (with reward.timeout_s=0 it is then called from a thread other than the "
-        "main one: no signal-based timeouts); never: afterwards. The rewards and metrics are the same; "
+        "main one: no signal-based timeouts); never: afterwards. A judge behind an endpoint (reward.judge.base_url) "
+        "is asked during generation unless never. The rewards and metrics are the same; "
         "reward/wait_s is the time the step waited for rewards after generation (docs/sandbox.md).",
         choices=("auto", "always", "never"),
     )

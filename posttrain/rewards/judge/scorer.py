@@ -10,9 +10,11 @@ Metrics of each :meth:`JudgeScorer.score` call (summed over ranks unless said):
 - ``reward/judge/criterion/<name>``: each criterion's mean score;
 - ``reward/judge/calls`` (requests answered), ``reward/judge/cached`` (verdicts reused from the cache or from an
   identical sample of the same call), ``reward/judge/unparsed``, ``reward/judge/failures``,
-  ``reward/judge/retries``, ``reward/judge/suspicious`` (responses holding a delimiter tag or a verdict marker),
+  ``reward/judge/retries``, ``reward/judge/ahead`` (questions asked during generation, :meth:`JudgeScorer.prefetch`),
+  ``reward/judge/suspicious`` (responses holding a delimiter tag or a verdict marker),
   ``reward/judge/tokens`` (tokens the endpoint reported);
-- ``timing/judge``: the seconds judging took (the maximum over ranks).
+- ``timing/judge``: the seconds :meth:`JudgeScorer.score` took (the maximum over ranks); with verdicts asked for
+  during generation (:meth:`JudgeScorer.prefetch`), the time the step still waited for them after it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import hashlib
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from posttrain.rewards.judge.client import Answer, ChatEndpoint, JudgeCallFailed
@@ -34,7 +36,7 @@ logger = logging.getLogger("posttrain.rewards.judge")
 #: The judge's metrics that are counts (summed over ranks), and its time (the maximum over ranks).
 SUMMED = tuple(
     f"reward/judge/{name}"
-    for name in ("calls", "cached", "unparsed", "failures", "retries", "suspicious", "tokens")
+    for name in ("calls", "ahead", "cached", "unparsed", "failures", "retries", "suspicious", "tokens")
 )
 TIME = "timing/judge"
 
@@ -73,28 +75,59 @@ class JudgeScorer:
         self.max_concurrency = max_concurrency
         self.use_cache = cache
         self._cache: dict[str, Verdict] = {}
+        # Verdicts asked for during generation (:meth:`prefetch`), collected by the next :meth:`score`.
+        self._pending: dict[str, Future] = {}
+        self._pending_lock = threading.Lock()
+        self._ahead: ThreadPoolExecutor | None = None
+        self._retries_reported = 0  # the endpoint's retry count at the last score() (prefetched calls retry too)
         self._logged: set[str] = set()  # the kinds of failed call already logged (each is logged once)
         self._log_lock = threading.Lock()
 
     def score(self, samples: list[RewardInput]) -> tuple[list[float], dict[str, float]]:
         """The judge score of each sample (weighted mean over the criteria, in [0, 1]) and the call's metrics."""
         start = time.perf_counter()
-        retries_before = self.endpoint.retries
         jobs = {}  # cache key -> (criterion, sample): each distinct question asked once
         keys = [[_key(c, s) for c in self.rubric.criteria] for s in samples]
         for sample, row in zip(samples, keys):
             for criterion, key in zip(self.rubric.criteria, row):
                 if key not in jobs and not (self.use_cache and key in self._cache):
                     jobs[key] = (criterion, sample)
-        answered = self._ask(jobs)
+        with self._pending_lock:
+            asked_ahead = {key: self._pending.pop(key) for key in list(jobs) if key in self._pending}
+        answered = self._ask({k: job for k, job in jobs.items() if k not in asked_ahead})
+        answered.update({key: future.result() for key, future in asked_ahead.items()})
         if self.use_cache:
             self._cache.update({k: v for k, v in answered.items() if not v.failed})
         verdicts = [[answered.get(k) or self._cache[k] for k in row] for row in keys]
         scores = [self._combine(row) for row in verdicts]
         metrics = self._metrics(samples, verdicts, scores, answered)
-        metrics["reward/judge/retries"] = float(self.endpoint.retries - retries_before)
+        retries, self._retries_reported = self.endpoint.retries - self._retries_reported, self.endpoint.retries
+        metrics["reward/judge/retries"] = float(retries)
+        metrics["reward/judge/ahead"] = float(len(asked_ahead))
         metrics[TIME] = time.perf_counter() - start
         return scores, metrics
+
+    def prefetch(self, sample: RewardInput) -> None:
+        """Ask the judge about ``sample`` now, in the background (each criterion whose verdict is neither cached
+        nor already asked), so that the :meth:`score` call that includes it finds the verdicts ready: judging
+        overlaps generation (``reward.score_during_generation``). Thread-safe; at most ``max_concurrency``
+        requests in flight."""
+        with self._pending_lock:
+            for criterion in self.rubric.criteria:
+                key = _key(criterion, sample)
+                if key in self._pending or (self.use_cache and key in self._cache):
+                    continue
+                if self._ahead is None:
+                    self._ahead = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="judge-ahead")
+                self._pending[key] = self._ahead.submit(self._judge, criterion, sample)
+
+    def cancel_prefetch(self) -> None:
+        """Drop the verdicts asked for ahead that no :meth:`score` will collect (generation failed): those not
+        yet sent are not sent; those in flight end within their timeout."""
+        with self._pending_lock:
+            for future in self._pending.values():
+                future.cancel()
+            self._pending.clear()
 
     def _ask(self, jobs: dict[str, tuple[Criterion, RewardInput]]) -> dict[str, Verdict]:
         if not jobs:

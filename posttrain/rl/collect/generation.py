@@ -78,6 +78,7 @@ class Scorer:
     during_generation: bool = False
     judge: JudgeScorer | None = None
     prm: ProcessReward | None = None
+    judge_during_generation: bool = False  # ask the judge about each sample as the engine finishes it
 
     def penalties(self, result: RolloutResult) -> torch.Tensor:
         """[S] the overlong penalty of each of ``result``'s samples (zeros when the shaping is off)."""
@@ -85,14 +86,24 @@ class Scorer:
             return torch.zeros(len(result))
         return self.overlong.penalties(result.response_lengths)
 
+    @property
+    def scores_during_generation(self) -> bool:
+        """Whether anything is scored as the engine finishes each sample (the rule, or the judge's calls)."""
+        return self.during_generation or self.judge_during_generation
+
     def feeder(
-        self, prompts: TokenizedPrompts, rows: list[int], background: BackgroundScoring
+        self, prompts: TokenizedPrompts, rows: list[int], background: BackgroundScoring | None
     ) -> SampleCallback:
-        """The engine's ``on_sample`` that hands each finished sample's reward input to ``background``."""
+        """The engine's ``on_sample`` that hands each finished sample's reward input to ``background`` (the
+        rule's scoring thread) and, with ``judge_during_generation``, to the judge."""
 
         def on_sample(index: int, sample: RolloutResult) -> None:
             record = prompts.records[rows[sample.prompt_index[0]]]
-            background.add(index, reward_inputs([record], sample, self.tokenizer)[0])
+            item = reward_inputs([record], sample, self.tokenizer)[0]
+            if background is not None:
+                background.add(index, item)
+            if self.judge_during_generation:
+                self.judge.prefetch(item)
 
         return on_sample
 
@@ -222,17 +233,21 @@ def sample_and_score(
     """Generate and score this rank's part of the prompts, then keep its share of the step (prompt-major,
     ``prompt_index``: the prompt's index in the step). Nothing crosses shares; the scorer's metrics are this
     rank's (reduce them with ``share.reduce``). ``agent``: roll out multi-turn trajectories. With
-    ``scorer.during_generation`` each sample is scored as it finishes, beside the generation of the others."""
-    if not scorer.during_generation:
+    ``scorer.during_generation`` each sample is scored as it finishes, beside the generation of the others; with
+    ``scorer.judge_during_generation`` the judge is asked about it then."""
+    if not scorer.scores_during_generation:
         lo, local = generate_share(engine, prompts, prompt_rows, params, dist, agent)
         return score_share(scorer, prompts, prompt_rows, lo, local, share)
     lo, _ = shard_bounds(len(prompt_rows), dist.rank, dist.world_size)
-    background = BackgroundScoring(scorer.runner)
+    background = BackgroundScoring(scorer.runner) if scorer.during_generation else None
     try:
         on_sample = scorer.feeder(prompts, prompt_rows[lo:], background)
         lo, local = generate_share(engine, prompts, prompt_rows, params, dist, agent, on_sample)
     except BaseException:
-        background.cancel()  # the runner is free again before the error goes up
+        if background is not None:
+            background.cancel()  # the runner is free again before the error goes up
+        if scorer.judge_during_generation:
+            scorer.judge.cancel_prefetch()
         raise
     return score_share(scorer, prompts, prompt_rows, lo, local, share, background)
 

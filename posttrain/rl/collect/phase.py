@@ -87,7 +87,15 @@ def context_scorer(context: RolloutContext) -> Scorer:
         during,
         context.judge,
         context.prm,
+        judge_during_generation=judges_during_generation(context.cfg, context.judge),
     )
+
+
+def judges_during_generation(cfg: PostTrainConfig, judge) -> bool:
+    """Whether the judge is asked about each sample as the engine finishes it: for a judge behind an endpoint
+    (it runs elsewhere, so its calls take no CPU from generation) unless reward.score_during_generation=never.
+    The verdicts and metrics are the same either way; the step waits less for them."""
+    return judge is not None and bool(cfg.reward.judge.base_url) and cfg.reward.score_during_generation != "never"
 
 
 def scores_during_generation(cfg: PostTrainConfig, fn, generation_device: str) -> bool:
