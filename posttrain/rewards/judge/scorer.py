@@ -71,13 +71,19 @@ class JudgeScorer:
         verdicts = [[known[k] for k in row] for row in keys]
         scores = [self._combine(row) for row in verdicts]
         metrics = self._metrics(samples, verdicts, scores)
-        metrics.update(self.calls.counts([v for r in verdicts for v in r], fresh, len(samples) * len(self.rubric.criteria)))
+        metrics.update(
+            self.calls.counts(
+                [v for r in verdicts for v in r], fresh, len(samples) * len(self.rubric.criteria)
+            )
+        )
         metrics["reward/judge/retries"] = float(self.endpoint.retries - retries_before)
         metrics[TIME] = time.perf_counter() - start
         return scores, metrics
 
     def _render(self, criterion: Criterion, sample: RewardInput) -> list[dict[str, str]]:
-        return render(self.rubric, criterion, sample.prompt, sample.response, sample.ground_truth, sample.extra)
+        return render(
+            self.rubric, criterion, sample.prompt, sample.response, sample.ground_truth, sample.extra
+        )
 
     def _key(self, criterion: Criterion, sample: RewardInput) -> str:
         return question_key(criterion, sample, sample.response)
