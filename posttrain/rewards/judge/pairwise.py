@@ -80,14 +80,7 @@ class PairwiseJudgeScorer:
             raise ValueError(f"pairwise judging needs the group of each of the {len(samples)} samples")
         start = time.perf_counter()
         retries_before = self.endpoint.retries
-        pairs, identical = [], []
-        members: dict[int, list[int]] = {}
-        for index, group in enumerate(groups):
-            members.setdefault(group, []).append(index)
-        for group in members.values():
-            for p, q in ring_pairs(len(group), self.opponents):
-                i, j = group[p], group[q]
-                (identical if samples[i].response == samples[j].response else pairs).append((i, j))
+        pairs, identical, unpaired = self._pairs(samples, groups)
         questions: dict[str, Question] = {}
         keys = {}  # (criterion index, first, second) -> the question's key
         for c, criterion in enumerate(self.rubric.criteria):
@@ -111,10 +104,25 @@ class PairwiseJudgeScorer:
         ]
         metrics = self._metrics(samples, scores, per_criterion, pairs, identical, used)
         metrics.update(self.calls.counts(list(used.values()), fresh, len(used)))
-        metrics["reward/judge/pairwise/unpaired"] = float(sum(len(g) == 1 for g in members.values()))
+        metrics["reward/judge/pairwise/unpaired"] = float(unpaired)
         metrics["reward/judge/retries"] = float(self.endpoint.retries - retries_before)
         metrics[TIME] = time.perf_counter() - start
         return scores, metrics
+
+    def _pairs(
+        self, samples: list[RewardInput], groups: list[int]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+        """The pairs of samples to ask about, the pairs of identical responses (ties without a call), and the
+        number of samples alone in their group."""
+        members: dict[int, list[int]] = {}
+        for index, group in enumerate(groups):
+            members.setdefault(group, []).append(index)
+        pairs, identical = [], []
+        for group in members.values():
+            for p, q in ring_pairs(len(group), self.opponents):
+                i, j = group[p], group[q]
+                (identical if samples[i].response == samples[j].response else pairs).append((i, j))
+        return pairs, identical, sum(len(group) == 1 for group in members.values())
 
     def _render(
         self, criterion: Criterion, context: RewardInput, first: int, second: int, samples: list[RewardInput]
