@@ -236,6 +236,11 @@ def _check_judge(cfg: PostTrainConfig) -> None:
             f"reward.judge.pairwise_opponents={j.pairwise_opponents} applies to reward.judge.mode=pairwise only "
             f"(it is {j.mode!r}); set reward.judge.mode=pairwise or drop the key"
         )
+    if j.mode == "pairwise" and j.unparsed_score != 0.0:
+        raise ConfigError(
+            f"reward.judge.unparsed_score={j.unparsed_score} applies to reward.judge.mode=pointwise; in pairwise "
+            "mode an unreadable verdict or a failed call counts as a tie (0.5 to each response); drop the key"
+        )
     if not j.enable:
         return
     if j.mode == "pairwise" and cfg.rollout.n < 2:

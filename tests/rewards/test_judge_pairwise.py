@@ -241,6 +241,10 @@ def pairwise_keys(tmp_path, url, *extra):
             "applies to reward.judge.mode=pairwise",
         ),
         (["reward.judge.pairwise_opponents=-1"], r"reward\.judge\.pairwise_opponents' = -1 must be >= 0"),
+        (
+            ["reward.judge.unparsed_score=0.3"],
+            r"unparsed_score=0\.3 applies to reward\.judge\.mode=pointwise",
+        ),
     ],
 )
 def test_config_errors(tmp_path, extra, match):

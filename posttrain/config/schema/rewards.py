@@ -81,7 +81,7 @@ class JudgeConfig:
     unparsed_score: float = knob(
         0.0,
         "Score (in [0, 1]) of a criterion whose verdict cannot be read or whose call failed after its retries; "
-        "counted as reward/judge/unparsed and reward/judge/failures.",
+        "counted as reward/judge/unparsed and reward/judge/failures. Pointwise mode only (pairwise: a tie).",
         min=0.0,
         max=1.0,
     )
