@@ -231,8 +231,23 @@ def _check_judge(cfg: PostTrainConfig) -> None:
     """reward.judge: an endpoint, a model, a rubric, and the API key's variable set (read here, before any model
     loads; the key itself never sits in the config)."""
     j = cfg.reward.judge
+    if j.pairwise_opponents and j.mode != "pairwise":
+        raise ConfigError(
+            f"reward.judge.pairwise_opponents={j.pairwise_opponents} applies to reward.judge.mode=pairwise only "
+            f"(it is {j.mode!r}); set reward.judge.mode=pairwise or drop the key"
+        )
+    if j.mode == "pairwise" and j.unparsed_score != 0.0:
+        raise ConfigError(
+            f"reward.judge.unparsed_score={j.unparsed_score} applies to reward.judge.mode=pointwise; in pairwise "
+            "mode an unreadable verdict or a failed call counts as a tie (0.5 to each response); drop the key"
+        )
     if not j.enable:
         return
+    if j.mode == "pairwise" and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"reward.judge.mode=pairwise compares the samples of one prompt, but rollout.n={cfg.rollout.n} draws "
+            "one per prompt; set rollout.n >= 2 (e.g. rollout.n=4) or reward.judge.mode=pointwise"
+        )
     for key in ("base_url", "model", "rubric"):
         if not getattr(j, key):
             raise ConfigError(

@@ -2,8 +2,8 @@
 
 ``reward = reward.rule_weight * rule + reward.model.weight * model_score + reward.judge.weight * judge_score
 + reward.prm.weight * prm_score`` (each enabled part; ``judge_score`` in [0, 1] is the judge's weighted mean over
-its criteria, posttrain.rewards.judge; ``prm_score`` the process reward model's reduced step scores, or with
-``reward.prm.reduction=dense`` their sum, each then placed on its step's last token:
+its criteria, win rates in pairwise mode, posttrain.rewards.judge; ``prm_score`` the process reward model's
+reduced step scores, or with ``reward.prm.reduction=dense`` their sum, each then placed on its step's last token:
 posttrain.rewards.process_reward) where ``model_score`` is the reward
 model's output, normalised with the ``reward_mean`` / ``reward_std`` stored in its config when
 ``reward.model.normalize=true`` (``posttrain rm`` writes them). Both parts are logged on their own every step,

@@ -36,6 +36,24 @@ def fenced_response(request: dict) -> str | None:
     return user[start + len(opener) : end] if 0 <= start < end else None
 
 
+def fenced_pair(request: dict) -> tuple[str, str] | None:
+    """The two responses of a pairwise request (A, then B), each read between the tags whose id the system
+    message announces for it."""
+    system = request["messages"][0]["content"]
+    user = request["messages"][-1]["content"]
+    ids = re.findall(r'<response id="([0-9a-f]+)">', system)
+    if len(ids) < 2:
+        return None
+    texts = []
+    for tag_id in (ids[0], ids[-1]):
+        opener, closer = f'<response id="{tag_id}">\n', f'\n</response id="{tag_id}">'
+        start, end = user.find(opener), user.find(closer)
+        if not 0 <= start < end:
+            return None
+        texts.append(user[start + len(opener) : end])
+    return texts[0], texts[1]
+
+
 class ScriptedJudge:
     """``answer(request) -> (status, body)`` served at ``base_url``/chat/completions; ``delay_s`` before each
     answer. Records the requests, their Authorization headers and the most requests in flight at once."""

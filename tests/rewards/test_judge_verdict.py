@@ -68,3 +68,25 @@ def test_unreadable_grades(answer):
 )
 def test_yes_no(answer, expected):
     assert parse_verdict(answer, "yes_no") == expected
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("VERDICT: A", 1.0),
+        ("VERDICT: b", 0.0),
+        ("VERDICT: tie", 0.5),
+        ("verdict: Draw.", 0.5),
+        ("VERDICT: equal", 0.5),
+        ("**VERDICT:** Response A", 1.0),
+        ("VERDICT: [[B]]", 0.0),
+        ("B looks better, but VERDICT: A", 1.0),
+        ("VERDICT: A or B", None),
+        ("VERDICT: both", None),
+        ("VERDICT: C", None),
+        ("A", None),  # no marker
+    ],
+)
+def test_choice_of_two_responses(answer, expected):
+    """A choice reads as the score of the response shown first: A 1, B 0, a tie 0.5."""
+    assert parse_verdict(answer, "choice") == expected

@@ -81,7 +81,7 @@ class JudgeConfig:
     unparsed_score: float = knob(
         0.0,
         "Score (in [0, 1]) of a criterion whose verdict cannot be read or whose call failed after its retries; "
-        "counted as reward/judge/unparsed and reward/judge/failures.",
+        "counted as reward/judge/unparsed and reward/judge/failures. Pointwise mode only (pairwise: a tie).",
         min=0.0,
         max=1.0,
     )
@@ -105,6 +105,19 @@ class JudgeConfig:
         True,
         "Judge each (criterion, prompt, response, reference) once per run and reuse the verdict "
         "(reward/judge/cached counts the reuses).",
+    )
+    mode: str = knob(
+        "pointwise",
+        "pointwise: each sample judged alone on each criterion. pairwise: the samples of one prompt's group "
+        "(rollout.n >= 2) compared two at a time, each pair in both orders, a sample scoring its win rate; the "
+        "rubric then uses {response_a} / {response_b} and verdict: choice (docs/judges.md, Pairwise mode).",
+        choices=("pointwise", "pairwise"),
+    )
+    pairwise_opponents: int = knob(
+        0,
+        "With mode=pairwise: 0 compares every pair of a group (n samples: n(n-1) calls per criterion); k > 0 "
+        "pairs each sample with the next k samples of its group (about 2nk calls per criterion).",
+        min=0,
     )
 
 

@@ -16,7 +16,7 @@ from posttrain.data.datasets import TokenizedPrompts
 from posttrain.data.sampler import PromptSampler
 from posttrain.parallel.runtime import DistContext
 from posttrain.parallel.shares import SINGLE_SHARE, DataShare
-from posttrain.rewards.judge import JudgeScorer
+from posttrain.rewards.judge import JudgeScorer, PairwiseJudgeScorer
 from posttrain.rewards.process_reward import ProcessReward
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.rewards.runner import RewardRunner
@@ -44,7 +44,8 @@ class RolloutContext:
     agent: AgentLoop | HarnessLoop | None = None  # multi-turn runs: how trajectories are rolled out
     # Where the engine generates, "cpu" or "cuda": reward.score_during_generation=auto reads it.
     generation_device: str = "cpu"
-    judge: JudgeScorer | None = None  # reward.judge: an LLM judge's rubric scores, weighed in with the rule's
+    # reward.judge: an LLM judge's rubric scores (pointwise or pairwise), weighed in with the rule's
+    judge: JudgeScorer | PairwiseJudgeScorer | None = None
     prm: ProcessReward | None = None  # reward.prm: a process reward model's step scores
     teacher_route: TeacherRoute | None = None  # distill.teachers: each row's teacher, by its data_source
 

@@ -20,7 +20,7 @@ from posttrain.rewards import counts as reward_counts
 from posttrain.rewards import judge as judge_metrics
 from posttrain.rewards.background import WAIT_METRIC, BackgroundScoring
 from posttrain.rewards.combine import RewardWeights, combine_rewards
-from posttrain.rewards.judge import JudgeScorer
+from posttrain.rewards.judge import JudgeScorer, PairwiseJudgeScorer
 from posttrain.rewards.overlong import OverlongBuffer
 from posttrain.rewards.process_reward import ProcessReward, dense_shift
 from posttrain.rewards.reward_model import RewardModelScorer
@@ -76,7 +76,7 @@ class Scorer:
     overlong: OverlongBuffer | None = None
     weights: RewardWeights = RewardWeights()
     during_generation: bool = False
-    judge: JudgeScorer | None = None
+    judge: JudgeScorer | PairwiseJudgeScorer | None = None
     prm: ProcessReward | None = None
     judge_during_generation: bool = False  # ask the judge about each sample as the engine finishes it
 
@@ -133,7 +133,8 @@ class Scorer:
         judged = None  # the judge's scores, in [0, 1]
         if self.judge is not None:
             inputs = reward_inputs(records, result, self.tokenizer) if inputs is None else inputs
-            judge_scores, judge_parts = self.judge.score(inputs)
+            # the groups: a pairwise judge compares the samples of one prompt only
+            judge_scores, judge_parts = self.judge.score(inputs, list(result.prompt_index))
             judged = torch.tensor(judge_scores, dtype=torch.float32)
             metrics = {**metrics, **judge_parts}
         weights = torch.tensor(score_weights(result), dtype=torch.float32)

@@ -92,10 +92,13 @@ def context_scorer(context: RolloutContext) -> Scorer:
 
 
 def judges_during_generation(cfg: PostTrainConfig, judge) -> bool:
-    """Whether the judge is asked about each sample as the engine finishes it: for a judge behind an endpoint
-    (it runs elsewhere, so its calls take no CPU from generation) unless reward.score_during_generation=never.
-    The verdicts and metrics are the same either way; the step waits less for them."""
-    return judge is not None and bool(cfg.reward.judge.base_url) and cfg.reward.score_during_generation != "never"
+    """Whether the judge is asked about each sample as the engine finishes it: for a pointwise judge behind an
+    endpoint (it runs elsewhere, so its calls take no CPU from generation) unless
+    reward.score_during_generation=never. The verdicts and metrics are the same either way; the step waits less
+    for them. A pairwise judge needs a prompt's whole group first."""
+    j = cfg.reward.judge
+    ahead = bool(j.base_url) and j.mode == "pointwise" and cfg.reward.score_during_generation != "never"
+    return judge is not None and ahead
 
 
 def scores_during_generation(cfg: PostTrainConfig, fn, generation_device: str) -> bool:
