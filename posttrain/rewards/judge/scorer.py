@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from posttrain.rewards.judge.client import Answer, ChatEndpoint, JudgeCallFailed
+from posttrain.rewards.judge.local import LocalJudge
 from posttrain.rewards.judge.rubric import Criterion, Rubric, render, suspicious
 from posttrain.rewards.judge.verdict import parse_verdict
 from posttrain.rewards.runner import RewardInput
@@ -52,16 +53,17 @@ class JudgeScorer:
     """Scores samples with ``endpoint`` on ``rubric``'s criteria.
 
     Args:
-        endpoint: the judge's chat endpoint (its timeout, retries and failure budget).
+        endpoint: the judge's chat endpoint (its timeout, retries and failure budget), or a local judge (its
+            ``chat_many`` answers the step's questions in batches instead of the thread pool).
         rubric: the criteria.
         unparsed_score: the score in [0, 1] of an unreadable verdict or a failed call.
-        max_concurrency: requests in flight at once.
+        max_concurrency: requests in flight at once (an endpoint's).
         cache: reuse the verdict of a (criterion, prompt, response, reference, row) seen before in the run.
     """
 
     def __init__(
         self,
-        endpoint: ChatEndpoint,
+        endpoint: ChatEndpoint | LocalJudge,
         rubric: Rubric,
         unparsed_score: float = 0.0,
         max_concurrency: int = 8,
@@ -99,6 +101,8 @@ class JudgeScorer:
     def _ask(self, jobs: dict[str, tuple[Criterion, RewardInput]]) -> dict[str, Verdict]:
         if not jobs:
             return {}
+        if hasattr(self.endpoint, "chat_many"):  # a local judge: one batched generate per batch, no threads
+            return self._ask_batched(jobs)
         pool = ThreadPoolExecutor(min(self.max_concurrency, len(jobs)), thread_name_prefix="judge")
         try:
             futures = {key: pool.submit(self._judge, c, s) for key, (c, s) in jobs.items()}
@@ -111,10 +115,17 @@ class JudgeScorer:
         pool.shutdown()
         return answered
 
+    def _ask_batched(self, jobs: dict[str, tuple[Criterion, RewardInput]]) -> dict[str, Verdict]:
+        questions = [_messages(self.rubric, c, s) for c, s in jobs.values()]
+        answers = self.endpoint.chat_many(questions)
+        verdicts = {}
+        for (key, (criterion, _)), answer in zip(jobs.items(), answers):
+            score = parse_verdict(answer.text, criterion.verdict, criterion.low, criterion.high)
+            verdicts[key] = Verdict(score, answer.tokens)
+        return verdicts
+
     def _judge(self, criterion: Criterion, sample: RewardInput) -> Verdict:
-        messages = render(
-            self.rubric, criterion, sample.prompt, sample.response, sample.ground_truth, sample.extra
-        )
+        messages = _messages(self.rubric, criterion, sample)
         try:
             answer: Answer = self.endpoint.chat(messages)
         except JudgeCallFailed as exc:
@@ -173,6 +184,10 @@ class JudgeScorer:
             }
         )
         return metrics
+
+
+def _messages(rubric: Rubric, criterion: Criterion, sample: RewardInput) -> list[dict[str, str]]:
+    return render(rubric, criterion, sample.prompt, sample.response, sample.ground_truth, sample.extra)
 
 
 def _key(criterion: Criterion, sample: RewardInput) -> str:
