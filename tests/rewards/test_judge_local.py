@@ -2,9 +2,12 @@
 equal one-at-a-time ones and a plain generate's, the scorer's metrics over it, the config's rules, and a short
 training run judged by it."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
+from posttrain.cli import main
 from posttrain.config.errors import ConfigError
 from posttrain.config.load import build_config
 from posttrain.rewards.judge.local import LocalJudge
@@ -12,7 +15,7 @@ from posttrain.rewards.judge.rubric import load_rubric, render
 from posttrain.rewards.judge.scorer import JudgeScorer
 from posttrain.rewards.runner import RewardInput
 from posttrain.rl.train_command import run_training
-from tests.helpers import read_metrics, small_config
+from tests.helpers import read_metrics, small_config, small_overrides
 
 RUBRIC = """\
 criteria:
@@ -26,7 +29,12 @@ criteria:
 QUESTIONS = [
     [{"role": "user", "content": "Is 2+2=4? Answer yes or no."}],
     [{"role": "system", "content": "You grade answers."}, {"role": "user", "content": "Grade: hello"}],
-    [{"role": "user", "content": "A much longer question, so that the batch is padded on the left side " * 3}],
+    [
+        {
+            "role": "user",
+            "content": "A much longer question, so that the batch is padded on the left side " * 3,
+        }
+    ],
     [{"role": "user", "content": "x"}],
     [{"role": "user", "content": "Say VERDICT: 7"}],
 ]
@@ -50,7 +58,10 @@ def test_batched_verdicts_equal_one_at_a_time_and_a_plain_generate(tiny_model_di
         ids = tokenizer(alone.render(question), return_tensors="pt", add_special_tokens=False)["input_ids"]
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
             )[0, ids.shape[1] :].tolist()
         if tokenizer.eos_token_id in out:
@@ -58,6 +69,13 @@ def test_batched_verdicts_equal_one_at_a_time_and_a_plain_generate(tiny_model_di
         assert answer.text == tokenizer.decode(out, skip_special_tokens=True)
         assert answer.tokens == ids.shape[1] + len(out)
     assert batched.url == f"local:{tiny_model_dir}" and batched.max_retries == 0
+
+
+def test_calls_from_several_threads_answer_as_one_thread_does(tiny_model_dir):
+    judge = LocalJudge(tiny_model_dir, max_tokens=6)
+    alone = [judge.chat(q) for q in QUESTIONS]
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        assert list(pool.map(judge.chat, QUESTIONS)) == alone
 
 
 def test_the_chat_template_and_its_plain_fallback(tiny_model_dir):
@@ -103,7 +121,11 @@ def local_keys(tmp_path, *extra):
     "extra, match",
     [
         (
-            ["reward.judge.base_url=http://127.0.0.1:9/v1", "reward.judge.model=j", "reward.judge.path=builtin:base"],
+            [
+                "reward.judge.base_url=http://127.0.0.1:9/v1",
+                "reward.judge.model=j",
+                "reward.judge.path=builtin:base",
+            ],
             "exactly one of reward.judge.base_url .* are both set",
         ),
         ([], "exactly one of reward.judge.base_url .* are both empty"),
@@ -119,11 +141,16 @@ def test_bad_local_judge_keys(tmp_path, extra, match):
         build_config(overrides=local_keys(tmp_path, *extra))
 
 
-def test_a_missing_judge_path_stops_before_the_policy_loads(tiny_model_dir, tmp_path):
+def test_a_missing_judge_path_stops_before_any_model_loads(tiny_model_dir, tmp_path, capsys):
     missing = tmp_path / "no-judge"
-    cfg = small_config(tiny_model_dir, tmp_path / "run", *local_keys(tmp_path, f"reward.judge.path={missing}"))
+    keys = small_overrides(
+        tiny_model_dir, tmp_path / "run", *local_keys(tmp_path, f"reward.judge.path={missing}")
+    )
     with pytest.raises(ConfigError, match=f"reward.judge.path='{missing}' is neither a model directory"):
-        run_training(cfg, quiet=True)
+        run_training(build_config(overrides=keys), quiet=True)
+    assert main(["train", *keys]) == 2
+    err = capsys.readouterr().err
+    assert "reward.judge.path=" in err and "Traceback" not in err
 
 
 def test_a_run_judged_by_a_local_model(tiny_model_dir, tmp_path):

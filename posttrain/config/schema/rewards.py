@@ -84,7 +84,8 @@ class JudgeConfig:
         choices=DTYPES,
     )
     model: str = knob(
-        "", "The model name sent with each request (the endpoint's /v1/models lists them); unused by a local judge."
+        "",
+        "The model name sent with each request (the endpoint's /v1/models lists them); unused by a local judge.",
     )
     api_key_env: str = knob(
         "",

@@ -16,9 +16,7 @@ from posttrain.rewards.judge.scorer import SUMMED, TIME, JudgeScorer
 __all__ = ["SUMMED", "TIME", "JudgeScorer", "JudgeUnavailable", "LocalJudge", "build_judge"]
 
 
-def build_judge(
-    cfg, judge_dir: Path | None = None, device: str | torch.device = "cpu"
-) -> JudgeScorer | None:
+def build_judge(cfg, judge_dir: Path | None = None, device: str | torch.device = "cpu") -> JudgeScorer | None:
     """The judge of ``cfg.reward.judge`` (None when it is off), its rubric read and checked first: an endpoint,
     its API key read from the variable reward.judge.api_key_env names (posttrain.config.validate checked it is
     set), or, with reward.judge.path, the model in ``judge_dir`` (that path resolved by the caller) loaded on

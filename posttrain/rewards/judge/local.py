@@ -46,7 +46,8 @@ class LocalJudge:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.batch_size = batch_size
-        self.tokenizer = load_tokenizer(model_dir)  # left padding: every row's last prompt token in one column
+        # left-padded: every row's last prompt token sits in the same column, where generation starts
+        self.tokenizer = load_tokenizer(model_dir)
         self.model = load_causal_lm(model_dir, dtype, device).eval().requires_grad_(False)
         self._lock = threading.Lock()
 
