@@ -5,8 +5,9 @@ The messages are rendered with the tokenizer's chat template and its generation 
 template gets a plain transcript instead: one ``role: content`` line per message, then ``assistant:``, the
 same text for every call so the verdicts stay reproducible.
 
-Greedy decoding (``temperature=0``) gives the same verdict for a question whatever else shares its batch: the
-prompts are left-padded, the padding masked, and the positions counted from each row's first real token.
+Greedy decoding (``temperature=0``) in fp32 gives the same verdict for a question whatever else shares its batch:
+the prompts are left-padded, the padding masked, and the positions counted from each row's first real token
+(half precision may round a padded batch differently and flip a near-tie).
 Sampled verdicts (``temperature>0``) draw from the run's torch generator, so they depend on the batching.
 """
 
