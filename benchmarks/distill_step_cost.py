@@ -96,7 +96,9 @@ def time_shape(args: argparse.Namespace, model_dir: Path, teacher_dir: Path) -> 
             step_times, step_phases = run_isolated(args, model_dir, extra, round_)
             times[name] += step_times
             phases[name].append(step_phases)
-            print(f"  round {round_ + 1}: {name} (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in step_times]}")
+            print(
+                f"  round {round_ + 1}: {name} (wall, CPU) s {[tuple(round(x, 2) for x in t) for t in step_times]}"
+            )
     clock = 1 if args.threads == 1 else 0
     medians = {name: statistics.median(t[clock] for t in ts) for name, ts in times.items()}
     return [
@@ -106,7 +108,9 @@ def time_shape(args: argparse.Namespace, model_dir: Path, teacher_dir: Path) -> 
             f"median {'CPU' if clock else 'wall'} s/step": round(medians[name], 3),
             "x reference variant": round(medians[name] / medians[REFERENCE], 3),
             "ref pass s": round(statistics.mean(p.get("timing/ref", 0.0) for p in phases[name]), 3),
-            "old-log-prob pass s": round(statistics.mean(p.get("timing/old_log_prob", 0.0) for p in phases[name]), 3),
+            "old-log-prob pass s": round(
+                statistics.mean(p.get("timing/old_log_prob", 0.0) for p in phases[name]), 3
+            ),
             "teacher pass s": round(statistics.mean(p.get("timing/teacher", 0.0) for p in phases[name]), 3),
             "steps timed": len(ts),
         }
@@ -116,7 +120,9 @@ def time_shape(args: argparse.Namespace, model_dir: Path, teacher_dir: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[(8, 8, 32), (16, 4, 32), (8, 8, 128)])
+    parser.add_argument(
+        "--shapes", type=parse_shape, nargs="+", default=[(8, 8, 32), (16, 4, 32), (8, 8, 128)]
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round (after one warm-up step)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)

@@ -25,7 +25,9 @@ def pytest_collection_modifyitems(config, items):
     """The files of multi-process or minute-long tests (markers ``dist``, ``long``) first, the rest in their usual
     order: pytest-xdist (``--dist loadfile``) hands files out in this order, so the long ones start early and the
     suite does not end with one worker finishing a long file while the other is idle."""
-    first = {item.path for item in items if item.get_closest_marker("dist") or item.get_closest_marker("long")}
+    first = {
+        item.path for item in items if item.get_closest_marker("dist") or item.get_closest_marker("long")
+    }
     items.sort(key=lambda item: item.path not in first)  # stable: the order within each group is kept
 
 

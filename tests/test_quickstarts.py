@@ -153,7 +153,9 @@ def test_every_doc_is_listed():
             assert command_block((DOCS / doc).read_text()) is None, f"docs/{doc} now has a command block"
 
 
-FAST = [d for d, e in QUICKSTARTS.items() if isinstance(e, Quickstart) and not e.slow and d not in DEFAULT_JOB]
+FAST = [
+    d for d, e in QUICKSTARTS.items() if isinstance(e, Quickstart) and not e.slow and d not in DEFAULT_JOB
+]
 SLOW = [d for d, e in QUICKSTARTS.items() if isinstance(e, Quickstart) and e.slow and d not in DEFAULT_JOB]
 
 

@@ -228,8 +228,8 @@ def _check_prm(cfg: PostTrainConfig) -> None:
 
 
 def _check_judge(cfg: PostTrainConfig) -> None:
-    """reward.judge: an endpoint, a model, a rubric, and the API key's variable set (read here, before any model
-    loads; the key itself never sits in the config)."""
+    """reward.judge: exactly one of an endpoint (with a model name) or a local model, a rubric, and the API key's
+    variable set (read here, before any model loads; the key itself never sits in the config)."""
     j = cfg.reward.judge
     if j.pairwise_opponents and j.mode != "pairwise":
         raise ConfigError(
@@ -248,12 +248,30 @@ def _check_judge(cfg: PostTrainConfig) -> None:
             f"reward.judge.mode=pairwise compares the samples of one prompt, but rollout.n={cfg.rollout.n} draws "
             "one per prompt; set rollout.n >= 2 (e.g. rollout.n=4) or reward.judge.mode=pointwise"
         )
-    for key in ("base_url", "model", "rubric"):
-        if not getattr(j, key):
+    if bool(j.base_url) == bool(j.path):
+        given = f"reward.judge.base_url={j.base_url!r} and reward.judge.path={j.path!r}"
+        raise ConfigError(
+            f"reward.judge.enable=true needs exactly one of reward.judge.base_url (an endpoint, e.g. "
+            f"http://127.0.0.1:8000/v1) or reward.judge.path (a model loaded here), but {given} "
+            f"{'are both set' if j.base_url else 'are both empty'}; set one of them (docs/judges.md)"
+        )
+    if not j.rubric:
+        raise ConfigError(
+            "reward.judge.enable=true needs reward.judge.rubric, a YAML rubric file (format in docs/judges.md)"
+        )
+    if j.path:
+        if j.api_key_env:
             raise ConfigError(
-                f"reward.judge.enable=true needs reward.judge.{key} (base_url: the endpoint, e.g. "
-                "http://127.0.0.1:8000/v1; model: the name it serves; rubric: a YAML rubric file; docs/judges.md)"
+                f"reward.judge.api_key_env={j.api_key_env!r} names an API key, but reward.judge.path={j.path!r} is "
+                "a local judge that sends no requests; set reward.judge.api_key_env='' (or judge through "
+                "reward.judge.base_url instead)"
             )
+        return
+    if not j.model:
+        raise ConfigError(
+            "reward.judge.base_url is set but reward.judge.model is empty; set it to the model name the endpoint "
+            "serves (its /v1/models lists them)"
+        )
     if not j.base_url.startswith(("http://", "https://")):
         raise ConfigError(
             f"reward.judge.base_url={j.base_url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1"

@@ -54,7 +54,7 @@ from posttrain.rl.collect.context import RolloutContext
 from posttrain.rl.collect.harness_loop import build_rollout_loop
 from posttrain.rl.collect.validation import validation_params
 from posttrain.rl.remote_teacher import RemoteTeacher, remote_teacher
-from posttrain.rl.teacher import build_teacher, check_distill
+from posttrain.rl.teacher import build_teacher, check_distill, judge_dir
 from posttrain.rl.teacher_routing import check_route_sources, teacher_dirs, teacher_route
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.native.engine import NativeEngine
@@ -374,7 +374,7 @@ def build_components(
     sandbox = RunSandbox(cfg.sandbox)  # the run's one sandbox: the code reward's and the python tool's
     # the user's reward is imported (and the sandbox built, for a code reward) before any model loads
     runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
-    judge = build_judge(cfg)  # its rubric read and checked before any model loads
+    judge = build_judge(cfg, judge_dir(cfg, builtin_model_dir, quiet), dist.device)  # before the policy loads
     check_prm_config(cfg)  # the PRM's directory and config, before any model loads
     model_path = resolve_model_path(cfg, quiet=quiet, warm_start=builtin_model_dir)
     tokenizer = load_tokenizer(model_path)
@@ -469,7 +469,7 @@ def build_rollout_context(cfg: PostTrainConfig, model_path: Path, device: torch.
     plan, splits = check_run(cfg, 1, device)
     sandbox = RunSandbox(cfg.sandbox)  # the rollout worker's: its reward and its python tool share it
     runner = build_reward_runner(cfg, splits.reward_spec, splits.data_source, sandbox)
-    judge = build_judge(cfg)
+    judge = build_judge(cfg, judge_dir(cfg, builtin_model_dir, True), device)
     tokenizer = load_tokenizer(model_path)
     train_prompts, val_prompts, sampler = build_prompts(cfg, splits, tokenizer)
     # vLLM loads the weights itself; the native engine decodes with a plain module of its own.

@@ -184,6 +184,15 @@ def resolve_teacher_path(
     )
 
 
+def judge_dir(cfg: PostTrainConfig, warm_start: WarmStart | None, quiet: bool = False) -> Path | None:
+    """The model directory of a local judge (``reward.judge.path``, read as a teacher's path is), or None when
+    the judge is off or an endpoint."""
+    j = cfg.reward.judge
+    if not (j.enable and j.path):
+        return None
+    return resolve_teacher_path(cfg, warm_start, quiet, given=j.path, key="reward.judge.path")
+
+
 def check_same_tokenizer(
     student_dir: Path,
     teacher_dir: Path,

@@ -48,8 +48,8 @@ reward.model.enable reward.model.path reward.model.weight reward.model.normalize
 reward.model.forward_max_token_len_per_gpu reward.model.use_remove_padding reward.model.dtype reward.model.remove_padding_max_row_tokens
 reward.judge.enable reward.judge.base_url reward.judge.model reward.judge.api_key_env reward.judge.rubric reward.judge.weight
 reward.judge.unparsed_score reward.judge.max_concurrency reward.judge.timeout_s reward.judge.max_retries reward.judge.backoff_s
-reward.judge.max_failures reward.judge.max_tokens reward.judge.temperature reward.judge.cache
-reward.judge.mode reward.judge.pairwise_opponents
+reward.judge.max_failures reward.judge.max_tokens reward.judge.temperature reward.judge.cache reward.judge.path
+reward.judge.batch_size reward.judge.dtype reward.judge.mode reward.judge.pairwise_opponents
 reward.prm.enable reward.prm.path reward.prm.separator reward.prm.separator_is_regex reward.prm.reduction
 reward.prm.weight reward.prm.micro_batch_size_per_gpu reward.prm.dtype
 algorithm.adv_estimator algorithm.gamma algorithm.lam algorithm.norm_adv_by_std_in_grpo

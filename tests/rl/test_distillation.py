@@ -165,7 +165,11 @@ LAYOUTS = {  # name -> (options, micro-batch size, token budget)
     "grouped": (ForwardOptions(prefix_grouper=True), 4, None),
     # distill.teacher.logprob_chunk_size: the head 3 tokens at a time (chunks that split rows), padded and packed
     "chunked-3": (ForwardOptions(logprob_chunk_size=3), 4, None),
-    "packed-chunked-5": (ForwardOptions(remove_padding=True, max_row_tokens=12, logprob_chunk_size=5), 2, None),
+    "packed-chunked-5": (
+        ForwardOptions(remove_padding=True, max_row_tokens=12, logprob_chunk_size=5),
+        2,
+        None,
+    ),
 }
 
 
@@ -281,7 +285,13 @@ def test_a_chunked_teacher_head_is_planned_smaller(tiny_model_dir, teacher_model
     """distill.teacher.logprob_chunk_size (or the reference's chunking, when unset) shrinks the teacher pass's
     planned work memory: its logits are one chunk's, not every token's (long responses: the head, not a decoder
     layer, is then the pass's largest step)."""
-    base = [tiny_model_dir, tmp_path / "run", "algorithm.adv_estimator=opd", f"distill.teacher.path={teacher_model_dir}", "data.max_response_length=128"]
+    base = [
+        tiny_model_dir,
+        tmp_path / "run",
+        "algorithm.adv_estimator=opd",
+        f"distill.teacher.path={teacher_model_dir}",
+        "data.max_response_length=128",
+    ]
     shape = ModelShape.from_path(tiny_model_dir)
 
     def teacher_peak(*extra):

@@ -64,9 +64,15 @@ def test_opd_student_rises_toward_the_grpo_teacher(grpo_run, tmp_path, two_threa
     """Pure on-policy distillation (no reward read) from the warm start, with the GRPO policy as the teacher: a
     short rise in held-out accuracy and a falling reverse KL (docs/distillation.md has the 10-step runs)."""
     teacher_dir, _, teacher_accuracy = grpo_run
-    overrides = ["trainer.total_steps=5", "algorithm.adv_estimator=opd", f"distill.teacher.path={teacher_dir}"]
+    overrides = [
+        "trainer.total_steps=5",
+        "algorithm.adv_estimator=opd",
+        f"distill.teacher.path={teacher_dir}",
+    ]
     before, after = learn(tmp_path, *overrides)
-    kl = [m["distill/reverse_kl"] for m in read_metrics(tmp_path / "metrics.jsonl") if "distill/reverse_kl" in m]
+    kl = [
+        m["distill/reverse_kl"] for m in read_metrics(tmp_path / "metrics.jsonl") if "distill/reverse_kl" in m
+    ]
     assert after >= before + 0.1, (before, after, teacher_accuracy)
     assert kl[-1] < kl[0], kl
 

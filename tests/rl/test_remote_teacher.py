@@ -123,7 +123,9 @@ def test_two_ranks_ask_for_their_own_samples_and_train_like_one_local_rank(
 
     common = ["algorithm.adv_estimator=opd", "trainer.export_hf=false"]
     run_training(
-        small_config(tiny_model_dir, tmp_path / "local", *common, f"distill.teacher.path={teacher_model_dir}"),
+        small_config(
+            tiny_model_dir, tmp_path / "local", *common, f"distill.teacher.path={teacher_model_dir}"
+        ),
         quiet=True,
     )
     remote_keys = [

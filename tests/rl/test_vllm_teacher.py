@@ -84,7 +84,9 @@ def _wait_until_up(server, health_url, log):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_a_vllm_server_gives_the_local_teacher_log_probs_at_temperature_1(vllm_server, vllm_model_dir, temperature):
+def test_a_vllm_server_gives_the_local_teacher_log_probs_at_temperature_1(
+    vllm_server, vllm_model_dir, temperature
+):
     """vLLM's prompt log-probs come from the raw logits: the request's temperature is not applied to them (nor with
     ``--logprobs-mode processed_logprobs``, which concerns sampled tokens only). So they are the local teacher's at
     temperature 1 whatever the sampling temperature, as docs/distillation.md says."""

@@ -157,7 +157,9 @@ def test_vllm_rollouts_distilled_from_a_teacher_equal_to_the_student_change_noth
     assert start.keys() == final.keys() and all(start[k].equal(final[k]) for k in start)
 
 
-def test_vllm_rollouts_distilled_from_another_teacher_move_toward_it(vllm_model_dir, vllm_teacher_dir, tmp_path):
+def test_vllm_rollouts_distilled_from_another_teacher_move_toward_it(
+    vllm_model_dir, vllm_teacher_dir, tmp_path
+):
     """Pure OPD (no reward read) on vLLM's samples: the student's reverse KL to the teacher falls."""
     rows = train(
         vllm_model_dir,

@@ -51,16 +51,42 @@ class RewardModelConfig:
 
 @dataclass
 class JudgeConfig:
-    """An LLM judge: an OpenAI-compatible chat endpoint grading each sample on a rubric's criteria
-    (docs/judges.md)."""
+    """An LLM judge grading each sample on a rubric's criteria: an OpenAI-compatible chat endpoint, or a causal LM
+    loaded in the trainer's process (docs/judges.md)."""
 
-    enable: bool = knob(False, "Score responses with the judge at `base_url` on the rubric's criteria.")
+    enable: bool = knob(
+        False,
+        "Score responses on the rubric's criteria with the judge at `base_url` (an endpoint) or `path` (a local "
+        "model); exactly one of the two.",
+    )
     base_url: str = knob(
         "",
         "OpenAI-compatible API base URL, e.g. http://127.0.0.1:8000/v1 (a vLLM server, `posttrain serve`, a "
-        "hosted API); the judge posts to <base_url>/chat/completions.",
+        "hosted API); the judge posts to <base_url>/chat/completions. Empty with reward.judge.path set: a "
+        "local judge.",
     )
-    model: str = knob("", "The model name sent with each request (the endpoint's /v1/models lists them).")
+    path: str = knob(
+        "",
+        "A local judge instead of reward.judge.base_url: a causal-LM directory, a run directory (its "
+        "final_model/ is loaded), a Hub id, or builtin:tiny / builtin:base; loaded in each rank's process on "
+        "its training device, generating reward.judge.batch_size verdicts per call.",
+    )
+    batch_size: int = knob(
+        8,
+        "Verdicts a local judge (reward.judge.path) generates per batched generate() call; the verdicts do not "
+        "depend on it.",
+        unit="verdicts",
+        min=1,
+    )
+    dtype: str | None = knob(
+        None,
+        "Parameter and compute dtype of a local judge (reward.judge.path); null: the same as model.dtype.",
+        choices=DTYPES,
+    )
+    model: str = knob(
+        "",
+        "The model name sent with each request (the endpoint's /v1/models lists them); unused by a local judge.",
+    )
     api_key_env: str = knob(
         "",
         "Name of the environment variable holding the API key (sent as a Bearer token); the key itself is "

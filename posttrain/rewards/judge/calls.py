@@ -12,10 +12,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from posttrain.rewards.judge.client import ChatEndpoint, JudgeCallFailed
 from posttrain.rewards.judge.rubric import Criterion
 from posttrain.rewards.judge.verdict import parse_verdict
+
+if TYPE_CHECKING:  # torch and transformers load only with a local judge
+    from posttrain.rewards.judge.local import LocalJudge
 
 logger = logging.getLogger("posttrain.rewards.judge")
 
@@ -56,7 +60,9 @@ class JudgeCalls:
     :meth:`answer` call, and (``cache``) never again in the run once answered. ``fallback`` says in the log
     what a failed call scores."""
 
-    def __init__(self, endpoint: ChatEndpoint, max_concurrency: int, cache: bool, fallback: str) -> None:
+    def __init__(
+        self, endpoint: ChatEndpoint | LocalJudge, max_concurrency: int, cache: bool, fallback: str
+    ) -> None:
         self.endpoint = endpoint
         self.max_concurrency = max_concurrency
         self.use_cache = cache
@@ -80,7 +86,9 @@ class JudgeCalls:
                 if key in self._pending or (self.use_cache and key in self._cache):
                     continue
                 if self._ahead_pool is None:
-                    self._ahead_pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="judge-ahead")
+                    self._ahead_pool = ThreadPoolExecutor(
+                        self.max_concurrency, thread_name_prefix="judge-ahead"
+                    )
                 self._pending[key] = self._ahead_pool.submit(self._judge, criterion, render)
 
     def cancel_ahead(self) -> None:
@@ -109,7 +117,10 @@ class JudgeCalls:
         asked ahead or now) and ``asked`` (verdicts used, including the uses that needed no call); and the
         retries since the last scoring."""
         answered = list(fresh.values())
-        retries, self._retries_reported = self.endpoint.retries - self._retries_reported, self.endpoint.retries
+        retries, self._retries_reported = (
+            self.endpoint.retries - self._retries_reported,
+            self.endpoint.retries,
+        )
         return {
             "reward/judge/calls": float(sum(not v.failed for v in answered)),
             "reward/judge/ahead": float(self._ahead_used),
@@ -123,6 +134,8 @@ class JudgeCalls:
     def _ask(self, jobs: dict[str, Question]) -> dict[str, Verdict]:
         if not jobs:
             return {}
+        if hasattr(self.endpoint, "chat_many"):  # a local judge: batched generate calls, no threads
+            return self._ask_batched(jobs)
         pool = ThreadPoolExecutor(min(self.max_concurrency, len(jobs)), thread_name_prefix="judge")
         try:
             futures = {key: pool.submit(self._judge, c, render) for key, (c, render) in jobs.items()}
@@ -134,6 +147,13 @@ class JudgeCalls:
             raise
         pool.shutdown()
         return answered
+
+    def _ask_batched(self, jobs: dict[str, Question]) -> dict[str, Verdict]:
+        answers = self.endpoint.chat_many([render() for _, render in jobs.values()])
+        return {
+            key: Verdict(parse_verdict(a.text, c.verdict, c.low, c.high), a.tokens)
+            for (key, (c, _)), a in zip(jobs.items(), answers)
+        }
 
     def _judge(self, criterion: Criterion, render: Callable[[], list[dict[str, str]]]) -> Verdict:
         try:

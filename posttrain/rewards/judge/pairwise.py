@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 from posttrain.rewards.judge.calls import TIME, JudgeCalls, Question, Verdict
 from posttrain.rewards.judge.client import ChatEndpoint
 from posttrain.rewards.judge.rubric import Criterion, Rubric, render_pair, suspicious
 from posttrain.rewards.judge.scorer import question_key
 from posttrain.rewards.runner import RewardInput
+
+if TYPE_CHECKING:  # torch and transformers load only with a local judge
+    from posttrain.rewards.judge.local import LocalJudge
 
 #: The score of a comparison that could not be read, and of a sample with nothing to compare with.
 TIE = 0.5
@@ -60,7 +64,7 @@ class PairwiseJudgeScorer:
 
     def __init__(
         self,
-        endpoint: ChatEndpoint,
+        endpoint: ChatEndpoint | LocalJudge,
         rubric: Rubric,
         opponents: int = 0,
         max_concurrency: int = 8,

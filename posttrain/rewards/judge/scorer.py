@@ -23,11 +23,15 @@ from __future__ import annotations
 import hashlib
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 from posttrain.rewards.judge.calls import SUMMED, TIME, JudgeCalls, Question, Verdict
 from posttrain.rewards.judge.client import ChatEndpoint
 from posttrain.rewards.judge.rubric import Criterion, Rubric, render, suspicious
 from posttrain.rewards.runner import RewardInput
+
+if TYPE_CHECKING:  # torch and transformers load only with a local judge
+    from posttrain.rewards.judge.local import LocalJudge
 
 __all__ = ["SUMMED", "TIME", "JudgeScorer", "Verdict", "question_key"]
 
@@ -36,7 +40,8 @@ class JudgeScorer:
     """Scores samples with ``endpoint`` on ``rubric``'s criteria.
 
     Args:
-        endpoint: the judge's chat endpoint (its timeout, retries and failure budget).
+        endpoint: the judge's chat endpoint (its timeout, retries and failure budget), or a local judge (its
+            ``chat_many`` answers the step's questions in batches instead of the thread pool).
         rubric: the criteria.
         unparsed_score: the score in [0, 1] of an unreadable verdict or a failed call.
         max_concurrency: requests in flight at once.
@@ -45,7 +50,7 @@ class JudgeScorer:
 
     def __init__(
         self,
-        endpoint: ChatEndpoint,
+        endpoint: ChatEndpoint | LocalJudge,
         rubric: Rubric,
         unparsed_score: float = 0.0,
         max_concurrency: int = 8,
