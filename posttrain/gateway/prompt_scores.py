@@ -1,16 +1,18 @@
-"""Prompt scoring for ``echo=true`` completions: one forward of the served model over the prompt's token ids,
-each token's log-prob given the tokens before it (the first has none: null, as OpenAI and vLLM answer), at the
+"""Prompt scoring for ``echo=true`` completions: a forward of the served model over the prompt's token ids, each
+token's log-prob given the tokens before it (the first has none: null, as OpenAI and vLLM answer), at the
 request's temperature (logits / temperature before the softmax, as the sampler's and the trainer's log-probs).
 
-The forward runs in the handler's thread, beside the engine thread's generation (a forward-only pass reads the
-weights and changes nothing); one prompt at a time, under a lock, so a burst of scoring requests does not hold
-several full-vocabulary logit tensors at once.
+The forward runs in the handlers' threads, beside the engine thread's generation (a forward-only pass reads the
+weights and changes nothing). Requests that arrive while a forward runs wait for it and then go together: the
+thread that takes the model next runs one right-padded forward over all the waiting prompts (up to
+``max_batch_tokens`` padded tokens), so a remote distillation teacher's concurrent requests cost a few forwards,
+not one each, and a burst never holds more than one batch's full-vocabulary logits at once.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,25 +27,88 @@ class PromptScores:
     top: list[dict[int, float] | None]
 
 
-class PromptScorer:
-    """The served model's prompt log-probs (``posttrain serve`` with the native engine)."""
+@dataclass
+class _Waiting:
+    """A request's prompt, and its logits [len - 1, V] once a forward has run over it."""
 
-    def __init__(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
+    ids: list[int]
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None  # the batch's forward failed
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class PromptScorer:
+    """The served model's prompt log-probs (``posttrain serve`` with the native engine). ``forwards`` counts the
+    model calls (a batch of waiting prompts is one)."""
+
+    def __init__(
+        self, model: nn.Module, device: torch.device | str = "cpu", max_batch_tokens: int = 8192
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
-        self._lock = threading.Lock()
+        self.max_batch_tokens = max_batch_tokens
+        self.forwards = 0
+        self._model_lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Waiting] = []
+
+    def __call__(self, ids: list[int], temperature: float, k: int) -> PromptScores:
+        waiting = _Waiting(list(ids))
+        with self._queue_lock:
+            self._queue.append(waiting)
+        while not waiting.done.is_set():
+            with self._model_lock:
+                if not waiting.done.is_set():  # another thread's batch may have taken it meanwhile
+                    self._run(self._take())
+        if waiting.error is not None:
+            raise RuntimeError("the prompt-scoring forward of this request's batch failed") from waiting.error
+        return _scores(waiting.ids, waiting.logits / temperature, k)
+
+    def _take(self) -> list[_Waiting]:
+        """The waiting prompts of the next batch (in arrival order): as many as fit the padded-token budget, and
+        at least one."""
+        with self._queue_lock:
+            n, longest = 0, 0
+            while n < len(self._queue):
+                longest = max(longest, len(self._queue[n].ids))
+                if n and longest * (n + 1) > self.max_batch_tokens:
+                    break
+                n += 1
+            batch, self._queue = self._queue[:n], self._queue[n:]
+        return batch
 
     @torch.no_grad()
-    def __call__(self, ids: list[int], temperature: float, k: int) -> PromptScores:
-        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        with self._lock:
-            logits = self.model(input_ids=tokens).logits[0, :-1].float()
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        picked = logprobs.gather(-1, tokens[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
-        top: list[dict[int, float] | None] = [None]
-        if k > 0:
-            values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-            top += [dict(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-        else:
-            top += [{} for _ in picked]
-        return PromptScores([None, *picked], top)
+    def _run(self, batch: list[_Waiting]) -> None:
+        width = max(len(w.ids) for w in batch)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(tokens)
+        for i, w in enumerate(batch):
+            tokens[i, : len(w.ids)] = torch.tensor(w.ids, device=self.device)
+            mask[i, : len(w.ids)] = 1
+        try:
+            # Right padding: a causal model's logits at a real position never see the pads after it.
+            logits = self.model(input_ids=tokens, attention_mask=mask).logits.float()
+            self.forwards += 1
+            for i, w in enumerate(batch):
+                w.logits = logits[i, : len(w.ids) - 1].clone()
+        except BaseException as exc:
+            for w in batch:  # the batch's other requests fail with it rather than wait forever
+                w.error = exc
+            raise
+        finally:
+            for w in batch:
+                w.done.set()
+
+
+def _scores(ids: list[int], logits: torch.Tensor, k: int) -> PromptScores:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    picked = (
+        logprobs.gather(-1, torch.tensor(ids[1:], device=logits.device).unsqueeze(-1)).squeeze(-1).tolist()
+    )
+    top: list[dict[int, float] | None] = [None]
+    if k > 0:
+        values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        top += [dict(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        top += [{} for _ in picked]
+    return PromptScores([None, *picked], top)

@@ -82,3 +82,45 @@ def test_malformed_echo_requests_get_400(scoring, name):
 def test_a_gateway_without_a_scorer_refuses_echo(client):
     with pytest.raises(openai.BadRequestError, match="does not score prompts"):
         client.completions.create(model="policy", prompt=IDS, echo=True, logprobs=1, max_tokens=0)
+
+
+def test_concurrent_requests_share_forwards_and_get_their_own_scores(model):
+    """Requests arriving while a forward runs go together in one right-padded forward; each gets the log-probs a
+    forward of its prompt alone gives (fp32), whatever the other prompts' lengths."""
+    import threading
+
+    prompts = [IDS[: 2 + i % 6] + [30 + i] * (i % 3) for i in range(8)]
+    scorer = PromptScorer(model)
+    alone = [scorer(ids, 0.7, 3) for ids in prompts]
+    assert scorer.forwards == 8
+    results = [None] * len(prompts)
+
+    def ask(i):
+        results[i] = scorer(prompts[i], 0.7, 3)
+
+    with scorer._model_lock:  # hold the model while all eight arrive: they must then go as one batch
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        while len(scorer._queue) < len(prompts):
+            threading.Event().wait(0.01)
+    for t in threads:
+        t.join()
+    assert scorer.forwards == 9
+    for got, want in zip(results, alone):
+        assert got.logprobs[0] is None
+        torch.testing.assert_close(
+            torch.tensor(got.logprobs[1:]), torch.tensor(want.logprobs[1:]), atol=1e-5, rtol=0
+        )
+        assert [sorted(t) for t in got.top[1:]] == [sorted(t) for t in want.top[1:]]
+
+
+def test_a_batch_within_the_token_budget(model):
+    """Waiting prompts go in arrival order while the padded batch fits max_batch_tokens (at least one)."""
+    scorer = PromptScorer(model, max_batch_tokens=16)
+    from posttrain.gateway.prompt_scores import _Waiting
+
+    scorer._queue = [_Waiting([1] * 5), _Waiting([1] * 7), _Waiting([1] * 3), _Waiting([1] * 20)]
+    assert [len(w.ids) for w in scorer._take()] == [5, 7]  # 3 rows x 7 = 21 > 16
+    assert [len(w.ids) for w in scorer._take()] == [3]
+    assert [len(w.ids) for w in scorer._take()] == [20]  # alone over the budget: still one
