@@ -41,6 +41,12 @@ def arithmetic_chains(
     return [arithmetic_chain(rng, terms, max_operand, p_error, max_offset) for _ in range(n)]
 
 
+def sft_rows(n: int, seed: int, **options) -> list[dict]:
+    """``n`` correct chains as SFT rows (prompt, the steps one per line): a start that adds, for the PRM."""
+    chains = arithmetic_chains(n, seed, p_error=0.0, **options)
+    return [{"prompt": c["prompt"], "response": "\n".join(c["completions"]) + "\n"} for c in chains]
+
+
 def write_chains(
     out_dir: str | Path, n_train: int, n_val: int, seed: int = 1, **options
 ) -> tuple[Path, Path]:
@@ -67,10 +73,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--terms", type=int, default=4, help="numbers per chain (steps: terms - 1)")
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--p-error", type=float, default=0.5, help="share of chains with one wrong step")
+    ap.add_argument(
+        "--sft", type=int, default=0, help="also write sft.jsonl: this many correct chains (seed + 2)"
+    )
     args = ap.parse_args(argv)
     options = {"terms": args.terms, "max_operand": args.max_operand, "p_error": args.p_error}
     for path in write_chains(args.out_dir, args.train, args.val, args.seed, **options):
         print(f"{path}: {sum(1 for _ in path.open())} chains")
+    if args.sft:
+        path = Path(args.out_dir) / "sft.jsonl"
+        rows = sft_rows(args.sft, args.seed + 2, terms=args.terms, max_operand=args.max_operand)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{path}: {len(rows)} correct chains for SFT")
 
 
 if __name__ == "__main__":
