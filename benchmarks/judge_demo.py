@@ -11,8 +11,9 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/judge_demo.py`` (docs/judges.md has t
 2. `posttrain train` (through ``posttrain.cli.main``, printed as it is run) on the arithmetic task with
    ``reward.judge.*`` pointing at it and ``reward.rule_weight=0``: trained on the judge alone. The rule still
    runs and is logged (``reward/rule_accuracy``).
-3. The independent check: the script reads the held-out greedy generations that every validation writes to
-   ``<run-dir>/samples.jsonl`` and measures, in plain Python on the decoded text, the share of responses that
+3. The independent check: the script reads the held-out generations that every validation writes to
+   ``<run-dir>/run/samples.jsonl`` (sampled at the rollout temperature, ``rollout.val_greedy=false``: the greedy text of
+   a near-random model is one token repeated, all or nothing) and measures, in plain Python on the decoded text, the share of responses that
    are digits only and the mean share of digit characters. The table shows the judge's score (on the
    training samples) beside it; ``<run-dir>/judge_demo.png`` draws both.
 """
@@ -115,6 +116,7 @@ def train(args, run_dir: Path, base_url: str) -> float:
         f"trainer.test_freq={args.test_freq}",
         "trainer.loggers=[jsonl]",
         "trainer.export_hf=false",
+        "rollout.val_greedy=false",  # sampled as in training: greedy text of a near-random model is one token repeated
         f"actor.optim.lr={args.lr}",
         "reward.rule_weight=0",
         "reward.judge.enable=true",
@@ -168,7 +170,9 @@ def table(rows: list[dict], check: dict[int, tuple[float, float]]) -> list[tuple
 
 
 def print_table(lines: list[tuple]) -> None:
-    print(f"{'step':>5} {'judge score':>12} {'rule acc':>9} {'val digits-only':>16} {'val digit share':>16} {'val acc':>8}")
+    print(
+        f"{'step':>5} {'judge score':>12} {'rule acc':>9} {'val digits-only':>16} {'val digit share':>16} {'val acc':>8}"
+    )
     for step, judge, rule, only, share, val in lines:
         print(f"{step:>5} {judge:>12.3f} {rule:>9.3f} {only:>16.3f} {share:>16.3f} {val:>8.3f}")
 
@@ -194,9 +198,11 @@ def plot(lines: list[tuple], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40, help="GRPO steps")
-    ap.add_argument("--test-freq", type=int, default=5, help="validation every N steps (and before training)")
-    ap.add_argument("--lr", type=float, default=1e-4, help="actor.optim.lr")
+    ap.add_argument("--steps", type=int, default=60, help="GRPO steps")
+    ap.add_argument(
+        "--test-freq", type=int, default=10, help="validation every N steps (and before training)"
+    )
+    ap.add_argument("--lr", type=float, default=2e-4, help="actor.optim.lr")
     ap.add_argument("--run-dir", default="", help="default: a temporary directory")
     ap.add_argument("--no-plot", action="store_true", help="skip the png (matplotlib)")
     args = ap.parse_args()
@@ -208,7 +214,9 @@ def main() -> None:
     finally:
         server.shutdown()
         server.server_close()
-    lines = table(read_metrics(run_dir / "run" / "metrics.jsonl"), independent_check(run_dir / "run" / "samples.jsonl"))
+    lines = table(
+        read_metrics(run_dir / "run" / "metrics.jsonl"), independent_check(run_dir / "run" / "samples.jsonl")
+    )
     print_table(lines)
     print(f"{args.steps} GRPO steps in {seconds:.0f} s (model load and validations included)")
     if not args.no_plot:
