@@ -1,6 +1,6 @@
 """docs/your-task.md, run as written (at its own small size, on CPU): data files, a reward file, SFT from
 builtin:base, eval, GRPO. Accuracy on held-out words must rise after SFT and again after RL, on any x86 CPU
-(the recipe was checked with torch's AVX2 and plain kernels, ATEN_CPU_CAPABILITY=avx2 / default)."""
+(the recipe was checked on an Intel Xeon with torch's AVX-512, AVX2 and plain kernels)."""
 
 import json
 import os
@@ -20,7 +20,7 @@ COMMANDS = [
     + " data.max_response_length=6 trainer.run_dir=runs/base",
     "posttrain sft model.path=builtin:base sft.train_files=[data/train.jsonl] sft.response_key=answer "
     "data.val_files=[data/val.jsonl] reward.function=reward.py:reward data.max_response_length=6 "
-    "sft.batch_size=16 sft.micro_batch_size_per_gpu=16 sft.epochs=10 sft.optim.lr=1e-3 "
+    "sft.batch_size=16 sft.micro_batch_size_per_gpu=16 sft.epochs=2 sft.optim.lr=1e-3 sft.optim.warmup_steps=20 "
     "trainer.test_freq=50 trainer.run_dir=runs/sft",
     "posttrain eval --model runs/sft/sft_model "
     + DATA
@@ -66,7 +66,7 @@ def test_your_task_tutorial_learns(tmp_path):
     after_rl = [m["val/accuracy"] for m in final if "val/accuracy" in m][-1]
     assert before < 0.05 and after_sft > before + 0.3, (before, after_sft)
     # RL must add 5 points, or remove half the errors SFT left when fewer than 10% are left: SFT ended at
-    # 90.2% with AVX2 kernels and 95.5% with plain ones (where its steep rise falls depends on rounding).
+    # 75.0% on an Intel Xeon with its AVX-512 kernels and its plain ones, 89.3% with trainer.seed=2.
     assert after_rl >= after_sft + min(0.05, (1 - after_sft) / 2) and after_rl > after_sft, (
         after_sft,
         after_rl,
