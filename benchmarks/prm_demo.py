@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from posttrain.cli import main as posttrain  # noqa: E402
+from rm_demo import run  # noqa: E402  (this folder: each posttrain command printed, run, timed)
+
 from posttrain.rm.prm_demo import main as write_chains  # noqa: E402
 from posttrain.utils.metrics import read_metrics  # noqa: E402
 
@@ -45,16 +45,6 @@ PRM = [
     "rm.optim.lr_schedule=cosine",
     "rm.optim.min_lr_ratio=0.1",
 ]
-
-
-def run(argv: list[str]) -> float:
-    """One `posttrain` command; returns its wall time in seconds."""
-    print("$ posttrain " + " ".join(argv), flush=True)
-    began = time.monotonic()
-    code = posttrain(argv)
-    if code:
-        raise SystemExit(f"posttrain {argv[0]} exited with code {code}")
-    return time.monotonic() - began
 
 
 def train_prm(args, start: str, data: Path, run_dir: Path) -> list[dict]:
