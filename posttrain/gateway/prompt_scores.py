@@ -58,7 +58,9 @@ class PromptScorer:
             self._queue.append(waiting)
         while not waiting.done.is_set():
             with self._model_lock:
-                if not waiting.done.is_set():  # another thread's batch may have taken it meanwhile
+                # another thread's batch may have taken it meanwhile; or, past the token budget, the batch
+                # taken now may end before it (then the loop takes the next)
+                if not waiting.done.is_set():
                     self._run(self._take())
         if waiting.error is not None:
             raise RuntimeError("the prompt-scoring forward of this request's batch failed") from waiting.error

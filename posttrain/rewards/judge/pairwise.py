@@ -70,7 +70,6 @@ class PairwiseJudgeScorer:
         max_concurrency: int = 8,
         cache: bool = True,
     ) -> None:
-        self.endpoint = endpoint
         self.rubric = rubric
         self.opponents = opponents
         self.calls = JudgeCalls(endpoint, max_concurrency, cache, "the comparison counts as a tie")

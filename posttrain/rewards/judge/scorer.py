@@ -56,7 +56,6 @@ class JudgeScorer:
         max_concurrency: int = 8,
         cache: bool = True,
     ) -> None:
-        self.endpoint = endpoint
         self.rubric = rubric
         self.unparsed_score = unparsed_score
         fallback = f"the criterion scores reward.judge.unparsed_score={unparsed_score}"
