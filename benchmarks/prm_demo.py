@@ -27,8 +27,6 @@ from rm_demo import run  # noqa: E402  (this folder: each posttrain command prin
 from posttrain.rm.prm_demo import main as write_chains  # noqa: E402
 from posttrain.utils.metrics import read_metrics  # noqa: E402
 
-CHAINS = ["--terms", "3", "--max-operand", "5"]
-LENGTHS = ["data.max_prompt_length=48", "data.max_response_length=16"]
 SFT = [
     "model.path=builtin:base",
     "sft.batch_size=32",
@@ -76,6 +74,11 @@ def main() -> None:
     ap.add_argument(
         "--run-dir", type=Path, default=None, help="where the runs go (default: a temporary folder)"
     )
+    ap.add_argument("--terms", type=int, default=3, help="numbers per chain (steps: terms - 1)")
+    ap.add_argument("--max-operand", type=int, default=5)
+    ap.add_argument(
+        "--response-length", type=int, default=16, help="SFT response tokens (32 for 4 terms of 1-9)"
+    )
     ap.add_argument("--train", type=int, default=6000, help="training chains")
     ap.add_argument("--val", type=int, default=400, help="held-out chains")
     ap.add_argument("--sft-rows", type=int, default=8000, help="correct chains for the SFT start")
@@ -87,14 +90,16 @@ def main() -> None:
     args = ap.parse_args()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="prm-demo-"))
     data = run_dir / "chains"
+    chains = ["--terms", str(args.terms), "--max-operand", str(args.max_operand)]
     write_chains(
-        [str(data), "--train", str(args.train), "--val", str(args.val), "--sft", str(args.sft_rows), *CHAINS]
+        [str(data), "--train", str(args.train), "--val", str(args.val), "--sft", str(args.sft_rows), *chains]
     )
     sft_dir = run_dir / "sft"
     argv = [
         "sft",
         *SFT,
-        *LENGTHS,
+        "data.max_prompt_length=48",
+        f"data.max_response_length={args.response_length}",
         f"sft.train_files=[{data / 'sft.jsonl'}]",
         f"sft.max_steps={args.sft_steps}",
     ]
