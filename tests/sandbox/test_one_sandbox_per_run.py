@@ -16,9 +16,11 @@ from tests.local_ray import processes_of
 SLEEP = "import time; time.sleep(0.6); print(3)"
 
 
-def _running_sandboxes() -> int:
-    """This test's bwrap processes whose parent is not bwrap: one per sandbox run, whether this process or a
-    reward worker it forked started it."""
+def _running_programs() -> int:
+    """This test's sandboxed programs: processes that are not bwrap whose parent is a bwrap, whether this process
+    or a reward worker it forked started the sandbox. Programs, not sandboxes, are what the cap bounds, and they
+    count one per run at every moment: bwrap's outer process can exit before its namespace's init does, and the
+    init, handed to another parent, would then read as a second sandbox for a moment (seen once in CI)."""
     procs = {}
     for entry in map(str, processes_of(os.getpid())):
         if entry.isdigit():
@@ -26,11 +28,11 @@ def _running_sandboxes() -> int:
                 with open(f"/proc/{entry}/stat") as f:
                     name, rest = f.read().rsplit(")", 1)
                 state, ppid = rest.split()[:2]
-                if state not in ("Z", "X"):  # an exited sandbox's init, not yet reaped, runs nothing
+                if state not in ("Z", "X"):  # an exited process, not yet reaped, runs nothing
                     procs[int(entry)] = (name.split("(", 1)[1], int(ppid))
             except (OSError, IndexError, ValueError):
                 pass
-    return sum(comm == "bwrap" and procs.get(ppid, ("",))[0] != "bwrap" for comm, ppid in procs.values())
+    return sum(comm != "bwrap" and procs.get(ppid, ("",))[0] == "bwrap" for comm, ppid in procs.values())
 
 
 def test_the_python_tool_and_the_code_reward_share_max_concurrent(sandbox):  # noqa: ARG001 (bwrap check)
@@ -53,7 +55,7 @@ def test_the_python_tool_and_the_code_reward_share_max_concurrent(sandbox):  # n
 
     def watch():
         while not stop.is_set():
-            seen.append(_running_sandboxes())
+            seen.append(_running_programs())
             time.sleep(0.01)
 
     with build_reward_runner(cfg, "code", "", run_sandbox) as runner:
