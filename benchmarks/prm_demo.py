@@ -5,8 +5,9 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/prm_demo.py`` (docs/reward-models.md 
 stage runs the documented `posttrain` command (through ``posttrain.cli.main``, printed as it is run):
 
 1. Chains (``python -m posttrain.rm.prm_demo``): "Add 4, 5, 4." then "4+5=9", "9+4=13"; half the chains have one
-   step off by 1-3, labelled false with every step after it. Training and held-out chains come from different
-   seeds; ``--sft`` more correct chains are written as SFT rows (prompt, the steps one per line).
+   step off by 1-3, labelled false (``--after-error``: the chain stops there, or goes on from the wrong sum with
+   later steps false too). Held-out chains have prompts no training or SFT chain has; ``--sft-rows`` more
+   correct chains are written as SFT rows (prompt, the steps one per line).
 2. The PRM's start: `posttrain sft` of the untrained builtin:base on the correct chains, so that the model can
    add. A PRM trained from builtin:base itself stays at the majority label (``--from-scratch`` runs it too):
    the tiny model does not learn the sums from a two-label head's signal in a few hundred steps.
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rm_demo import run  # noqa: E402  (this folder: each posttrain command printed, run, timed)
 
+from posttrain.rm.prm_demo import AFTER_ERROR  # noqa: E402
 from posttrain.rm.prm_demo import main as write_chains  # noqa: E402
 from posttrain.utils.metrics import read_metrics  # noqa: E402
 
@@ -75,7 +77,13 @@ def main() -> None:
         "--run-dir", type=Path, default=None, help="where the runs go (default: a temporary folder)"
     )
     ap.add_argument("--terms", type=int, default=3, help="numbers per chain (steps: terms - 1)")
-    ap.add_argument("--max-operand", type=int, default=5)
+    ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument(
+        "--after-error",
+        choices=AFTER_ERROR,
+        default="stop",
+        help="what follows a wrong step (posttrain.rm.prm_demo)",
+    )
     ap.add_argument(
         "--response-length", type=int, default=16, help="SFT response tokens (32 for 4 terms of 1-9)"
     )
@@ -90,7 +98,14 @@ def main() -> None:
     args = ap.parse_args()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="prm-demo-"))
     data = run_dir / "chains"
-    chains = ["--terms", str(args.terms), "--max-operand", str(args.max_operand)]
+    chains = [
+        "--terms",
+        str(args.terms),
+        "--max-operand",
+        str(args.max_operand),
+        "--after-error",
+        args.after_error,
+    ]
     write_chains(
         [str(data), "--train", str(args.train), "--val", str(args.val), "--sft", str(args.sft_rows), *chains]
     )

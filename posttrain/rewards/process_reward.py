@@ -162,10 +162,17 @@ class ProcessRewardScorer:
         self.model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
+        self.max_length = getattr(config, "max_position_embeddings", None)
 
     def encode(self, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
-        """(input ids, the position of each step's score): :func:`stepwise_input` with the PRM's separator."""
-        return stepwise_input(self.tokenizer, prompt, steps, self.separator)
+        """(input ids, the position of each step's score): :func:`stepwise_input` with the PRM's separator. An
+        input longer than the PRM's context (``max_position_embeddings``) is cut there, and the steps whose score
+        would lie past it get none (counted by :class:`ProcessReward` as ``reward/prm/cut_steps``): the PRM is
+        never read where it was not trained to read."""
+        ids, positions = stepwise_input(self.tokenizer, prompt, steps, self.separator)
+        if self.max_length and len(ids) > self.max_length:
+            ids, positions = ids[: self.max_length], [p for p in positions if p < self.max_length]
+        return ids, positions
 
     @torch.inference_mode()
     def score(self, prompts: Sequence[str], steps: Sequence[Sequence[str]]) -> list[list[float]]:
@@ -231,7 +238,8 @@ class ProcessReward:
             )
             / n,
             "reward/prm/steps": sum(len(s) for s in scores) / n,
-            "reward/prm/no_steps": float(sum(not s for s in scores)),
+            "reward/prm/no_steps": float(sum(not c.texts for c in cut)),
+            "reward/prm/cut_steps": float(sum(len(c.texts) - len(s) for c, s in zip(cut, scores))),
         }
         return torch.tensor(values, dtype=torch.float32), placed, metrics
 

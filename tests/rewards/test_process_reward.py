@@ -111,6 +111,23 @@ def test_scores_are_read_at_each_separator_like_an_unbatched_forward(tiny_model_
             assert got == pytest.approx(probs.tolist(), abs=1e-5)
 
 
+def test_an_input_past_the_prms_context_is_cut_and_its_late_steps_counted(tiny_model_dir, tmp_path):
+    prm = ProcessRewardScorer(_prm(tmp_path, tiny_model_dir), micro_batch_size=2)
+    steps = ["2+2=4", "4+4=8", "8+8=16", "16+16=32"]
+    full_ids, full_positions = prm.encode("Add 2, 2, 4, 8, 16.", steps)
+    whole = prm.score(["Add 2, 2, 4, 8, 16."], [steps])[0]
+    prm.max_length = full_positions[1] + 1  # room for the first two steps' scores only
+    ids, positions = prm.encode("Add 2, 2, 4, 8, 16.", steps)
+    assert ids == full_ids[: prm.max_length] and positions == full_positions[:2]
+    cut = prm.score(["Add 2, 2, 4, 8, 16."], [steps])[0]
+    assert cut == pytest.approx(whole[:2], abs=1e-5)  # a causal PRM: the steps it reads score as before
+    tok = load_tokenizer(tiny_model_dir)
+    response = tok.encode("\n".join(steps), add_special_tokens=False)
+    values, _, metrics = ProcessReward(prm, NL, "min").score(["Add 2, 2, 4, 8, 16."], [response], [None], tok)
+    assert metrics["reward/prm/cut_steps"] == 2 and metrics["reward/prm/no_steps"] == 0
+    assert float(values[0]) == pytest.approx(min(whole[:2]), abs=1e-5)
+
+
 def test_dense_scores_move_to_the_step_ends_and_keep_the_sum(tiny_model_dir, tmp_path):
     tok = load_tokenizer(tiny_model_dir)
     prm = ProcessReward(ProcessRewardScorer(_prm(tmp_path, tiny_model_dir)), NL, "dense")

@@ -15,7 +15,7 @@ from posttrain.models.tiny import build_tiny_tokenizer
 from posttrain.rm.command import run_rm_command
 from posttrain.rm.prm import load_prm, prm_step
 from posttrain.rm.prm_data import IGNORED, StepwiseRow, tokenize_steps
-from posttrain.rm.prm_demo import arithmetic_chains, write_chains
+from posttrain.rm.prm_demo import arithmetic_chains, final_sum_reward, sft_rows, sum_problems, write_chains
 from posttrain.train.trainable import Trainable
 from posttrain.utils.metrics import read_metrics
 from tests.helpers import GradCapture
@@ -192,3 +192,39 @@ def test_demo_chains_label_the_first_wrong_step_and_every_later_one():
             assert label == ok
         numbers = [int(x) for x in row["prompt"].removeprefix("Add ").rstrip(".\n").split(", ")]
         assert row["labels"][-1] == (int(row["completions"][-1].split("=")[1]) == sum(numbers))
+
+
+def test_demo_chains_that_stop_end_at_their_wrong_step_and_label_each_steps_own_sum():
+    rows = arithmetic_chains(300, seed=4, after_error="stop")
+    for row in rows:
+        sums_right = [
+            sum(map(int, step.split("=")[0].split("+"))) == int(step.split("=")[1])
+            for step in row["completions"]
+        ]
+        assert row["labels"] == sums_right
+        assert all(row["labels"][:-1])  # a false label only on the last step
+    assert 0.3 < sum(not r["labels"][-1] for r in rows) / len(rows) < 0.7  # p_error 0.5
+
+
+def test_demo_held_out_prompts_are_in_no_training_sft_or_grpo_row(tmp_path):
+    train, val = write_chains(tmp_path, n_train=2000, n_val=200, seed=3, terms=3, max_operand=9)
+    prompts = {
+        name: {json.loads(line)["prompt"] for line in path.open()}
+        for name, path in (("t", train), ("v", val))
+    }
+    sft = {r["prompt"] for r in sft_rows(2000, 5, terms=3, max_operand=9)}
+    grpo_train = {r["prompt"] for r in sum_problems(2000, 6, False, terms=3, max_operand=9)}
+    grpo_val = {r["prompt"] for r in sum_problems(200, 7, True, terms=3, max_operand=9)}
+    assert len(prompts["v"]) > 20 and len(prompts["t"]) > 400  # 729 lists of 3 numbers, 10% held out
+    assert not prompts["v"] & (prompts["t"] | sft | grpo_train)
+    assert not grpo_val & (prompts["t"] | sft | grpo_train)
+
+
+def test_demo_outcome_reward_reads_the_last_steps_sum():
+    row = sum_problems(1, 0, False, terms=4)[0]
+    chain = arithmetic_chains(1, 0, terms=4, p_error=0.0, held_out=False)[0]
+    assert row["prompt"] == chain["prompt"]
+    response = "\n".join(chain["completions"]) + "\n"
+    assert final_sum_reward(row["prompt"], response, row["answer"], {}) == 1.0
+    assert final_sum_reward(row["prompt"], response + "1+1=3", row["answer"], {}) == 0.0
+    assert final_sum_reward(row["prompt"], "", row["answer"], {}) == 0.0

@@ -204,7 +204,7 @@ SCORER_REDUCTIONS = {
 SCORER_REDUCTIONS.update(dict.fromkeys(reward_counts.SUMMED, SUM))  # the code reward's counts
 SCORER_REDUCTIONS.update(dict.fromkeys(judge_metrics.SUMMED, SUM))  # the judge's counts
 SCORER_REDUCTIONS[judge_metrics.TIME] = MAX
-SCORER_REDUCTIONS["reward/prm/no_steps"] = SUM
+SCORER_REDUCTIONS.update(dict.fromkeys(("reward/prm/no_steps", "reward/prm/cut_steps"), SUM))
 
 
 def join_replicas(share: DataShare, lo: int, result: RolloutResult, scores: torch.Tensor) -> Scored:
