@@ -75,6 +75,8 @@ def arithmetic_chains(
     held_out_percent: int = 10,
 ) -> list[dict]:
     """``held_out``: None draws from every prompt; True only from the held-out ones; False from the others."""
+    if held_out is not None and not 0 < held_out_percent < 100:
+        raise ValueError(f"held_out_percent={held_out_percent}: both splits need prompts; use 1-99")
     rng = random.Random(seed)
     options = (terms, max_operand, p_error, max_offset, after_error, held_out, held_out_percent)
     return [arithmetic_chain(rng, *options) for _ in range(n)]
