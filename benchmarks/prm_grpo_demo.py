@@ -13,6 +13,10 @@ Run after ``benchmarks/prm_demo.py`` (whose trained PRM this takes)::
 3. The same `posttrain train` (GRPO, same seed) twice: on the outcome reward alone (the last step's sum,
    ``final_sum_reward``), and on that reward plus ``--prm-weight`` times the PRM's score reduced per response
    (``--reduction``: GRPO takes one score per response). Held-out accuracy is the outcome reward's in both.
+
+Overrides after the flags go to both runs: ``algorithm.adv_estimator=reinforce_plus_plus`` with
+``--reduction dense`` puts each step's score on its last token instead (docs/judges.md, "Process rewards").
+``--arm`` runs one of the two, so that two shells can run them side by side.
 """
 
 from __future__ import annotations
