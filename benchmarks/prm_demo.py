@@ -47,6 +47,20 @@ PRM = [
 ]
 
 
+def sft_argv(rows: Path, steps: int, response_length: int, run_dir: Path) -> list[str]:
+    """`posttrain sft` of the untrained builtin:base on correct chains: a model that writes chains and adds."""
+    return [
+        "sft",
+        *SFT,
+        "data.max_prompt_length=48",
+        f"data.max_response_length={response_length}",
+        f"sft.train_files=[{rows}]",
+        f"sft.max_steps={steps}",
+        f"trainer.run_dir={run_dir}",
+        "trainer.loggers=[jsonl]",
+    ]
+
+
 def train_prm(args, start: str, data: Path, run_dir: Path) -> list[dict]:
     argv = [
         "rm",
@@ -110,15 +124,9 @@ def main() -> None:
         [str(data), "--train", str(args.train), "--val", str(args.val), "--sft", str(args.sft_rows), *chains]
     )
     sft_dir = run_dir / "sft"
-    argv = [
-        "sft",
-        *SFT,
-        "data.max_prompt_length=48",
-        f"data.max_response_length={args.response_length}",
-        f"sft.train_files=[{data / 'sft.jsonl'}]",
-        f"sft.max_steps={args.sft_steps}",
-    ]
-    print(f"SFT start: {run([*argv, f'trainer.run_dir={sft_dir}', 'trainer.loggers=[jsonl]']):.0f} s")
+    print(
+        f"SFT start: {run(sft_argv(data / 'sft.jsonl', args.sft_steps, args.response_length, sft_dir)):.0f} s"
+    )
     train_prm(args, str(sft_dir / "sft_model"), data, run_dir / "prm")
     if args.from_scratch:
         train_prm(args, "builtin:base", data, run_dir / "prm-scratch")

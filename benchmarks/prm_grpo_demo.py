@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prm_demo import sft_argv  # noqa: E402  (this folder: the PRM demonstration's SFT start)
 from rm_demo import run  # noqa: E402  (this folder: each posttrain command printed, run, timed)
 
 import posttrain.rm.prm_demo as chains  # noqa: E402
@@ -46,22 +47,7 @@ def write_problems(args, out: Path) -> None:
 
 
 def policy_start(args, data: Path, run_dir: Path) -> str:
-    argv = [
-        "sft",
-        "model.path=builtin:base",
-        f"sft.train_files=[{data / 'sft.jsonl'}]",
-        "sft.batch_size=32",
-        "sft.micro_batch_size_per_gpu=32",
-        "sft.epochs=10",  # sft.max_steps decides
-        f"sft.max_steps={args.policy_sft_steps}",
-        "sft.optim.lr=1e-3",
-        "sft.optim.warmup_steps=10",
-        "data.max_prompt_length=48",
-        f"data.max_response_length={args.response_length}",
-        "trainer.test_freq=0",
-        f"trainer.run_dir={run_dir}",
-        "trainer.loggers=[jsonl]",
-    ]
+    argv = sft_argv(data / "sft.jsonl", args.policy_sft_steps, args.response_length, run_dir)
     print(f"policy start: {run(argv):.0f} s")
     return str(run_dir / "sft_model")
 
