@@ -228,3 +228,9 @@ def test_demo_outcome_reward_reads_the_last_steps_sum():
     assert final_sum_reward(row["prompt"], response, row["answer"], {}) == 1.0
     assert final_sum_reward(row["prompt"], response + "1+1=3", row["answer"], {}) == 0.0
     assert final_sum_reward(row["prompt"], "", row["answer"], {}) == 0.0
+
+
+@pytest.mark.parametrize("percent", [0, 100])
+def test_demo_held_out_split_needs_prompts_on_both_sides(percent):
+    with pytest.raises(ValueError, match=f"held_out_percent={percent}: both splits need prompts; use 1-99"):
+        arithmetic_chains(2, 1, held_out=percent == 0, held_out_percent=percent)
